@@ -1,0 +1,146 @@
+"""Paged KV cache bookkeeping: blocks, ref counts, prefix cache, LRU eviction.
+
+A block whose ref count drops to zero stays in the prefix cache (its hash still maps
+to it) until a new allocation needs it; the free queue hands out the least recently
+used block first. Blocks that hold no reusable content (partial, unhashed) are put at
+the front of the queue so they go before any cached block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from gpu_workers.engine.sequence import Sequence
+from kv_store.block_hash import EMPTY, block_hash
+
+
+@dataclass(eq=False)
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: bytes,
+                 prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.hits = 0  # prefix-cache hits and lookups, in blocks
+        self.lookups = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes to cover every full block of its tokens."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else EMPTY
+        for i in range(len(hashes), len(seq.token_ids) // bs):
+            parent = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], self.fingerprint)
+            hashes.append(parent)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks holding the longest prefix of seq's tokens.
+
+        At least one token is always left to compute, since the step needs its logits.
+        """
+        if not self.prefix_caching:
+            return []
+        self._hash_full_blocks(seq)
+        bs = self.block_size
+        limit = (len(seq.token_ids) - 1) // bs
+        out: list[int] = []
+        for i in range(limit):
+            bid = self.cached.get(seq.block_hashes[i])
+            if bid is None or self.blocks[bid].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            out.append(bid)
+        return out
+
+    def can_allocate(self, seq: Sequence, hit: list[int], num_tokens: int) -> bool:
+        """Whether seq can hold `num_tokens` slots, reusing the `hit` blocks."""
+        hit_in_free = sum(1 for b in hit if self.blocks[b].ref_count == 0)
+        need = self.blocks_for(num_tokens) - len(hit)
+        return need <= self.num_free - hit_in_free
+
+    def allocate(self, seq: Sequence, hit: list[int]) -> None:
+        """Give a waiting sequence its cached prefix; further blocks come from `grow`."""
+        assert not seq.block_table
+        for bid in hit:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free[bid]
+            block.ref_count += 1
+        seq.block_table = list(hit)
+        seq.num_committed_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.lookups += max(1, (len(seq.token_ids) - 1) // self.block_size)
+        self.hits += len(hit)
+
+    # -- allocation ---------------------------------------------------------------
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_free
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append blocks until seq's table covers `num_tokens` slots."""
+        for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
+            bid, _ = self.free.popitem(last=False)
+            block = self.blocks[bid]
+            if block.hash is not None:
+                if self.cached.get(block.hash) == bid:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_table.append(bid)
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish blocks that became full in the prefix cache (after a step)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        first = seq.num_committed_blocks
+        full = seq.num_computed_tokens // bs
+        if full <= first:
+            return
+        self._hash_full_blocks(seq)
+        seq.num_committed_blocks = full
+        for i in range(first, full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash = seq.block_hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached.setdefault(block.hash, block.id)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop seq's references; tail blocks are queued for eviction before its prefix."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {bid} ref count went negative"
+            if block.ref_count == 0:
+                self.free[bid] = None
+                if block.hash is None:
+                    self.free.move_to_end(bid, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0

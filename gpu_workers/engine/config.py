@@ -1,0 +1,33 @@
+"""Engine settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str  # local Hugging Face model directory
+    dtype: str = "auto"  # auto (fp32 on CPU, the checkpoint's dtype on CUDA) | fp32 | bf16 | fp16
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes / gpu_memory_utilization
+    kv_cache_bytes: int = 1 << 30  # KV budget on CPU
+    gpu_memory_utilization: float = 0.85  # share of free device memory the KV cache may take
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
+    watermark: float = 0.01  # share of blocks the capacity query keeps free
+    seed: int = 0  # sampling seed for requests that give none
+    threads: int | None = None  # torch CPU threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

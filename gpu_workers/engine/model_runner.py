@@ -1,0 +1,132 @@
+"""Loads the model, owns the KV cache tensor, and turns a scheduled batch into one
+forward pass that returns logits for the rows that sample."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu_workers.engine.config import EngineConfig
+from gpu_workers.engine.sequence import Sequence
+from gpu_workers.layers.attention import AttnContext, Prefill, use_flash
+from gpu_workers.models.loader import build_model, load_config, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        dev = config.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        self.hf_config = cfg = load_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, cfg, self.device)
+        self.max_model_len = self._max_model_len(cfg)
+        self.model = build_model(config.model, cfg, self.dtype, self.device, self.max_model_len)
+        self.vocab_size = cfg.vocab_size
+        self.block_size = config.block_size
+        self.flash = use_flash(self.device, self.block_size)
+        self.num_blocks = self._allocate_cache()
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
+            self.max_model_len = capacity
+
+    def _max_model_len(self, cfg) -> int:
+        limit = cfg.max_position_embeddings
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            # full attention equals the model's sliding window only up to the window's length
+            limit = min(limit, window)
+        want = self.config.max_model_len
+        if want is not None and want > limit:
+            raise ValueError(f"max_model_len {want} exceeds what the model supports ({limit})")
+        return want or limit
+
+    def _allocate_cache(self) -> int:
+        cfg = self.hf_config
+        attn = self.model.layers[0].self_attn
+        per_block = (2 * cfg.num_hidden_layers * self.block_size * attn.num_kv_heads * attn.head_dim
+                     * torch.empty(0, dtype=self.dtype).element_size())
+        n = self.config.num_kv_blocks
+        if n is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            else:
+                budget = self.config.kv_cache_bytes
+            n = max(1, budget // per_block)
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, n, self.block_size, attn.num_kv_heads,
+                                    attn.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        return n
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[int]]:
+        """Inputs for one step. Decodes (one token) are laid out first, then prefill chunks."""
+        bs = self.block_size
+        decodes = [s for s in seqs if s.num_scheduled == 1]
+        prefills = [s for s in seqs if s.num_scheduled > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for s in decodes + prefills:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled
+            ids += s.token_ids[start:end]
+            pos += range(start, end)
+            bt = s.block_table
+            slots += [bt[p // bs] * bs + p % bs for p in range(start, end)]
+            sample_rows.append(len(ids) - 1 if end == len(s) else -1)
+        dev = self.device
+        ctx = AttnContext(slot_mapping=torch.tensor(slots, device=dev), num_decode=len(decodes))
+        if self.flash:
+            self._flash_inputs(ctx, decodes + prefills)
+        else:
+            if decodes:
+                lens = [s.num_computed_tokens + 1 for s in decodes]
+                width = -(-max(lens) // bs)
+                table = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in decodes]
+                ctx.decode_blocks = torch.tensor(table, device=dev)
+                ctx.decode_mask = (torch.arange(width * bs, device=dev)[None, :]
+                                   < torch.tensor(lens, device=dev)[:, None])[:, None, None, :]
+            row = len(decodes)
+            for s in prefills:
+                context = s.num_computed_tokens + s.num_scheduled
+                blocks = None
+                if s.num_computed_tokens:
+                    blocks = torch.tensor(s.block_table[: -(-context // bs)], device=dev)
+                ctx.prefills.append(Prefill(row, s.num_scheduled, context, blocks))
+                row += s.num_scheduled
+        input_ids = torch.tensor(ids, device=dev)
+        positions = torch.tensor(pos, device=dev)
+        return input_ids, positions, ctx, sample_rows
+
+    def _flash_inputs(self, ctx: AttnContext, seqs: list[Sequence]) -> None:
+        q_lens = [s.num_scheduled for s in seqs]
+        k_lens = [s.num_computed_tokens + s.num_scheduled for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        dev = self.device
+        ctx.cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        ctx.cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        ctx.max_q, ctx.max_k = max(q_lens), max(k_lens)
+        ctx.block_table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                       dtype=torch.int32, device=dev)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """One forward; returns logits [S, vocab] for the sequences that sample now, in order."""
+        input_ids, positions, ctx, rows = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, ctx)
+        order = [s for s in seqs if s.num_scheduled == 1] + [s for s in seqs if s.num_scheduled > 1]
+        picked = [(r, s) for r, s in zip(rows, order, strict=True) if r >= 0]
+        if not picked:
+            return torch.empty(0, self.vocab_size), []
+        idx = torch.tensor([r for r, _ in picked], device=self.device)
+        return self.model.logits(hidden[idx]), [s for _, s in picked]

@@ -1,0 +1,91 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from gpu_workers.engine.errors import ErrorCode, RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus top N
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> RequestError:
+            return RequestError(ErrorCode.INVALID_PARAMS, msg)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or v != v:
+                raise bad(f"{name} must be a number, got {v!r}")
+            setattr(self, name, float(v))
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be a list of integers")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
+            raise bad("ignore_eos and skip_special_tokens must be booleans")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20] or null, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a wire dict; unknown keys are an error, not silently dropped."""
+        if not isinstance(d, dict):
+            raise RequestError(ErrorCode.INVALID_PARAMS, "sampling parameters must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS,
+                f"unknown sampling field(s) {unknown}; allowed: {sorted(known)}",
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

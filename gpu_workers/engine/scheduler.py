@@ -1,0 +1,108 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many
+tokens of each.
+
+Every step spends a token budget. Running sequences go first, best priority first: a
+decode takes one token, an unfinished prefill takes the next chunk. Waiting sequences
+are then admitted in (effective priority, arrival) order while budget, sequence slots
+and KV blocks last; a prompt longer than the remaining budget is prefilled in chunks.
+When a running sequence needs a block and none is free, the worst running sequence
+(highest priority value, newest) is preempted: its blocks are released (its full blocks
+stay in the prefix cache) and it is recomputed when readmitted.
+"""
+
+from __future__ import annotations
+
+from gpu_workers.engine.block_manager import BlockManager
+from gpu_workers.engine.config import EngineConfig
+from gpu_workers.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def rank(self, seq: Sequence) -> tuple[int, int]:
+        """Sort key, lower runs first: priority improved by time spent waiting."""
+        return seq.priority - seq.waited_steps // self.config.priority_aging_steps, seq.arrival
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Sequence]:
+        budget = self.config.max_num_batched_tokens
+        bm = self.blocks
+        scheduled: list[Sequence] = []
+        self.running.sort(key=self.rank)
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while not bm.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                bm.grow(seq, seq.num_computed_tokens + n)
+                seq.num_scheduled = n
+                scheduled.append(seq)
+                budget -= n
+                i += 1
+
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        for seq in self.waiting:
+            seq.waited_steps += 1
+        return scheduled
+
+    def _admit(self, budget: int, scheduled: list[Sequence]) -> int:
+        bm = self.blocks
+        chunked = self.config.chunked_prefill
+        self.waiting.sort(key=self.rank)
+        admitted = 0
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            hit = bm.match_prefix(seq)
+            remaining = len(seq) - len(hit) * bm.block_size
+            if remaining > budget and not chunked:
+                break
+            n = min(remaining, budget)
+            if not bm.can_allocate(seq, hit, len(hit) * bm.block_size + n):
+                break
+            bm.allocate(seq, hit)
+            bm.grow(seq, seq.num_computed_tokens + n)
+            seq.status = Status.RUNNING
+            seq.num_scheduled = n
+            self.running.append(seq)
+            scheduled.append(seq)
+            budget -= n
+            admitted += 1
+        del self.waiting[:admitted]
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        seq.status = Status.WAITING
+        seq.num_scheduled = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks now."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,99 @@
+"""A request's life inside the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from gpu_workers.engine.detokenizer import Detokenizer
+from gpu_workers.engine.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by every generated token
+    params: SamplingParams
+    priority: int = 0
+    detok: Detokenizer | None = None
+    status: Status = Status.WAITING
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_scheduled: int = 0  # tokens to compute in the current step
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_committed_blocks: int = 0  # leading blocks already published to the prefix cache
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    waited_steps: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    output_counts: dict[int, int] = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    emitted: int = 0  # characters of output text already reported in a text delta
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_len(self) -> int:
+        """Length this sequence can reach: prompt plus max_tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" while finished, else None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[dict] | None = None  # one entry per new token when asked for
+
+
+@dataclass
+class Completion:
+    """A finished request, as returned by the offline `Engine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int = 0
+    logprobs: list[dict] | None = None

@@ -1,0 +1,112 @@
+"""Paged attention: K/V go into one preallocated cache through slot mappings and are
+read back through block tables.
+
+A step's tokens are laid out decode-first: rows [0, num_decode) are one token each of
+running sequences, then each prefill chunk's rows follow. Decodes are attended in one
+batched call over their gathered (padded, masked) blocks; each prefill chunk is one
+causal call over its context. This path is plain torch and runs on CPU and CUDA; on
+CUDA with flash-attn installed and a block size that it can page (a multiple of 256),
+prefills and decodes go through flash-attn's paged varlen kernel instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # optional CUDA kernel
+    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+
+@dataclass
+class Prefill:
+    start: int  # first row of this chunk in the step's token rows
+    length: int  # tokens in the chunk
+    context: int  # tokens attended (cached prefix + the chunk)
+    blocks: torch.Tensor | None  # block ids covering the context; None: no cached prefix
+
+
+@dataclass
+class AttnContext:
+    slot_mapping: torch.Tensor  # [T] cache slot each token's K/V is written to
+    num_decode: int = 0
+    decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size], True = attend
+    prefills: list[Prefill] = field(default_factory=list)
+    # flash-attn varlen inputs (built only when that kernel is used)
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+    block_table: torch.Tensor | None = None
+
+
+def use_flash(device: torch.device, block_size: int) -> bool:
+    return flash_attn_varlen_func is not None and device.type == "cuda" and block_size % 256 == 0
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # [num_blocks, block_size, num_kv_heads, head_dim] views into the engine's cache
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H, D]
+        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        kc.index_copy_(0, ctx.slot_mapping, k)
+        vc.index_copy_(0, ctx.slot_mapping, v)
+        if ctx.block_table is not None:
+            return flash_attn_varlen_func(  # type: ignore[misc]
+                q, self.k_cache, self.v_cache, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k,
+                softmax_scale=self.scale, causal=True, block_table=ctx.block_table,
+            )
+        out = torch.empty_like(q)
+        n = ctx.num_decode
+        if n:
+            out[:n] = self._decode(q[:n], ctx)
+        for p in ctx.prefills:
+            out[p.start : p.start + p.length] = self._prefill(q, k, v, p)
+        return out
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        # blocks [..., nb] -> [..., nb * block_size, Hkv, D]
+        g = cache[blocks]
+        return g.flatten(-4, -3)
+
+    def _decode(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        k = self._gather(self.k_cache, ctx.decode_blocks).transpose(1, 2)  # [B, Hkv, L, D]
+        v = self._gather(self.v_cache, ctx.decode_blocks).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=ctx.decode_mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill) -> torch.Tensor:
+        rows = slice(p.start, p.start + p.length)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        gqa = self.num_heads != self.num_kv_heads
+        if p.blocks is None:
+            kp = k[rows].transpose(0, 1).unsqueeze(0)
+            vp = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            kp = self._gather(self.k_cache, p.blocks)[: p.context].transpose(0, 1).unsqueeze(0)
+            vp = self._gather(self.v_cache, p.blocks)[: p.context].transpose(0, 1).unsqueeze(0)
+            # query i sits at position context - length + i and sees keys up to it
+            qpos = torch.arange(p.context - p.length, p.context, device=q.device)
+            mask = torch.arange(p.context, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,165 @@
+"""Llama-family decoder for paged attention: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+The families differ only in switches read from the HF config: q/k/v bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), rope scaling (Llama 3), tied embeddings, GQA. Tokens are
+flattened over the whole batch ([T, hidden]); attention reads the paged cache.
+q/k/v and gate/up are packed into one matmul each; `load_weights` packs the
+checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_workers.layers.attention import AttnContext, PagedAttention
+from gpu_workers.layers.norm import RMSNorm
+from gpu_workers.layers.rotary import Rotary, rope_params
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, max_positions: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = bias or cfg.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = Rotary(self.head_dim, max_positions, rope_params(cfg))
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, ctx)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, max_positions: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, max_positions)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name piece -> (packed parameter piece, index of the shard inside it)
+    packed = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Any, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, max_positions) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in tensors:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+                continue
+            for piece, (packed, idx) in self.packed.items():
+                if f".{piece}." in name:
+                    target = name.replace(piece, packed)
+                    param = params[target]
+                    offsets = self._packed_offsets(packed)
+                    param.data[offsets[idx] : offsets[idx + 1]].copy_(w)
+                    loaded.add(f"{target}#{idx}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                params[name].data.copy_(w)
+                loaded.add(name)
+        missing = [n for n in self._expected(params) if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _packed_offsets(self, packed: str) -> list[int]:
+        a = self.layers[0].self_attn
+        if packed == "qkv_proj":
+            return [0, a.q_size, a.q_size + a.kv_size, a.q_size + 2 * a.kv_size]
+        inter = self.layers[0].mlp.inter
+        return [0, inter, 2 * inter]
+
+    def _expected(self, params: dict[str, nn.Parameter]) -> list[str]:
+        out = []
+        for name in params:
+            if self.tied and name == "lm_head.weight":
+                continue
+            if ".qkv_proj." in name:
+                out += [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                out += [f"{name}#{i}" for i in range(2)]
+            else:
+                out.append(name)
+        return out
+
+
+# HF `architectures` entries this file serves
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
