@@ -32,6 +32,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.flash = use_flash(self.device, self.block_size)
         self.num_blocks = self._allocate_cache()
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
@@ -61,7 +62,7 @@ class ModelRunner:
             else:
                 budget = self.config.kv_cache_bytes
             n = max(1, budget // per_block)
-        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, n, self.block_size, attn.num_kv_heads,
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, attn.num_kv_heads, n, self.block_size,
                                     attn.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache = self.kv_cache[0, i]
@@ -94,8 +95,13 @@ class ModelRunner:
                 width = -(-max(lens) // bs)
                 table = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in decodes]
                 ctx.decode_blocks = torch.tensor(table, device=dev)
-                ctx.decode_mask = (torch.arange(width * bs, device=dev)[None, :]
-                                   < torch.tensor(lens, device=dev)[:, None])[:, None, None, :]
+                pad = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
+                ctx.decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[None, :, None]
+            gathered = [len(s.block_table) for s in prefills if s.num_computed_tokens]
+            if decodes:
+                gathered.append(ctx.decode_blocks.numel())
+            if gathered:
+                ctx.scratch = self._scratch(max(gathered))
             row = len(decodes)
             for s in prefills:
                 context = s.num_computed_tokens + s.num_scheduled
@@ -107,6 +113,15 @@ class ModelRunner:
         input_ids = torch.tensor(ids, device=dev)
         positions = torch.tensor(pos, device=dev)
         return input_ids, positions, ctx, sample_rows
+
+    def _scratch(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather buffers for `num_blocks` blocks, grown (doubled) only when too small."""
+        need = num_blocks * self.kv_cache[0, 0, :, 0].numel()
+        if self.scratch is None or self.scratch[0].numel() < need:
+            size = max(need, 2 * self.scratch[0].numel() if self.scratch is not None else 0)
+            self.scratch = (torch.empty(size, dtype=self.dtype, device=self.device),
+                            torch.empty(size, dtype=self.dtype, device=self.device))
+        return self.scratch
 
     def _flash_inputs(self, ctx: AttnContext, seqs: list[Sequence]) -> None:
         q_lens = [s.num_scheduled for s in seqs]

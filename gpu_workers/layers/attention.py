@@ -36,7 +36,7 @@ class AttnContext:
     slot_mapping: torch.Tensor  # [T] cache slot each token's K/V is written to
     num_decode: int = 0
     decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size], True = attend
+    decode_bias: torch.Tensor | None = None  # [1, B, 1, max_blocks*block_size]: 0 or -inf (padding)
     prefills: list[Prefill] = field(default_factory=list)
     # flash-attn varlen inputs (built only when that kernel is used)
     cu_q: torch.Tensor | None = None
@@ -44,6 +44,9 @@ class AttnContext:
     max_q: int = 0
     max_k: int = 0
     block_table: torch.Tensor | None = None
+    # reusable buffers for gathered K and V (one layer at a time); fresh multi-MB
+    # allocations per layer would cost page faults on every call
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def use_flash(device: torch.device, block_size: int) -> bool:
@@ -57,19 +60,20 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # [num_blocks, block_size, num_kv_heads, head_dim] views into the engine's cache
+        # [num_kv_heads, num_blocks, block_size, head_dim] views into the engine's cache.
+        # Heads lead so that gathered blocks are [Hkv, B, L, D] with contiguous [L, D]
+        # rows: the decode matmuls then read them in place.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H, D]
-        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        kc.index_copy_(0, ctx.slot_mapping, k)
-        vc.index_copy_(0, ctx.slot_mapping, v)
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+            cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, ctx.slot_mapping, new.transpose(0, 1))
         if ctx.block_table is not None:
             return flash_attn_varlen_func(  # type: ignore[misc]
-                q, self.k_cache, self.v_cache, ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k,
+                q, self.k_cache.permute(1, 2, 0, 3), self.v_cache.permute(1, 2, 0, 3),
+                ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k,
                 softmax_scale=self.scale, causal=True, block_table=ctx.block_table,
             )
         out = torch.empty_like(q)
@@ -77,24 +81,35 @@ class PagedAttention(nn.Module):
         if n:
             out[:n] = self._decode(q[:n], ctx)
         for p in ctx.prefills:
-            out[p.start : p.start + p.length] = self._prefill(q, k, v, p)
+            out[p.start : p.start + p.length] = self._prefill(q, k, v, p, ctx)
         return out
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        # blocks [..., nb] -> [..., nb * block_size, Hkv, D]
-        g = cache[blocks]
-        return g.flatten(-4, -3)
+    def _gather(self, ctx: AttnContext, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks` [B, nb] as [Hkv, B, nb * block_size, D] each."""
+        idx = blocks.flatten()
+        out = []
+        for i, cache in enumerate((self.k_cache, self.v_cache)):
+            shape = (cache.shape[0], idx.numel(), *cache.shape[2:])
+            if ctx.scratch is not None:
+                buf = ctx.scratch[i][: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
+                torch.index_select(cache, 1, idx, out=buf)  # far faster than cache[:, idx] on CPU
+            else:
+                buf = torch.index_select(cache, 1, idx)
+            out.append(buf.view(shape[0], blocks.shape[0], -1, self.head_dim))
+        return out[0], out[1]
 
     def _decode(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        k = self._gather(self.k_cache, ctx.decode_blocks).transpose(1, 2)  # [B, Hkv, L, D]
-        v = self._gather(self.v_cache, ctx.decode_blocks).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=ctx.decode_mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.squeeze(2)
+        # One query per sequence: two batched matmuls over (kv head, sequence), with the
+        # query heads that share a kv head stacked as rows.
+        k, v = self._gather(ctx, ctx.decode_blocks)  # [Hkv, B, L, D]
+        b, hkv = q.shape[0], self.num_kv_heads
+        qg = q.view(b, hkv, -1, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale + ctx.decode_bias
+        o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
+        return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill,
+                 ctx: AttnContext) -> torch.Tensor:
         rows = slice(p.start, p.start + p.length)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         gqa = self.num_heads != self.num_kv_heads
@@ -103,8 +118,9 @@ class PagedAttention(nn.Module):
             vp = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            kp = self._gather(self.k_cache, p.blocks)[: p.context].transpose(0, 1).unsqueeze(0)
-            vp = self._gather(self.v_cache, p.blocks)[: p.context].transpose(0, 1).unsqueeze(0)
+            kp, vp = self._gather(ctx, p.blocks.unsqueeze(0))  # [Hkv, 1, L, D]
+            kp = kp[:, 0, : p.context].unsqueeze(0)
+            vp = vp[:, 0, : p.context].unsqueeze(0)
             # query i sits at position context - length + i and sees keys up to it
             qpos = torch.arange(p.context - p.length, p.context, device=q.device)
             mask = torch.arange(p.context, device=q.device)[None, :] <= qpos[:, None]

@@ -60,11 +60,21 @@ def fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+def cpu_has_bf16() -> bool:
+    """Native bf16 dot products (AVX512-BF16 or AMX): bf16 is then ~2x faster than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(name: str, cfg: Any, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bf16/fp16 matmuls are slow on most CPUs; keep fp32 there
+        # on CPUs without native bf16, bf16 matmuls are emulated and slower than fp32
         if device.type == "cpu":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
         d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float16
         return DTYPES[d] if isinstance(d, str) else d
     if name not in DTYPES:

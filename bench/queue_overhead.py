@@ -1,0 +1,185 @@
+"""Queue overhead: the same workload offline through the engine and end to end through
+Redis with one worker; and the enqueue rate of submit_many beside a plain XADD peer.
+
+    python bench/queue_overhead.py [--model DIR] [--jobs 200] [--enqueue 20000]
+
+Peer for the enqueue rate: `redis-benchmark -t xadd` when redis-benchmark is on PATH;
+otherwise raw pipelined XADD from redis-py with the same entry fields (said in the output).
+The last line is one JSON object of measured figures and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from broker_config import (  # noqa: E402
+    fastpipe,  # noqa: E402
+    keys,
+    protocol,
+)
+from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from producer.client import Client  # noqa: E402
+
+WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
+
+
+def workload(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 96))),
+         "max_tokens": rng.randint(16, 96), "temperature": 0.0, "ignore_eos": True,
+         "lane": rng.choice(["interactive", "standard", "batch"])}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def engine_args(a: argparse.Namespace) -> dict:
+    return {"kv_cache_bytes": a.kv_bytes, "threads": a.threads}
+
+
+def offline(a: argparse.Namespace, reqs: list[dict]) -> dict:
+    from gpu_workers.engine.config import EngineConfig
+    from gpu_workers.engine.engine import Engine
+    from gpu_workers.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=a.model, **engine_args(a)))
+    engine.generate(["warm up the engine"], SamplingParams(max_tokens=8))
+    params = [
+        SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in reqs
+    ]
+    t = time.perf_counter()
+    out = engine.generate([r["prompt"] for r in reqs], params)
+    dt = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for c in out)
+    del engine, out
+    gc.collect()
+    return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+
+
+def end_to_end(a: argparse.Namespace, url: str, reqs: list[dict]) -> dict:
+    cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", a.model, "--url", url,
+           "--log-level", "WARNING"]  # fmt: skip
+    for k, v in engine_args(a).items():
+        cmd += ["--engine", f"{k}={v}"]
+    worker = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"})
+    try:
+        client = Client(url)
+        while not client.redis.scard(keys.WORKERS):
+            if worker.poll() is not None:
+                raise SystemExit("worker exited")
+            time.sleep(0.1)
+        client.submit("warm up the engine", max_tokens=8).result(timeout=120)
+        t = time.perf_counter()
+        jobs = client.submit_many(reqs)
+        recs = client.wait_all(jobs, timeout=3600)
+        dt = time.perf_counter() - t
+        assert all(r.state == "completed" for r in recs), {r.state for r in recs}
+        tokens = sum(r.output_tokens or 0 for r in recs)
+        return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+
+
+def enqueue(url: str, n: int) -> dict:
+    client = Client(url)
+    reqs = [{"prompt": f"Summarize document {i}: the quick brown fox jumps over the lazy dog.",
+             "max_tokens": 64, "lane": "batch", "temperature": 0.0} for i in range(n)]  # fmt: skip
+    client.redis.flushall()
+    t = time.perf_counter()
+    client.submit_many(reqs)
+    sdk = n / (time.perf_counter() - t)
+
+    # The peer: the same entries (same fields, same body size) as bare XADDs.
+    body = protocol.encode_body({"prompt": reqs[0]["prompt"], "temperature": 0.0})
+    stream = keys.request_stream("batch")
+    bench = shutil.which("redis-benchmark")
+    client.redis.flushall()
+    if bench:
+        port = re.search(r":(\d+)/", url).group(1)  # type: ignore[union-attr]
+        out = subprocess.run([bench, "-p", port, "-n", str(n), "-P", "1000", "-q", "-t", "xadd"],
+                             capture_output=True, text=True).stdout  # fmt: skip
+        m = re.search(r"([\d.]+) requests per second", out)
+        peer, peer_name = (float(m.group(1)) if m else 0.0), "redis-benchmark -t xadd -P 1000"
+    else:
+        pipe = client.redis.pipeline(transaction=False)
+        t = time.perf_counter()
+        for i in range(n):
+            pipe.xadd(stream, {"v": "1", "id": protocol.new_job_id(), "priority": 0, "lane": "batch",
+                               "prompt_tokens": 20, "max_tokens": 64, "content_type": protocol.MSGPACK,
+                               "body": body}, maxlen=1_000_000, approximate=True)  # fmt: skip
+            if i % 5000 == 4999:
+                pipe.execute()
+        pipe.execute()
+        peer, peer_name = (
+            n / (time.perf_counter() - t),
+            "redis-py pipelined XADD (redis-benchmark not found)",
+        )
+    # The wire ceiling for one Python process: pre-encoded XADDs, written in bulk.
+    client.redis.flushall()
+    t = time.perf_counter()
+    cmds = [fastpipe.pack(["XADD", stream, "MAXLEN", "~", 1_000_000, "*", "v", "1", "id",
+                           protocol.new_job_id(), "body", body]) for _ in range(n)]  # fmt: skip
+    for i in range(0, n, 5000):
+        fastpipe.run(client.redis, cmds[i : i + 5000])
+    raw = n / (time.perf_counter() - t)
+    client.close()
+    return {"submit_many_jobs_per_s": sdk, "peer_xadd_per_s": peer, "peer": peer_name,
+            "raw_packed_xadd_per_s": raw}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    p.add_argument("--jobs", type=int, default=200)
+    p.add_argument("--enqueue", type=int, default=20000)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    p.add_argument("--kv-bytes", type=int, default=256 << 20)
+    a = p.parse_args()
+    if not (Path(a.model) / "config.json").exists():
+        from gpu_workers.models.factory import make_model
+
+        make_model(a.model, family="llama", size="tiny")
+    reqs = workload(a.jobs)
+    off = offline(a, reqs)
+    print(
+        f"offline:    {off['tokens']} tokens in {off['seconds']:.2f}s = {off['tokens_per_s']:.1f} tokens/s"
+    )
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
+        e2e = end_to_end(a, url, reqs)
+        print(
+            f"end to end: {e2e['tokens']} tokens in {e2e['seconds']:.2f}s = {e2e['tokens_per_s']:.1f} tokens/s"
+        )
+        enq = enqueue(url, a.enqueue)
+    print(f"enqueue:    submit_many {enq['submit_many_jobs_per_s']:.0f} jobs/s; "
+          f"{enq['peer']} {enq['peer_xadd_per_s']:.0f}/s; raw packed XADD {enq['raw_packed_xadd_per_s']:.0f}/s")  # fmt: skip
+    result = {
+        "model": Path(a.model).name, "jobs": a.jobs, "threads": a.threads, "cpus": os.cpu_count(),
+        "offline_tokens_per_s": round(off["tokens_per_s"], 1),
+        "e2e_tokens_per_s": round(e2e["tokens_per_s"], 1),
+        "e2e_vs_offline": round(e2e["tokens_per_s"] / off["tokens_per_s"], 3),
+        "submit_many_jobs_per_s": round(enq["submit_many_jobs_per_s"]),
+        "peer_xadd_per_s": round(enq["peer_xadd_per_s"]),
+        "peer": enq["peer"],
+        "raw_packed_xadd_per_s": round(enq["raw_packed_xadd_per_s"]),
+        "submit_many_vs_peer": round(enq["submit_many_jobs_per_s"] / enq["peer_xadd_per_s"], 3),
+    }  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

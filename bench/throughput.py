@@ -1,0 +1,147 @@
+"""Useful tokens/s on a mixed workload: Plurai's engine against transformers.
+
+Peers, all on the same requests, model, dtype and threads, in one run:
+  - plurai: Engine.generate (continuous batching over the paged KV cache)
+  - hf_static: transformers `generate` on padded static batches of --hf-batch requests;
+    a batch runs to its longest request, but only each request's own max_tokens count
+  - hf_cb: transformers' continuous batching manager (what `generate_batch` runs), with
+    each request's own max_new_tokens
+Every request ignores EOS so each peer produces exactly max_tokens per request.
+The last line is one JSON object of the measured figures and ratios.
+
+    python bench/throughput.py [--requests 32] [--hf-batch 8] [--skip-hf-cb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.workload import Request, bench_model, mixed  # noqa: E402
+
+
+def run_plurai(model: Path, reqs: list[Request], dtype: str) -> tuple[float, dict]:
+    from gpu_workers.engine.engine import Engine, EngineConfig
+    from gpu_workers.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(model), dtype=dtype))
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    samples = []
+    start = time.perf_counter()
+    ids = [f"b{i}" for i in range(len(reqs))]
+    for rid, r, p in zip(ids, reqs, params, strict=True):
+        engine.add(rid, token_ids=r.prompt, params=p)
+    produced = 0
+    while engine.has_unfinished():
+        produced += len(engine.step())
+        if engine.num_steps % 8 == 0:
+            s = engine.stats()
+            if s["slots_allocated"]:
+                samples.append(s["tokens_stored"] / s["slots_allocated"])
+    elapsed = time.perf_counter() - start
+    assert produced == sum(r.max_tokens for r in reqs), produced
+    samples.sort()
+    kv = {"kv_util_median": samples[len(samples) // 2] if samples else None,
+          "kv_util_min": samples[0] if samples else None,
+          "preemptions": engine.scheduler.num_preemptions}
+    return elapsed, kv
+
+
+def _hf_model(model: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).eval()
+    m.generation_config.eos_token_id = None  # ignore EOS, as the other peers do
+    return m
+
+
+def run_hf_static(model: Path, reqs: list[Request], dtype: torch.dtype, batch: int, pad_id: int) -> float:
+    m = _hf_model(model, dtype)
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        group = reqs[i : i + batch]
+        width = max(len(r.prompt) for r in group)
+        ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in group])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group])
+        new = max(r.max_tokens for r in group)
+        with torch.inference_mode():
+            m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype) -> float:
+    from transformers import GenerationConfig
+
+    m = _hf_model(model, dtype)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs),
+                          eos_token_id=None, pad_token_id=0)
+    manager = m.init_continuous_batching(generation_config=gc)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for i, r in enumerate(reqs):
+            manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_tokens)
+        done = 0
+        while done < len(reqs):
+            out = manager.get_result(timeout=5)
+            if out is not None and out.is_finished():
+                assert out.error is None, out.error
+                done += 1
+        return time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/bench-llama")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--skip-hf-static", action="store_true")
+    ap.add_argument("--skip-hf-cb", action="store_true")
+    args = ap.parse_args()
+
+    model = bench_model(args.model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
+    reqs = mixed(args.requests, vocab, args.seed)
+    useful = sum(r.max_tokens for r in reqs)
+    tdtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    print(f"{len(reqs)} requests: {sum(len(r.prompt) for r in reqs)} prompt tokens, {useful} output tokens; "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+
+    result: dict = {"bench": "throughput", "requests": len(reqs), "useful_tokens": useful,
+                    "dtype": args.dtype, "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+    t, kv = run_plurai(model, reqs, args.dtype)
+    result["plurai_tok_s"] = round(useful / t, 1)
+    result.update(kv)
+    print(f"plurai     {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    if not args.skip_hf_static:
+        t = run_hf_static(model, reqs, tdtype, args.hf_batch, pad_id=0)
+        result["hf_static_tok_s"] = round(useful / t, 1)
+        result["ratio_vs_hf_static"] = round(result["plurai_tok_s"] / result["hf_static_tok_s"], 2)
+        print(f"hf_static  {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    if not args.skip_hf_cb:
+        t = run_hf_cb(model, reqs, tdtype)
+        result["hf_cb_tok_s"] = round(useful / t, 1)
+        result["ratio_vs_hf_cb"] = round(result["plurai_tok_s"] / result["hf_cb_tok_s"], 2)
+        print(f"hf_cb      {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

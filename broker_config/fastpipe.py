@@ -1,0 +1,44 @@
+"""A lean pipeline for submit_many and the worker's per-step writes.
+
+redis-py's command packer costs more per argument than the rest of a submit together, so
+these callers encode RESP here, write a whole chunk to one connection, then read the
+replies. Same bytes on the wire as any client would send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+
+def pack(args: list[Any]) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        if isinstance(a, str):
+            a = a.encode()
+        elif isinstance(a, int):
+            a = b"%d" % a
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def run(r: redis.Redis, commands: list[bytes]) -> list[Any]:
+    """Send packed commands in one write and return one reply per command; an error reply
+    is returned as its ResponseError, in place."""
+    pool = r.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command([b"".join(commands)], check_health=True)
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as e:
+                replies.append(e)
+        return replies
+    except BaseException:
+        conn.disconnect()  # replies may be left unread on it
+        raise
+    finally:
+        pool.release(conn)

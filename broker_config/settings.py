@@ -1,0 +1,83 @@
+"""Runtime settings: environment variables `PLURAI_*`, then an optional TOML file.
+
+Precedence, highest first: arguments to `Settings(...)`, environment variables, the TOML
+file named by `PLURAI_CONFIG`, the defaults below.
+
+    PLURAI_REDIS_URL=rediss://worker:secret@redis.internal:6380/0 plurai worker --model m/
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+CONFIG_ENV = "PLURAI_CONFIG"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PLURAI_", extra="ignore")
+
+    # None: start (worker, demo) or find (clients) an embedded redis-server under data_dir.
+    # Password, ACL user and TLS go in the URL: redis://user:pass@host:6379/0, rediss://...
+    redis_url: str | None = None
+    data_dir: str = "data"
+
+    # Priority lanes, highest first; one stream each.
+    lanes: list[str] = Field(default_factory=lambda: ["interactive", "standard", "batch"])
+    default_lane: str = "standard"
+    # Approximate MAXLEN of each request stream. Must exceed the largest backlog you expect:
+    # trimming drops the oldest entries whether or not a worker has read them.
+    stream_maxlen: int = 1_000_000
+
+    result_ttl_s: int = 24 * 3600  # job record and token stream, counted from completion
+    queued_ttl_s: int = 7 * 24 * 3600  # job record while it waits in the queue
+    idempotency_ttl_s: int = 24 * 3600
+
+    max_tokens_limit: int = 4096  # larger max_tokens is refused with max_tokens_over_limit
+    block_ms: int = 200  # how long an idle worker blocks in XREADGROUP
+    poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
+    grace_period_s: float = 30.0  # SIGTERM: time to finish running jobs before handing back
+    heartbeat_interval_s: float = 5.0
+
+    model_dir: str | None = None
+    worker_id: str | None = None  # default: <hostname>-<pid>-<random>
+
+    @field_validator("lanes")
+    @classmethod
+    def _lanes_valid(cls, v: list[str]) -> list[str]:
+        if not v or len(set(v)) != len(v):
+            raise ValueError("lanes must be a non-empty list of distinct names")
+        for lane in v:
+            if not lane or not lane.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(f"lane name {lane!r}: use letters, digits, '-' or '_'")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get(CONFIG_ENV)
+        if path:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{CONFIG_ENV}={path}: no such file")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    def lane_or_default(self, lane: str | None) -> str:
+        lane = lane or self.default_lane
+        if lane not in self.lanes:
+            raise ValueError(f"unknown lane {lane!r}; configured lanes: {self.lanes}")
+        return lane

@@ -1,0 +1,537 @@
+"""The long-lived worker: Redis lane streams in, engine steps, results out.
+
+    plurai worker --model models/tiny-llama [--url redis://...]
+
+Loop: take an entry (highest lane first) only while the engine can admit it, judged
+from the entry's length metadata; step the engine; write each step's token deltas to the
+jobs' streams in one pipeline; store each final result and XACK its entry in one script.
+Bad input never stops the loop: the job gets a terminal error result and is acked.
+
+At most one entry is held outside the engine (taken, waiting for room), so a dead worker
+strands little. SIGTERM (or Ctrl-C): stop taking entries, let running jobs finish within
+the grace period, then hand the rest back by re-adding their entries at the tail of their
+lanes (and acking the old ones), so any worker can take them at once. A second Ctrl-C
+skips the grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker_config import fastpipe, keys, protocol
+from broker_config.connection import connect
+from broker_config.groups import ensure_groups
+from broker_config.protocol import Code, WireError
+from broker_config.settings import Settings
+from results import records, scripts, tokens
+
+log = logging.getLogger("plurai.worker")
+
+
+@dataclass
+class Entry:
+    lane: str
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+    req: protocol.Request
+    params: Any  # SamplingParams
+
+
+@dataclass
+class Running:
+    entry: Entry
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Worker:
+    def __init__(self, engine: Any, r: redis.Redis, settings: Settings,
+                 worker_id: str | None = None, model_names: set[str] | None = None) -> None:  # fmt: skip
+        from gpu_workers.engine.sampling_params import SamplingParams
+
+        self._params_cls = SamplingParams
+        self.engine = engine
+        self.r = r
+        self.settings = settings
+        self.id = worker_id or settings.worker_id or new_worker_id()
+        self.model_names = model_names or set()
+        self.lanes = list(settings.lanes)
+        self.running: dict[str, Running] = {}
+        self.held: list[Entry] = []  # taken, not yet in the engine (bounded by len(lanes))
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self._begin = r.register_script(scripts.BEGIN)
+        self._requeue = r.register_script(scripts.REQUEUE)
+        self._sha = {name: "" for name in ("DELTAS", "FINALIZE")}  # used inside pipelines
+        self._next_scan = 0.0  # when the lanes may be read again after they were all empty
+        # A step's writes are sent before the next step and their replies read after it, so
+        # Redis works while the engine computes. One connection keeps them in order.
+        self._pub_conn: Any = None
+        self._in_flight: list[list[Any]] = []
+        self._cancels = r.pubsub(ignore_subscribe_messages=True)
+        self._next_beat = 0.0
+        self.jobs_done = 0
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def request_stop(self, grace_s: float | None = None) -> None:
+        grace = self.settings.grace_period_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace
+        self.stop_deadline = min(self.stop_deadline, deadline) if self.stopping else deadline
+        self.stopping = True
+
+    def run(self) -> None:
+        ensure_groups(self.r, self.lanes)
+        self._load_scripts()
+        self._cancels.subscribe(keys.CANCEL_CHANNEL)
+        self._heartbeat()
+        log.info("worker %s ready on lanes %s", self.id, self.lanes)
+        try:
+            while True:
+                if self.stopping and (
+                    not self.engine.has_unfinished() or time.monotonic() >= self.stop_deadline
+                ):
+                    break
+                try:
+                    self._iterate()
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    log.warning("redis unavailable (%s); retrying in 1s", e)
+                    time.sleep(1.0)
+        finally:
+            self._hand_back()
+            self._cancels.close()
+            if self._pub_conn is not None:
+                self.r.connection_pool.release(self._pub_conn)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.delete(keys.worker(self.id))
+            pipe.srem(keys.WORKERS, self.id)
+            pipe.execute()
+            log.info("worker %s stopped after %d jobs", self.id, self.jobs_done)
+
+    def _load_scripts(self) -> None:
+        for name in self._sha:
+            self._sha[name] = self.r.script_load(getattr(scripts, name))
+
+    def _execute(self, pipe: Any) -> None:
+        """Run a pipeline of script calls; re-run those refused with NOSCRIPT (Redis lost its
+        script cache: nothing of theirs ran) after loading the scripts again."""
+        commands = [args for args, _options in pipe.command_stack]
+        replies = pipe.execute(raise_on_error=False)
+        failed = [args for args, rep in zip(commands, replies, strict=True)
+                  if isinstance(rep, redis.exceptions.NoScriptError)]  # fmt: skip
+        if failed:
+            self._load_scripts()
+            retry = self.r.pipeline(transaction=False)
+            for args in failed:
+                retry.execute_command(*args)
+            replies = retry.execute(raise_on_error=False)
+        for rep in replies:
+            if isinstance(rep, Exception):
+                raise rep
+
+    def _iterate(self) -> None:
+        if not self.stopping:
+            self._fill()
+        self._poll_cancels()
+        self._expire_deadlines()
+        if self.engine.has_unfinished():
+            self._publish(self.engine.step())
+        if time.monotonic() >= self._next_beat:
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        interval = self.settings.heartbeat_interval_s
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(keys.worker(self.id), mapping={
+            "host": socket.gethostname(), "pid": os.getpid(), "beat_ms": _ms(),
+            "model": ",".join(sorted(self.model_names)), "running": len(self.running),
+            "held": len(self.held), "jobs_done": self.jobs_done,
+            "state": "stopping" if self.stopping else "serving",
+        })  # fmt: skip
+        pipe.expire(keys.worker(self.id), max(1, int(3 * interval)))
+        pipe.sadd(keys.WORKERS, self.id)
+        pipe.execute()
+        self._next_beat = time.monotonic() + interval
+
+    # -- taking work ----------------------------------------------------------------
+
+    def _fill(self) -> None:
+        """Move entries into the engine while it has room for the next one."""
+        while not self.stopping:
+            if not self.held:
+                self.held = self._take(block=not self.engine.has_unfinished() and not self.running)
+                if not self.held:
+                    return
+            entry = self.held[0]
+            req = entry.req
+            if self.engine.has_unfinished() and not self.engine.can_admit(
+                req.prompt_tokens, req.envelope.max_tokens
+            ):
+                return
+            self.held.pop(0)
+            self._start(entry)
+
+    def _take(self, block: bool) -> list[Entry]:
+        """The next valid entries: one from the highest lane that has work. Invalid entries
+        met on the way get their error result here and are skipped.
+
+        While the engine is busy and the lanes were all empty, they are read again only
+        after poll_ms, so an empty queue does not cost round trips on every step."""
+        if not block and time.monotonic() < self._next_scan:
+            return []
+        while True:
+            got: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+            for lane in self.lanes:
+                reply = self.r.xreadgroup(
+                    keys.GROUP, self.id, {keys.request_stream(lane): ">"}, count=1
+                )
+                got = self._entries(reply)
+                if got:
+                    break
+            if not got and block:
+                streams = {keys.request_stream(lane): ">" for lane in self.lanes}
+                reply = self.r.xreadgroup(
+                    keys.GROUP, self.id, streams, count=1, block=self.settings.block_ms
+                )
+                got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))
+            if not got:
+                self._next_scan = time.monotonic() + self.settings.poll_ms / 1000
+                return []
+            valid = [e for e in (self._check(*g) for g in got) if e is not None]
+            if valid:
+                return valid
+            block = False  # invalid entries were handled: look again without waiting
+
+    def _entries(self, reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        by_stream = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
+        out = []
+        for stream, entries in tokens.stream_items(reply):
+            for entry_id, fields in entries:
+                out.append((by_stream[stream], entry_id, fields or {}))
+        return out
+
+    def _check(self, lane: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Entry | None:
+        """Validate an entry; None when it was answered with an error result instead."""
+        try:
+            req = protocol.parse_request(fields, self.settings.max_tokens_limit)
+            if req.model is not None and req.model not in self.model_names:
+                raise WireError(
+                    Code.UNKNOWN_MODEL,
+                    f"model {req.model!r} is not served here; this queue serves "
+                    f"{sorted(self.model_names)} (or leave 'model' out)",
+                )
+            params = self._params_cls.from_dict(req.params)
+            return Entry(lane, entry_id, fields, req, params)
+        except protocol.NoJobId as e:
+            self._dead_letter(lane, entry_id, fields, e)
+        except WireError as e:
+            self._fail_entry(lane, entry_id, protocol.job_id_of(fields), e.code, e.message)
+        except Exception as e:  # RequestError from SamplingParams, or anything unexpected
+            code = getattr(e, "code", Code.INTERNAL)
+            message = getattr(e, "message", f"{type(e).__name__}: {e}")
+            if code == Code.INTERNAL:
+                log.exception("entry %s on %s", entry_id, lane)
+            self._fail_entry(lane, entry_id, protocol.job_id_of(fields), code, message)
+        return None
+
+    def _dead_letter(
+        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], e: Exception
+    ) -> None:
+        log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(keys.DEAD_LETTER, {
+            "lane": lane, "entry_id": entry_id, "error": str(e), "worker": self.id,
+            "fields": json.dumps({k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+                                  for k, v in fields.items()})[:65536],
+        }, maxlen=self.settings.stream_maxlen, approximate=True)  # fmt: skip
+        pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
+        pipe.execute()
+
+    def _fail_entry(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
+        log.info("job %s refused: %s: %s", job_id, code, message)
+        pipe = self.r.pipeline(transaction=False)
+        self._final(pipe, job_id, lane, entry_id, records.FAILED, "",
+                    records.final_fields(worker=self.id, finished_ms=_ms(),
+                                         error_code=code, error_message=message))  # fmt: skip
+        self._execute(pipe)
+
+    def _start(self, entry: Entry) -> None:
+        req, env = entry.req, entry.req.envelope
+        job_id = env.job_id
+        if job_id in self.running:  # a second entry for a job already running here
+            self.r.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
+            return
+        verdict = self._begin(
+            keys=[keys.job(job_id), keys.output(job_id)],
+            args=[self.id, _ms(), self.settings.result_ttl_s,
+                  env.deadline_ms if env.deadline_ms is not None else "", entry.lane, env.priority,
+                  json.dumps(req.metadata) if req.metadata is not None else ""],
+        )  # fmt: skip
+        verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+        if verdict == "done":
+            self.r.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
+            return
+        if verdict == "cancelled":
+            self._end_now(Running(entry), records.CANCELLED, "abort")
+            return
+        if verdict == "expired":
+            self._end_now(Running(entry), records.FAILED, "", Code.DEADLINE_EXCEEDED,
+                      "the job's deadline passed before a worker could start it")  # fmt: skip
+            return
+        try:
+            self.engine.add(job_id, prompt=req.prompt, token_ids=req.token_ids,
+                            messages=req.messages, params=entry.params, priority=env.priority)  # fmt: skip
+        except Exception as e:
+            code = getattr(e, "code", None)
+            if code is None:
+                log.exception("job %s: engine.add failed", job_id)
+            self._end_now(Running(entry), records.FAILED, "", code or Code.INTERNAL,
+                      getattr(e, "message", None) or f"{type(e).__name__}: {e}")  # fmt: skip
+            return
+        self.running[job_id] = Running(entry)
+
+    # -- results --------------------------------------------------------------------
+
+    def _publish(self, outputs: list[Any]) -> None:
+        """One round trip per step: every delta in one script call, then every final result
+        (with its XACK), in one pipeline."""
+        if not outputs:
+            return
+        delta_keys: list[str] = []
+        delta_args: list[str] = []
+        finished: list[tuple[Running, str]] = []
+        for out in outputs:
+            run = self.running.get(out.request_id)
+            if run is None:
+                continue
+            run.token_ids += out.new_token_ids
+            run.prompt_tokens = out.num_prompt_tokens
+            run.cached_tokens = out.num_cached_tokens
+            if out.logprobs:
+                run.logprobs += out.logprobs
+            if out.text_delta:
+                run.text.append(out.text_delta)
+            if run.entry.req.stream and (out.text_delta or out.new_token_ids):
+                delta_keys.append(keys.output(out.request_id))
+                delta_args += [out.text_delta, json.dumps(out.new_token_ids, separators=(",", ":"))]
+            if out.finished:
+                finished.append((run, out.finish_reason or ""))
+        self._collect()
+        commands: list[list[Any]] = []
+        if delta_keys:
+            commands.append(
+                ["EVALSHA", self._sha["DELTAS"], len(delta_keys), *delta_keys, *delta_args]
+            )
+        for run, reason in finished:
+            del self.running[run.entry.req.envelope.job_id]
+            self._end(_Collector(commands), run, records.COMPLETED, reason)
+        if commands:
+            if self._pub_conn is None:
+                self._pub_conn = self.r.connection_pool.get_connection()
+            self._pub_conn.send_packed_command([b"".join(fastpipe.pack(c) for c in commands)])
+            self._in_flight = commands
+
+    def _collect(self) -> None:
+        """Read the replies of the writes sent after the previous step."""
+        if not self._in_flight:
+            return
+        commands, self._in_flight = self._in_flight, []
+        failed = []
+        try:
+            for command in commands:
+                try:
+                    self._pub_conn.read_response()
+                except redis.exceptions.NoScriptError:
+                    failed.append(command)
+        except BaseException:
+            self._pub_conn.disconnect()
+            raise
+        if failed:  # Redis lost its script cache: these did nothing; run them again
+            self._load_scripts()
+            for command in failed:
+                self.r.execute_command(*command)
+
+    def _end(self, pipe: Any, run: Running, state: str, finish_reason: str,
+             code: str = "", message: str = "") -> None:  # fmt: skip
+        """Queue on `pipe` the job's final result and the ack of its entry."""
+        env = run.entry.req.envelope
+        lp = run.logprobs if run.entry.params.logprobs is not None else None
+        fields = records.final_fields(
+            text="".join(run.text), token_ids=run.token_ids, prompt_tokens=run.prompt_tokens,
+            cached_tokens=run.cached_tokens, worker=self.id, finished_ms=_ms(),
+            error_code=code, error_message=message, logprobs=lp,
+        )  # fmt: skip
+        self._final(
+            pipe, env.job_id, run.entry.lane, run.entry.entry_id, state, finish_reason, fields
+        )
+
+    def _end_now(self, run: Running, state: str, finish_reason: str, code: str = "",
+                 message: str = "") -> None:  # fmt: skip
+        self._collect()  # this job's deltas go before its end entry
+        pipe = self.r.pipeline(transaction=False)
+        self._end(pipe, run, state, finish_reason, code, message)
+        self._execute(pipe)
+
+    def _final(self, pipe: Any, job_id: str, lane: str, entry_id: bytes, state: str,
+               finish_reason: str, fields: list[Any]) -> None:  # fmt: skip
+        k = [keys.job(job_id), keys.output(job_id), keys.request_stream(lane)]
+        pipe.evalsha(self._sha["FINALIZE"], len(k), *k, keys.GROUP, entry_id,
+                     self.settings.result_ttl_s, keys.done_channel(job_id), state, finish_reason,
+                     *fields)  # fmt: skip
+        self.jobs_done += 1
+
+    def _poll_cancels(self) -> None:
+        while True:
+            msg = self._cancels.get_message(timeout=0)
+            if msg is None:
+                return
+            job_id = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+            run = self.running.pop(job_id, None)
+            if run is not None:
+                self.engine.abort(job_id)
+                self._end_now(run, records.CANCELLED, "abort")
+
+    def _expire_deadlines(self) -> None:
+        now = None
+        for job_id, run in list(self.running.items()):
+            deadline = run.entry.req.envelope.deadline_ms
+            if deadline is None:
+                continue
+            now = now or _ms()
+            if now > deadline:
+                del self.running[job_id]
+                self.engine.abort(job_id)
+                self._end_now(run, records.FAILED, "abort", Code.DEADLINE_EXCEEDED,
+                          "the job's deadline passed while it ran; the text so far is kept")  # fmt: skip
+
+    def _hand_back(self) -> None:
+        """Re-add every job not finished here to the tail of its lane, ack the old entry."""
+        self._collect()
+        entries = [run.entry for run in self.running.values()] + self.held
+        for run_id in list(self.running):
+            self.engine.abort(run_id)
+        for entry in entries:
+            flat = [x for kv in entry.fields.items() for x in kv]
+            try:
+                self._requeue(
+                    keys=[keys.request_stream(entry.lane), keys.job(entry.req.envelope.job_id)],
+                    args=[keys.GROUP, entry.entry_id, self.settings.stream_maxlen, *flat],
+                )
+            except redis.RedisError:
+                log.exception(
+                    "could not hand back job %s; it stays pending", entry.req.envelope.job_id
+                )
+        if entries:
+            log.info("handed %d unfinished job(s) back to the queue", len(entries))
+        self.running.clear()
+        self.held = []
+
+
+class _Collector:
+    """Stands in for a pipeline: keeps evalsha calls as plain command lists."""
+
+    def __init__(self, commands: list[list[Any]]) -> None:
+        self.commands = commands
+
+    def evalsha(self, *args: Any) -> None:
+        self.commands.append(["EVALSHA", *args])
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _engine_option(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    if not name or not _:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local Hugging Face model directory (PLURAI_MODEL_DIR)")
+    p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL); none: an embedded redis-server")
+    p.add_argument("--worker-id", help="consumer name; default host-pid-random")
+    p.add_argument("--grace", type=float, help="seconds to finish running jobs on SIGTERM")
+    p.add_argument("--engine", type=_engine_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)")  # fmt: skip
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    if isinstance(argv, argparse.Namespace):
+        args = argv
+    else:
+        p = argparse.ArgumentParser(prog="plurai worker", description=__doc__.split("\n\n")[0])
+        add_arguments(p)
+        args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    overrides: dict[str, Any] = {}
+    if args.url:
+        overrides["redis_url"] = args.url
+    if args.grace is not None:
+        overrides["grace_period_s"] = args.grace
+    if args.worker_id:
+        overrides["worker_id"] = args.worker_id
+    if args.model:
+        overrides["model_dir"] = args.model
+    settings = Settings(**overrides)
+    if not settings.model_dir:
+        raise SystemExit("plurai worker: give --model DIR (or set PLURAI_MODEL_DIR)")
+
+    from broker_config.embedded import EmbeddedRedis, running_url
+    from gpu_workers.engine.config import EngineConfig
+    from gpu_workers.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=settings.model_dir, **dict(args.engine)))
+    model_dir = Path(settings.model_dir)
+    names = {model_dir.name, str(model_dir), str(model_dir.resolve()), engine.model_fingerprint}
+
+    embedded = None
+    url = settings.redis_url or running_url(Path(settings.data_dir))
+    if url is None:
+        embedded = EmbeddedRedis(Path(settings.data_dir) / "redis")
+        url = embedded.start()
+        log.info("started embedded redis-server at %s (data in %s)", url, embedded.data_dir)
+    try:
+        worker = Worker(engine, connect(url), settings, model_names=names)
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            if worker.stopping and signum == signal.SIGINT:
+                worker.request_stop(0.0)
+            else:
+                worker.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        worker.run()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

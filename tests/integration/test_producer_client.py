@@ -1,0 +1,104 @@
+"""The SDK against a real worker: submit, status, result, stream, cancel, idempotency,
+many results at once, the asyncio twin; and a worker's SIGTERM hand-back."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import redis
+
+from broker_config import keys
+from producer import AsyncClient, Client, JobCancelled, JobFailed
+from results import records, tokens
+
+
+def wait_running(client: Client, job) -> None:
+    for ev in tokens.events(client.redis, job.id, block_ms=60000):
+        if ev.type == tokens.DELTA:
+            return
+    raise AssertionError("job ended before it produced a token")
+
+
+def test_client_calls(redis_url, workers):
+    client = Client(redis_url)
+    queued = client.submit("cancel me before any worker runs", max_tokens=4)
+    assert queued.status() == records.QUEUED
+    assert queued.cancel() == records.CANCELLED
+    workers.start(1)
+
+    job = client.submit("a river stone", max_tokens=8, lane="interactive", metadata={"k": 1})
+    text = "".join(job.stream())
+    rec = job.result(timeout=60)
+    assert rec.state == records.COMPLETED and job.status() == records.COMPLETED
+    assert rec.text == text and rec.output_tokens == 8 and rec.finish_reason == "length"
+    assert rec.metadata == {"k": 1}
+
+    again = client.submit("a river stone", max_tokens=8, idempotency_key="once")
+    same = client.submit("something else", max_tokens=8, idempotency_key="once")
+    assert same.id == again.id
+    assert again.result(timeout=60).text == rec.text  # greedy: the same request, the same text
+
+    with pytest.raises(JobFailed) as failed:
+        client.submit("x", max_tokens=8, top_p=7.0).result(timeout=60)
+    assert failed.value.code == "invalid_params" and "top_p" in failed.value.message
+
+    long = client.submit("keep going", max_tokens=4000, ignore_eos=True)
+    wait_running(client, long)
+    assert long.cancel() == "cancelling"
+    with pytest.raises(JobCancelled):
+        long.result(timeout=60)
+    cancelled = long.record()
+    assert cancelled.finish_reason == "abort" and 0 < cancelled.output_tokens < 4000
+
+    with pytest.raises(JobCancelled):
+        queued.result(timeout=5)  # its entry was acked by the worker without running it
+    r = redis.Redis.from_url(redis_url)
+    assert sum(r.xpending(keys.request_stream(lane), keys.GROUP)["pending"]
+               for lane in ("interactive", "standard", "batch")) == 0  # fmt: skip
+
+    many = client.submit_many([{"prompt": f"doc {i}", "max_tokens": 3} for i in range(30)])
+    recs = client.wait_all(many, timeout=120)
+    assert [x.state for x in recs] == [records.COMPLETED] * 30
+    assert client.records([j.id for j in many]) == recs
+
+    async def use_async() -> None:
+        async with AsyncClient(redis_url) as aclient:
+            ajob = await aclient.submit("a river stone", max_tokens=8)
+            streamed = "".join([t async for t in ajob.stream()])
+            arec = await ajob.result(timeout=60)
+            assert streamed == arec.text == rec.text
+            ajobs = await aclient.submit_many([{"prompt": "q", "max_tokens": 2}] * 5)
+            assert {x.state for x in await aclient.wait_all(ajobs, 60)} == {records.COMPLETED}
+            along = await aclient.submit("on and on", max_tokens=4000, ignore_eos=True)
+            async for _ in along.stream():
+                break
+            assert await along.cancel() == "cancelling"
+            with pytest.raises(JobCancelled):
+                await along.result(timeout=60)
+
+    asyncio.run(use_async())
+    client.close()
+
+
+def test_sigterm_hands_running_jobs_back(redis_url, workers):
+    client = Client(redis_url)
+    (first,) = workers.start(1, "--grace", "0")
+    job = client.submit("a long one", max_tokens=2500, ignore_eos=True, lane="batch")
+    wait_running(client, job)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+
+    assert job.status() == records.QUEUED
+    r = redis.Redis.from_url(redis_url)
+    stream = keys.request_stream("batch")
+    assert r.xpending(stream, keys.GROUP)["pending"] == 0  # the old entry is acked
+    assert r.xlen(stream) == 2  # and the job re-added at the tail
+
+    workers.start(1)
+    text = "".join(job.stream())  # the follower skips the restarted run's repeat
+    rec = job.result(timeout=120)
+    assert rec.output_tokens == 2500 and rec.text == text
+    types = [f[b"type"] for _, f in r.xrange(keys.output(job.id))]
+    assert types.count(b"start") == 2 and types.count(b"reset") == 1 and types[-1] == b"end"

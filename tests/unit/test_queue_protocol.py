@@ -1,0 +1,115 @@
+"""Wire protocol v1 parsing: every refusal has its stable code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import msgpack
+import pytest
+
+from broker_config import protocol
+from broker_config.protocol import Code, WireError
+from broker_config.settings import Settings
+from gpu_workers.engine.errors import ErrorCode
+from gpu_workers.engine.sampling_params import SamplingParams
+from producer.request import prepare
+
+
+def fields(body: object = None, **kw: object) -> dict[bytes, bytes]:
+    if body is None:
+        body = {"prompt": "hi"}
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    f = {"v": "1", "id": "job-0123456789", "max_tokens": "8", "body": raw}
+    f.update(kw)
+    return {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
+            for k, v in f.items() if v is not None}  # fmt: skip
+
+
+def code_of(f: dict[bytes, bytes], limit: int = 100) -> str:
+    with pytest.raises(WireError) as e:
+        protocol.parse_request(f, limit)
+    return e.value.code
+
+
+def test_sampling_fields_match_the_engine() -> None:
+    assert set(protocol.SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_engine_codes_match() -> None:
+    assert (Code.INVALID_PROMPT, Code.PROMPT_TOO_LONG, Code.INVALID_PARAMS, Code.TOKEN_OUT_OF_VOCAB) == (
+        ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS,
+        ErrorCode.TOKEN_OUT_OF_VOCAB)  # fmt: skip
+
+
+def test_valid_request() -> None:
+    req = protocol.parse_request(fields({"prompt": "hi", "temperature": 0.5, "metadata": {"a": 1}},
+                                        priority="2", deadline="123"), 100)  # fmt: skip
+    assert req.prompt == "hi" and req.params == {"temperature": 0.5, "max_tokens": 8}
+    assert req.envelope.priority == 2 and req.envelope.deadline_ms == 123
+    assert req.metadata == {"a": 1} and req.stream is True
+    assert req.prompt_tokens == 1  # ceil(2 bytes / 4)
+
+
+@pytest.mark.parametrize(
+    ("f", "code"),
+    [
+        (fields(b"{nope"), Code.BAD_BODY),
+        (fields(b"\xc1", content_type="application/msgpack"), Code.BAD_BODY),
+        (fields([1]), Code.BAD_BODY),
+        (fields(v="9"), Code.UNSUPPORTED_VERSION),
+        (fields(v=None), Code.BAD_FIELD),
+        (fields(max_tokens=None), Code.BAD_FIELD),
+        (fields(max_tokens="x"), Code.BAD_FIELD),
+        (fields(max_tokens="0"), Code.INVALID_PARAMS),
+        (fields(max_tokens="101"), Code.MAX_TOKENS_OVER_LIMIT),
+        (fields({"prompt": "a", "max_tokens": 9}), Code.BAD_FIELD),
+        (fields({"prompt": "a", "bogus": 1}), Code.BAD_FIELD),
+        (fields({}), Code.INVALID_PROMPT),
+        (fields({"prompt": "a", "token_ids": [1]}), Code.INVALID_PROMPT),
+        (fields({"token_ids": ["a"]}), Code.INVALID_PROMPT),
+        (fields(b'{"prompt": "\xff"}'), Code.INVALID_UTF8),
+        (fields(priority=b"\xff"), Code.INVALID_UTF8),
+        (fields(content_type="text/csv"), Code.BAD_FIELD),
+        (fields({"prompt": "a", "stream": "yes"}), Code.BAD_FIELD),
+    ],
+)
+def test_refusals(f: dict[bytes, bytes], code: str) -> None:
+    assert code_of(f) == code
+
+
+def test_missing_id_is_no_job_id() -> None:
+    with pytest.raises(protocol.NoJobId):
+        protocol.parse_request(fields(id=None), 100)
+    with pytest.raises(protocol.NoJobId):
+        protocol.parse_request(fields(id="bad id!"), 100)
+
+
+def test_sdk_entry_parses_back() -> None:
+    settings = Settings(lanes=["interactive", "standard", "batch"])
+    job_id, key_list, args = prepare(settings, prompt="héllo", max_tokens=5, temperature=0.7,
+                                     lane="batch", metadata={"x": 1}, idempotency_key="k",
+                                     deadline=1.5)  # fmt: skip
+    assert key_list == ["plurai:req:batch", f"plurai:job:{job_id}", "plurai:idem:k"]
+    entry = args[8:]
+    f = {str(k).encode(): (v if isinstance(v, bytes) else str(v).encode())
+         for k, v in zip(entry[::2], entry[1::2], strict=True)}  # fmt: skip
+    req = protocol.parse_request(f, 100)
+    assert req.envelope.job_id == job_id and protocol.valid_job_id(job_id)
+    assert req.envelope.content_type == protocol.MSGPACK
+    assert msgpack.unpackb(f[b"body"])["prompt"] == "héllo"
+    assert req.params == {"temperature": 0.7, "max_tokens": 5}
+    assert req.envelope.deadline_ms == 1500 and req.envelope.idem == "k"
+    assert req.envelope.prompt_tokens == 2  # ceil(6 UTF-8 bytes / 4)
+
+
+def test_sdk_refuses_unknown_options() -> None:
+    with pytest.raises(TypeError, match="temprature"):
+        prepare(Settings(), prompt="a", temprature=1.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        prepare(Settings(), prompt="a", token_ids=[1])
+
+
+def test_job_ids_are_unguessable() -> None:
+    ids = {protocol.new_job_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(len(i) == 22 for i in ids)

@@ -1,0 +1,71 @@
+"""Settings sources and key names."""
+
+from __future__ import annotations
+
+import fakeredis
+import pytest
+
+from broker_config import keys
+from broker_config.groups import ensure_groups
+from broker_config.settings import Settings
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PLURAI_CONFIG", "PLURAI_REDIS_URL", "PLURAI_LANES"):
+        monkeypatch.delenv(name, raising=False)
+    s = Settings()
+    assert s.redis_url is None
+    assert s.lanes == ["interactive", "standard", "batch"]
+    assert s.lane_or_default(None) == "standard"
+    with pytest.raises(ValueError, match="unknown lane 'urgent'"):
+        s.lane_or_default("urgent")
+
+
+def test_env_over_toml_over_defaults(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "plurai.toml"
+    cfg.write_text(
+        'redis_url = "rediss://u:p@h:6380/1"\nmax_tokens_limit = 99\nlanes = ["hi", "lo"]\ndefault_lane = "lo"\n'
+    )
+    monkeypatch.setenv("PLURAI_CONFIG", str(cfg))
+    monkeypatch.setenv("PLURAI_MAX_TOKENS_LIMIT", "7")
+    s = Settings()
+    assert s.redis_url == "rediss://u:p@h:6380/1"
+    assert s.max_tokens_limit == 7
+    assert s.lanes == ["hi", "lo"]
+    assert Settings(max_tokens_limit=3).max_tokens_limit == 3
+
+
+def test_missing_config_file_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLURAI_CONFIG", "/nonexistent/plurai.toml")
+    with pytest.raises(FileNotFoundError, match="PLURAI_CONFIG"):
+        Settings()
+
+
+def test_bad_lanes_refused() -> None:
+    with pytest.raises(ValueError):
+        Settings(lanes=["a", "a"])
+    with pytest.raises(ValueError):
+        Settings(lanes=["has space"])
+
+
+def test_key_names() -> None:
+    assert keys.request_stream("batch") == "plurai:req:batch"
+    assert keys.job("abc") == "plurai:job:abc"
+    assert keys.output("abc") == "plurai:out:abc"
+    assert keys.done_channel("abc") == "plurai:done:abc"
+    assert keys.idempotency("k") == "plurai:idem:k"
+    assert keys.worker("w1") == "plurai:worker:w1"
+    assert keys.GROUP == "workers"
+    assert keys.CANCEL_CHANNEL == "plurai:cancel"
+
+
+def test_group_bootstrap_is_idempotent() -> None:
+    r = fakeredis.FakeRedis()
+    r.xadd(keys.request_stream("batch"), {"early": "1"})
+    ensure_groups(r, ["interactive", "batch"])
+    ensure_groups(r, ["interactive", "batch"])
+    groups = r.xinfo_groups(keys.request_stream("batch"))
+    assert [g["name"] for g in groups] == [b"workers"]
+    # the group starts at 0: an entry added before any worker is still delivered
+    got = r.xreadgroup("workers", "w", {keys.request_stream("batch"): ">"}, count=10)
+    assert len(got[0][1]) == 1

@@ -1,0 +1,138 @@
+"""Sampling: seeds, filters, penalties, stops and logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_workers.engine.sampler import Sampler
+from gpu_workers.engine.sampling_params import SamplingParams
+from gpu_workers.engine.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def path(model_factory):
+    return model_factory("llama")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 2048) for _ in range(n)]
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for rid, (p, sp) in requests.items():
+        engine.add(rid, token_ids=p, params=sp)
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(path, engine_factory):
+    sp = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = run(engine_factory(path), {"me": (prompt(20, 0), sp)})["me"]
+    busy: dict[str, tuple[list[int], SamplingParams]] = {
+        f"other{i}": (prompt(5 + 13 * i, 100 + i),
+                      SamplingParams(max_tokens=10 + 7 * i, temperature=[0.0, 1.0, 0.7][i % 3],
+                                     seed=None if i % 2 else i, ignore_eos=True))
+        for i in range(8)
+    }
+    busy["me"] = (prompt(20, 0), sp)
+    together = run(engine_factory(path, max_num_batched_tokens=32), busy)["me"]
+    assert together == alone
+    other_seed = run(engine_factory(path), {"me": (prompt(20, 0), SamplingParams(
+        max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True))})["me"]
+    assert other_seed != alone
+
+
+def test_filters_that_leave_one_token_equal_greedy(path, engine_factory):
+    p = prompt(25, 1)
+    greedy = run(engine_factory(path), {"g": (p, SamplingParams(max_tokens=20, ignore_eos=True))})["g"]
+    for sp in (SamplingParams(max_tokens=20, temperature=1.5, top_k=1, ignore_eos=True),
+               SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, ignore_eos=True),
+               SamplingParams(max_tokens=20, temperature=1.5, min_p=1.0, ignore_eos=True)):
+        assert run(engine_factory(path), {"s": (p, sp)})["s"] == greedy
+
+
+def test_unseeded_sampling_varies(path, engine_factory):
+    p = prompt(10, 2)
+    engine = engine_factory(path)
+    sp = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    outs = run(engine, {f"r{i}": (p, sp) for i in range(4)})
+    assert len({tuple(v) for v in outs.values()}) > 1
+
+
+def test_repetition_penalty_matches_transformers(path, engine_factory):
+    from transformers import AutoModelForCausalLM
+
+    p = prompt(12, 3)
+    got = run(engine_factory(path), {"r": (p, SamplingParams(max_tokens=20, repetition_penalty=1.8,
+                                                              ignore_eos=True))})["r"]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([p])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                      repetition_penalty=1.8, pad_token_id=0)[0, len(p):].tolist()
+    assert got == ref
+
+
+def test_presence_and_frequency_penalties_subtract_per_output_count():
+    seq = Sequence("s", [1, 2, 3], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    for t in (7, 7, 7, 9):
+        seq.append(t)
+    logits = torch.zeros(1, 16)
+    out = Sampler(0)._penalize(logits.clone(), [seq])
+    assert out[0, 7].item() == pytest.approx(-(0.5 + 3 * 0.25))
+    assert out[0, 9].item() == pytest.approx(-(0.5 + 0.25))
+    assert out[0, 1].item() == 0.0  # prompt tokens are not penalized by these two
+
+
+def test_stop_string_truncates_text(path, engine_factory):
+    p = prompt(15, 4)
+    engine = engine_factory(path)
+    full = engine.generate([p], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop and len(full.text) > 10
+    cut = engine.generate([p], SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    # streamed deltas never show the stop string or anything after it
+    engine.add("s", token_ids=p, params=SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished():
+        streamed += "".join(o.text_delta for o in engine.step())
+    assert streamed == cut.text
+
+
+def test_stop_token_ids_and_max_tokens(path, engine_factory):
+    p = prompt(15, 5)
+    engine = engine_factory(path)
+    full = engine.generate([p], SamplingParams(max_tokens=25, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 25
+    stop_id = full.token_ids[6]
+    got = engine.generate([p], SamplingParams(max_tokens=25, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert got.finish_reason == "stop"
+    assert got.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_logprobs_are_those_of_the_model(path, engine_factory):
+    from transformers import AutoModelForCausalLM
+
+    p = prompt(10, 6)
+    got = engine_factory(path).generate([p], SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    assert got.logprobs is not None and len(got.logprobs) == 5
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    ids = torch.tensor([p + got.token_ids])
+    with torch.inference_mode():
+        lp = hf(ids).logits[0].log_softmax(-1)
+    for i, entry in enumerate(got.logprobs):
+        row = lp[len(p) - 1 + i]
+        assert entry["token_id"] == got.token_ids[i]
+        assert entry["logprob"] == pytest.approx(row[got.token_ids[i]].item(), abs=1e-4)
+        assert [t for t, _ in entry["top"]] == row.topk(3).indices.tolist()
+        assert entry["top"][0][0] == got.token_ids[i]  # greedy takes the top token
