@@ -8,6 +8,7 @@ samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gpu_workers.engine.sequence import Sequence
@@ -48,34 +49,34 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        temp = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        logits = logits / temp
-        top_k = [p.top_k for p in params]
-        if any(top_k):
-            k = torch.tensor([k if k else logits.shape[1] for k in top_k]).clamp(max=logits.shape[1])
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        vocab = logits.shape[1]
+        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        ks = torch.tensor([min(p.top_k, vocab) for p in params])
+        if ks.any():
+            kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).clamp(min=0).unsqueeze(1))
+            kth[ks == 0] = float("-inf")
             logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
         top_p = torch.tensor([p.top_p for p in params])
         if (top_p < 1.0).any():
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            # drop a token when the tokens ranked above it already reach top_p
-            drop = (cum - sorted_logits.softmax(dim=-1)) >= top_p.unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
+            rows = (top_p < 1.0).nonzero().squeeze(1)
+            probs[rows] = _nucleus(probs[rows], top_p[rows])
         min_p = torch.tensor([p.min_p for p in params])
         if (min_p > 0).any():
             floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs)
+        # inverse CDF with one uniform draw per row: a seeded row draws from its own
+        # generator, so what else is in the batch never changes its tokens
+        cdf = probs.cumsum(dim=-1)
+        u = torch.empty(len(seqs))
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
+            u[shared] = torch.rand(len(shared), generator=self.generator)
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=s.generator)
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        return picked.clamp(max=vocab - 1)
 
     def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict | None]:
         wanted = [s.params.logprobs for s in seqs]
@@ -93,3 +94,14 @@ class Sampler:
                 entry["top"] = [[int(t), float(v)] for t, v in zip(ids.tolist(), vals.tolist(), strict=True)]
             out.append(entry)
         return out
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero all but the most probable tokens whose mass first reaches top_p, per row
+    (tokens tied with the last one kept are kept too)."""
+    # numpy's value-only sort is about twice as fast as torch.sort on CPU
+    sorted_p = torch.from_numpy(np.ascontiguousarray(np.sort(probs.numpy(), axis=-1)[:, ::-1]))
+    # a token is kept while the tokens ranked above it hold less than top_p
+    kept = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p.unsqueeze(1)).sum(dim=-1)
+    cutoff = sorted_p.gather(1, (kept - 1).clamp(min=0).unsqueeze(1))
+    return probs.masked_fill(probs < cutoff, 0.0)

@@ -136,3 +136,15 @@ def test_logprobs_are_those_of_the_model(path, engine_factory):
         assert entry["logprob"] == pytest.approx(row[got.token_ids[i]].item(), abs=1e-4)
         assert [t for t, _ in entry["top"]] == row.topk(3).indices.tolist()
         assert entry["top"][0][0] == got.token_ids[i]  # greedy takes the top token
+
+
+def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
+    from gpu_workers.engine.sampler import _nucleus
+
+    torch.manual_seed(0)
+    probs = torch.randn(8, 500).mul(2).softmax(-1)
+    top_p = torch.tensor([0.05, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 0.999])
+    sp, order = probs.sort(-1, descending=True)
+    keep = (sp.cumsum(-1) - sp) < top_p[:, None]
+    expected = torch.zeros_like(probs).scatter_(1, order, keep.float()).bool()
+    assert torch.equal(_nucleus(probs, top_p) > 0, expected)
