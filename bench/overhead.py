@@ -29,7 +29,9 @@ from bench.workload import bench_model, mixed  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="models/bench-llama")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
@@ -42,9 +44,19 @@ def main() -> None:
     engine = Engine(EngineConfig(model=str(bench_model(args.model)), dtype=args.dtype))
     # realistic sampling work too: half greedy, half top-p with penalties and a stop string
     for i, r in enumerate(mixed(args.batch, engine.vocab_size, seed=1, output_median=100000)):
-        sp = (SamplingParams(max_tokens=args.steps + 200, ignore_eos=True) if i % 2 else
-              SamplingParams(max_tokens=args.steps + 200, ignore_eos=True, temperature=0.8, top_p=0.9,
-                             repetition_penalty=1.1, stop=["never-said"], seed=i))
+        sp = (
+            SamplingParams(max_tokens=args.steps + 200, ignore_eos=True)
+            if i % 2
+            else SamplingParams(
+                max_tokens=args.steps + 200,
+                ignore_eos=True,
+                temperature=0.8,
+                top_p=0.9,
+                repetition_penalty=1.1,
+                stop=["never-said"],
+                seed=i,
+            )
+        )
         engine.add(f"r{i}", token_ids=r.prompt, params=sp)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
         engine.step()  # through prefill
@@ -95,15 +107,22 @@ def main() -> None:
     fwd_ms = statistics.median(fwd) * 1000
     over = [(s - f) / s for s, f in zip(steps, fwd, strict=True)]
     result = {
-        "bench": "overhead", "batch": args.batch, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "step_ms_median": round(step_ms, 2), "forward_ms_median": round(fwd_ms, 2),
+        "bench": "overhead",
+        "batch": args.batch,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "step_ms_median": round(step_ms, 2),
+        "forward_ms_median": round(fwd_ms, 2),
         "bare_forward_ms_median": round(statistics.median(bare) * 1000, 2),
-        "overhead_ms_median": round(statistics.median(s - f for s, f in zip(steps, fwd, strict=True)) * 1000, 2),
+        "overhead_ms_median": round(
+            statistics.median(s - f for s, f in zip(steps, fwd, strict=True)) * 1000, 2
+        ),
         "overhead_share_median": round(statistics.median(over), 4),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}",
     }
-    print(f"step {step_ms:.1f} ms, forward {fwd_ms:.1f} ms, everything else "
-          f"{result['overhead_ms_median']:.2f} ms ({100 * result['overhead_share_median']:.1f}% of the step)")
+    print(
+        f"step {step_ms:.1f} ms, forward {fwd_ms:.1f} ms, everything else "
+        f"{result['overhead_ms_median']:.2f} ms ({100 * result['overhead_share_median']:.1f}% of the step)"
+    )
     print(json.dumps(result))
 
 

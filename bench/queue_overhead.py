@@ -40,11 +40,15 @@ WORDS = "the a river stone light north quiet letter garden winter paper machine 
 def workload(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [
-        {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 96))),
-         "max_tokens": rng.randint(16, 96), "temperature": 0.0, "ignore_eos": True,
-         "lane": rng.choice(["interactive", "standard", "batch"])}
+        {
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 96))),
+            "max_tokens": rng.randint(16, 96),
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "lane": rng.choice(["interactive", "standard", "batch"]),
+        }
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def engine_args(a: argparse.Namespace) -> dict:
@@ -71,8 +75,18 @@ def offline(a: argparse.Namespace, reqs: list[dict]) -> dict:
 
 
 def end_to_end(a: argparse.Namespace, url: str, reqs: list[dict]) -> dict:
-    cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", a.model, "--url", url,
-           "--log-level", "WARNING"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "producer.cli",
+        "worker",
+        "--model",
+        a.model,
+        "--url",
+        url,
+        "--log-level",
+        "WARNING",
+    ]
     for k, v in engine_args(a).items():
         cmd += ["--engine", f"{k}={v}"]
     worker = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"})
@@ -97,8 +111,15 @@ def end_to_end(a: argparse.Namespace, url: str, reqs: list[dict]) -> dict:
 
 def enqueue(url: str, n: int) -> dict:
     client = Client(url)
-    reqs = [{"prompt": f"Summarize document {i}: the quick brown fox jumps over the lazy dog.",
-             "max_tokens": 64, "lane": "batch", "temperature": 0.0} for i in range(n)]  # fmt: skip
+    reqs = [
+        {
+            "prompt": f"Summarize document {i}: the quick brown fox jumps over the lazy dog.",
+            "max_tokens": 64,
+            "lane": "batch",
+            "temperature": 0.0,
+        }
+        for i in range(n)
+    ]
     client.redis.flushall()
     t = time.perf_counter()
     client.submit_many(reqs)
@@ -111,17 +132,32 @@ def enqueue(url: str, n: int) -> dict:
     client.redis.flushall()
     if bench:
         port = re.search(r":(\d+)/", url).group(1)  # type: ignore[union-attr]
-        out = subprocess.run([bench, "-p", port, "-n", str(n), "-P", "1000", "-q", "-t", "xadd"],
-                             capture_output=True, text=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [bench, "-p", port, "-n", str(n), "-P", "1000", "-q", "-t", "xadd"],
+            capture_output=True,
+            text=True,
+        ).stdout
         m = re.search(r"([\d.]+) requests per second", out)
         peer, peer_name = (float(m.group(1)) if m else 0.0), "redis-benchmark -t xadd -P 1000"
     else:
         pipe = client.redis.pipeline(transaction=False)
         t = time.perf_counter()
         for i in range(n):
-            pipe.xadd(stream, {"v": "1", "id": protocol.new_job_id(), "priority": 0, "lane": "batch",
-                               "prompt_tokens": 20, "max_tokens": 64, "content_type": protocol.MSGPACK,
-                               "body": body}, maxlen=1_000_000, approximate=True)  # fmt: skip
+            pipe.xadd(
+                stream,
+                {
+                    "v": "1",
+                    "id": protocol.new_job_id(),
+                    "priority": 0,
+                    "lane": "batch",
+                    "prompt_tokens": 20,
+                    "max_tokens": 64,
+                    "content_type": protocol.MSGPACK,
+                    "body": body,
+                },
+                maxlen=1_000_000,
+                approximate=True,
+            )
             if i % 5000 == 4999:
                 pipe.execute()
         pipe.execute()
@@ -132,28 +168,53 @@ def enqueue(url: str, n: int) -> dict:
     # The wire ceiling for one Python process: pre-encoded XADDs, written in bulk.
     client.redis.flushall()
     t = time.perf_counter()
-    cmds = [fastpipe.pack(["XADD", stream, "MAXLEN", "~", 1_000_000, "*", "v", "1", "id",
-                           protocol.new_job_id(), "body", body]) for _ in range(n)]  # fmt: skip
+    cmds = [
+        fastpipe.pack(
+            [
+                "XADD",
+                stream,
+                "MAXLEN",
+                "~",
+                1_000_000,
+                "*",
+                "v",
+                "1",
+                "id",
+                protocol.new_job_id(),
+                "body",
+                body,
+            ]
+        )
+        for _ in range(n)
+    ]
     for i in range(0, n, 5000):
         fastpipe.run(client.redis, cmds[i : i + 5000])
     raw = n / (time.perf_counter() - t)
     client.close()
-    return {"submit_many_jobs_per_s": sdk, "peer_xadd_per_s": peer, "peer": peer_name,
-            "raw_packed_xadd_per_s": raw}  # fmt: skip
+    return {
+        "submit_many_jobs_per_s": sdk,
+        "peer_xadd_per_s": peer,
+        "peer": peer_name,
+        "raw_packed_xadd_per_s": raw,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    p.add_argument(
+        "--model",
+        default=str(ROOT / "models" / "bench-llama"),
+        help="default: the ~46M-parameter benchmark Llama (made if missing)",
+    )
     p.add_argument("--jobs", type=int, default=200)
     p.add_argument("--enqueue", type=int, default=20000)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--kv-bytes", type=int, default=256 << 20)
     a = p.parse_args()
     if not (Path(a.model) / "config.json").exists():
-        from gpu_workers.models.factory import make_model
+        from bench.workload import bench_model
 
-        make_model(a.model, family="llama", size="tiny")
+        bench_model(a.model)
     reqs = workload(a.jobs)
     off = offline(a, reqs)
     print(
@@ -165,10 +226,15 @@ def main() -> None:
             f"end to end: {e2e['tokens']} tokens in {e2e['seconds']:.2f}s = {e2e['tokens_per_s']:.1f} tokens/s"
         )
         enq = enqueue(url, a.enqueue)
-    print(f"enqueue:    submit_many {enq['submit_many_jobs_per_s']:.0f} jobs/s; "
-          f"{enq['peer']} {enq['peer_xadd_per_s']:.0f}/s; raw packed XADD {enq['raw_packed_xadd_per_s']:.0f}/s")  # fmt: skip
+    print(
+        f"enqueue:    submit_many {enq['submit_many_jobs_per_s']:.0f} jobs/s; "
+        f"{enq['peer']} {enq['peer_xadd_per_s']:.0f}/s; raw packed XADD {enq['raw_packed_xadd_per_s']:.0f}/s"
+    )
     result = {
-        "model": Path(a.model).name, "jobs": a.jobs, "threads": a.threads, "cpus": os.cpu_count(),
+        "model": Path(a.model).name,
+        "jobs": a.jobs,
+        "threads": a.threads,
+        "cpus": os.cpu_count(),
         "offline_tokens_per_s": round(off["tokens_per_s"], 1),
         "e2e_tokens_per_s": round(e2e["tokens_per_s"], 1),
         "e2e_vs_offline": round(e2e["tokens_per_s"] / off["tokens_per_s"], 3),
@@ -177,7 +243,7 @@ def main() -> None:
         "peer": enq["peer"],
         "raw_packed_xadd_per_s": round(enq["raw_packed_xadd_per_s"]),
         "submit_many_vs_peer": round(enq["submit_many_jobs_per_s"] / enq["peer_xadd_per_s"], 3),
-    }  # fmt: skip
+    }
     print(json.dumps(result))
 
 

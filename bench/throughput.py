@@ -51,9 +51,11 @@ def run_plurai(model: Path, reqs: list[Request], dtype: str) -> tuple[float, dic
     elapsed = time.perf_counter() - start
     assert produced == sum(r.max_tokens for r in reqs), produced
     samples.sort()
-    kv = {"kv_util_median": samples[len(samples) // 2] if samples else None,
-          "kv_util_min": samples[0] if samples else None,
-          "preemptions": engine.scheduler.num_preemptions}
+    kv = {
+        "kv_util_median": samples[len(samples) // 2] if samples else None,
+        "kv_util_min": samples[0] if samples else None,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
     return elapsed, kv
 
 
@@ -65,7 +67,9 @@ def _hf_model(model: Path, dtype: torch.dtype):
     return m
 
 
-def run_hf_static(model: Path, reqs: list[Request], dtype: torch.dtype, batch: int, pad_id: int) -> float:
+def run_hf_static(
+    model: Path, reqs: list[Request], dtype: torch.dtype, batch: int, pad_id: int
+) -> float:
     m = _hf_model(model, dtype)
     start = time.perf_counter()
     for i in range(0, len(reqs), batch):
@@ -75,8 +79,14 @@ def run_hf_static(model: Path, reqs: list[Request], dtype: torch.dtype, batch: i
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group])
         new = max(r.max_tokens for r in group)
         with torch.inference_mode():
-            m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=pad_id)
+            m.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
     return time.perf_counter() - start
 
 
@@ -84,8 +94,12 @@ def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype) -> float:
     from transformers import GenerationConfig
 
     m = _hf_model(model, dtype)
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs),
-                          eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(r.max_tokens for r in reqs),
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     manager = m.init_continuous_batching(generation_config=gc)
     manager.start()
     try:
@@ -104,7 +118,9 @@ def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="models/bench-llama")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -121,11 +137,19 @@ def main() -> None:
     reqs = mixed(args.requests, vocab, args.seed)
     useful = sum(r.max_tokens for r in reqs)
     tdtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    print(f"{len(reqs)} requests: {sum(len(r.prompt) for r in reqs)} prompt tokens, {useful} output tokens; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"{len(reqs)} requests: {sum(len(r.prompt) for r in reqs)} prompt tokens, {useful} output tokens; "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
 
-    result: dict = {"bench": "throughput", "requests": len(reqs), "useful_tokens": useful,
-                    "dtype": args.dtype, "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+    result: dict = {
+        "bench": "throughput",
+        "requests": len(reqs),
+        "useful_tokens": useful,
+        "dtype": args.dtype,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+    }
     t, kv = run_plurai(model, reqs, args.dtype)
     result["plurai_tok_s"] = round(useful / t, 1)
     result.update(kv)

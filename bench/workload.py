@@ -15,8 +15,16 @@ class Request:
     max_tokens: int
 
 
-def mixed(n: int, vocab: int, seed: int = 0, prompt_median: int = 128, output_median: int = 96,
-          sigma: float = 0.6, max_prompt: int = 768, max_output: int = 384) -> list[Request]:
+def mixed(
+    n: int,
+    vocab: int,
+    seed: int = 0,
+    prompt_median: int = 128,
+    output_median: int = 96,
+    sigma: float = 0.6,
+    max_prompt: int = 768,
+    max_output: int = 384,
+) -> list[Request]:
     """n requests; lengths lognormal around the medians, clipped to [8, max_*]."""
     rng = random.Random(seed)
     out = []

@@ -64,8 +64,14 @@ def _ms() -> int:
 
 
 class Worker:
-    def __init__(self, engine: Any, r: redis.Redis, settings: Settings,
-                 worker_id: str | None = None, model_names: set[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        r: redis.Redis,
+        settings: Settings,
+        worker_id: str | None = None,
+        model_names: set[str] | None = None,
+    ) -> None:
         from gpu_workers.engine.sampling_params import SamplingParams
 
         self._params_cls = SamplingParams
@@ -136,8 +142,11 @@ class Worker:
         script cache: nothing of theirs ran) after loading the scripts again."""
         commands = [args for args, _options in pipe.command_stack]
         replies = pipe.execute(raise_on_error=False)
-        failed = [args for args, rep in zip(commands, replies, strict=True)
-                  if isinstance(rep, redis.exceptions.NoScriptError)]  # fmt: skip
+        failed = [
+            args
+            for args, rep in zip(commands, replies, strict=True)
+            if isinstance(rep, redis.exceptions.NoScriptError)
+        ]
         if failed:
             self._load_scripts()
             retry = self.r.pipeline(transaction=False)
@@ -161,12 +170,19 @@ class Worker:
     def _heartbeat(self) -> None:
         interval = self.settings.heartbeat_interval_s
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(keys.worker(self.id), mapping={
-            "host": socket.gethostname(), "pid": os.getpid(), "beat_ms": _ms(),
-            "model": ",".join(sorted(self.model_names)), "running": len(self.running),
-            "held": len(self.held), "jobs_done": self.jobs_done,
-            "state": "stopping" if self.stopping else "serving",
-        })  # fmt: skip
+        pipe.hset(
+            keys.worker(self.id),
+            mapping={
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "beat_ms": _ms(),
+                "model": ",".join(sorted(self.model_names)),
+                "running": len(self.running),
+                "held": len(self.held),
+                "jobs_done": self.jobs_done,
+                "state": "stopping" if self.stopping else "serving",
+            },
+        )
         pipe.expire(keys.worker(self.id), max(1, int(3 * interval)))
         pipe.sadd(keys.WORKERS, self.id)
         pipe.execute()
@@ -258,20 +274,40 @@ class Worker:
     ) -> None:
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(keys.DEAD_LETTER, {
-            "lane": lane, "entry_id": entry_id, "error": str(e), "worker": self.id,
-            "fields": json.dumps({k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
-                                  for k, v in fields.items()})[:65536],
-        }, maxlen=self.settings.stream_maxlen, approximate=True)  # fmt: skip
+        pipe.xadd(
+            keys.DEAD_LETTER,
+            {
+                "lane": lane,
+                "entry_id": entry_id,
+                "error": str(e),
+                "worker": self.id,
+                "fields": json.dumps(
+                    {
+                        k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+                        for k, v in fields.items()
+                    }
+                )[:65536],
+            },
+            maxlen=self.settings.stream_maxlen,
+            approximate=True,
+        )
         pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
         pipe.execute()
 
     def _fail_entry(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
         log.info("job %s refused: %s: %s", job_id, code, message)
         pipe = self.r.pipeline(transaction=False)
-        self._final(pipe, job_id, lane, entry_id, records.FAILED, "",
-                    records.final_fields(worker=self.id, finished_ms=_ms(),
-                                         error_code=code, error_message=message))  # fmt: skip
+        self._final(
+            pipe,
+            job_id,
+            lane,
+            entry_id,
+            records.FAILED,
+            "",
+            records.final_fields(
+                worker=self.id, finished_ms=_ms(), error_code=code, error_message=message
+            ),
+        )
         self._execute(pipe)
 
     def _start(self, entry: Entry) -> None:
@@ -282,10 +318,16 @@ class Worker:
             return
         verdict = self._begin(
             keys=[keys.job(job_id), keys.output(job_id)],
-            args=[self.id, _ms(), self.settings.result_ttl_s,
-                  env.deadline_ms if env.deadline_ms is not None else "", entry.lane, env.priority,
-                  json.dumps(req.metadata) if req.metadata is not None else ""],
-        )  # fmt: skip
+            args=[
+                self.id,
+                _ms(),
+                self.settings.result_ttl_s,
+                env.deadline_ms if env.deadline_ms is not None else "",
+                entry.lane,
+                env.priority,
+                json.dumps(req.metadata) if req.metadata is not None else "",
+            ],
+        )
         verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
         if verdict == "done":
             self.r.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
@@ -294,18 +336,34 @@ class Worker:
             self._end_now(Running(entry), records.CANCELLED, "abort")
             return
         if verdict == "expired":
-            self._end_now(Running(entry), records.FAILED, "", Code.DEADLINE_EXCEEDED,
-                      "the job's deadline passed before a worker could start it")  # fmt: skip
+            self._end_now(
+                Running(entry),
+                records.FAILED,
+                "",
+                Code.DEADLINE_EXCEEDED,
+                "the job's deadline passed before a worker could start it",
+            )
             return
         try:
-            self.engine.add(job_id, prompt=req.prompt, token_ids=req.token_ids,
-                            messages=req.messages, params=entry.params, priority=env.priority)  # fmt: skip
+            self.engine.add(
+                job_id,
+                prompt=req.prompt,
+                token_ids=req.token_ids,
+                messages=req.messages,
+                params=entry.params,
+                priority=env.priority,
+            )
         except Exception as e:
             code = getattr(e, "code", None)
             if code is None:
                 log.exception("job %s: engine.add failed", job_id)
-            self._end_now(Running(entry), records.FAILED, "", code or Code.INTERNAL,
-                      getattr(e, "message", None) or f"{type(e).__name__}: {e}")  # fmt: skip
+            self._end_now(
+                Running(entry),
+                records.FAILED,
+                "",
+                code or Code.INTERNAL,
+                getattr(e, "message", None) or f"{type(e).__name__}: {e}",
+            )
             return
         self.running[job_id] = Running(entry)
 
@@ -370,33 +428,64 @@ class Worker:
             for command in failed:
                 self.r.execute_command(*command)
 
-    def _end(self, pipe: Any, run: Running, state: str, finish_reason: str,
-             code: str = "", message: str = "") -> None:  # fmt: skip
+    def _end(
+        self,
+        pipe: Any,
+        run: Running,
+        state: str,
+        finish_reason: str,
+        code: str = "",
+        message: str = "",
+    ) -> None:
         """Queue on `pipe` the job's final result and the ack of its entry."""
         env = run.entry.req.envelope
         lp = run.logprobs if run.entry.params.logprobs is not None else None
         fields = records.final_fields(
-            text="".join(run.text), token_ids=run.token_ids, prompt_tokens=run.prompt_tokens,
-            cached_tokens=run.cached_tokens, worker=self.id, finished_ms=_ms(),
-            error_code=code, error_message=message, logprobs=lp,
-        )  # fmt: skip
+            text="".join(run.text),
+            token_ids=run.token_ids,
+            prompt_tokens=run.prompt_tokens,
+            cached_tokens=run.cached_tokens,
+            worker=self.id,
+            finished_ms=_ms(),
+            error_code=code,
+            error_message=message,
+            logprobs=lp,
+        )
         self._final(
             pipe, env.job_id, run.entry.lane, run.entry.entry_id, state, finish_reason, fields
         )
 
-    def _end_now(self, run: Running, state: str, finish_reason: str, code: str = "",
-                 message: str = "") -> None:  # fmt: skip
+    def _end_now(
+        self, run: Running, state: str, finish_reason: str, code: str = "", message: str = ""
+    ) -> None:
         self._collect()  # this job's deltas go before its end entry
         pipe = self.r.pipeline(transaction=False)
         self._end(pipe, run, state, finish_reason, code, message)
         self._execute(pipe)
 
-    def _final(self, pipe: Any, job_id: str, lane: str, entry_id: bytes, state: str,
-               finish_reason: str, fields: list[Any]) -> None:  # fmt: skip
+    def _final(
+        self,
+        pipe: Any,
+        job_id: str,
+        lane: str,
+        entry_id: bytes,
+        state: str,
+        finish_reason: str,
+        fields: list[Any],
+    ) -> None:
         k = [keys.job(job_id), keys.output(job_id), keys.request_stream(lane)]
-        pipe.evalsha(self._sha["FINALIZE"], len(k), *k, keys.GROUP, entry_id,
-                     self.settings.result_ttl_s, keys.done_channel(job_id), state, finish_reason,
-                     *fields)  # fmt: skip
+        pipe.evalsha(
+            self._sha["FINALIZE"],
+            len(k),
+            *k,
+            keys.GROUP,
+            entry_id,
+            self.settings.result_ttl_s,
+            keys.done_channel(job_id),
+            state,
+            finish_reason,
+            *fields,
+        )
         self.jobs_done += 1
 
     def _poll_cancels(self) -> None:
@@ -420,8 +509,13 @@ class Worker:
             if now > deadline:
                 del self.running[job_id]
                 self.engine.abort(job_id)
-                self._end_now(run, records.FAILED, "abort", Code.DEADLINE_EXCEEDED,
-                          "the job's deadline passed while it ran; the text so far is kept")  # fmt: skip
+                self._end_now(
+                    run,
+                    records.FAILED,
+                    "abort",
+                    Code.DEADLINE_EXCEEDED,
+                    "the job's deadline passed while it ran; the text so far is kept",
+                )
 
     def _hand_back(self) -> None:
         """Re-add every job not finished here to the tail of its lane, ack the old entry."""
@@ -475,8 +569,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL); none: an embedded redis-server")
     p.add_argument("--worker-id", help="consumer name; default host-pid-random")
     p.add_argument("--grace", type=float, help="seconds to finish running jobs on SIGTERM")
-    p.add_argument("--engine", type=_engine_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="an EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--engine",
+        type=_engine_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)",
+    )
     p.add_argument("--log-level", default="INFO")
 
 

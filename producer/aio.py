@@ -24,8 +24,13 @@ from results.records import JobRecord
 
 
 class AsyncClient:
-    def __init__(self, url: str | None = None, *, settings: Settings | None = None,
-                 redis: redis.asyncio.Redis | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        redis: redis.asyncio.Redis | None = None,
+    ) -> None:
         self.settings = settings or Settings()
         self.redis = (
             redis
@@ -141,7 +146,7 @@ class AsyncJob:
                     self.id,
                     int(time.time() * 1000),
                 ],
-            )  # fmt: skip
+            )
         )
 
 

@@ -26,9 +26,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options: dict[str, Any] = {
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "priority": args.priority,
-        "lane": args.lane, "idempotency_key": args.idempotency_key, "model": args.model,
-    }  # fmt: skip
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "priority": args.priority,
+        "lane": args.lane,
+        "idempotency_key": args.idempotency_key,
+        "model": args.model,
+    }
     if args.messages:
         options["messages"] = json.loads(prompt)
         prompt = None

@@ -140,7 +140,7 @@ class Job:
                     self.id,
                     int(time.time() * 1000),
                 ],
-            )  # fmt: skip
+            )
         )
 
 

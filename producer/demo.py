@@ -54,10 +54,20 @@ def main() -> int:
     ):
         print(f"redis-server (embedded) at {url}", flush=True)
         worker = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "worker", "--model", str(MODEL), "--url", url,
-             "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "producer.cli",
+                "worker",
+                "--model",
+                str(MODEL),
+                "--url",
+                url,
+                "--log-level",
+                "WARNING",
+            ],
             env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"},
-        )  # fmt: skip
+        )
         try:
             client = Client(url)
             print("starting a worker (loading the engine) ...", flush=True)
@@ -71,7 +81,7 @@ def main() -> int:
                     priority=i % 3,
                     metadata={"doc": i},
                     ignore_eos=True,
-                )  # fmt: skip
+                )
                 for i, (lane, text) in enumerate(DOCS)
             ]
             print(
@@ -86,8 +96,10 @@ def main() -> int:
             for i, rec in enumerate(records[1:], start=1):
                 print(f"[doc {i} | {rec.lane:<11} | {rec.state}] {(rec.text or '')[:70]!r}")
             tokens = sum(rec.output_tokens or 0 for rec in records)
-            print(f"\n{len(records)} jobs, {tokens} tokens in {elapsed:.2f}s: "
-                  f"{tokens / elapsed:.1f} tokens/s, {len(records) / elapsed:.2f} jobs/s")  # fmt: skip
+            print(
+                f"\n{len(records)} jobs, {tokens} tokens in {elapsed:.2f}s: "
+                f"{tokens / elapsed:.1f} tokens/s, {len(records) / elapsed:.2f} jobs/s"
+            )
             client.close()
             return 0 if all(rec.state == "completed" for rec in records) else 1
         finally:

@@ -10,9 +10,20 @@ from broker_config import keys, protocol
 from broker_config.settings import Settings
 
 SUBMIT_OPTIONS = frozenset(
-    {"prompt", "messages", "token_ids", "priority", "lane", "metadata", "idempotency_key",
-     "deadline", "model", "stream", "content_type"}
-)  # fmt: skip
+    {
+        "prompt",
+        "messages",
+        "token_ids",
+        "priority",
+        "lane",
+        "metadata",
+        "idempotency_key",
+        "deadline",
+        "model",
+        "stream",
+        "content_type",
+    }
+)
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
 
 
@@ -63,10 +74,23 @@ def prepare(
         body["stream"] = False
     job_id = protocol.new_job_id()
     fields: list[Any] = [
-        "v", protocol.VERSION, "id", job_id, "priority", priority, "lane", lane,
-        "prompt_tokens", n, "max_tokens", max_tokens, "content_type", content_type,
-        "body", protocol.encode_body(body, content_type),
-    ]  # fmt: skip
+        "v",
+        protocol.VERSION,
+        "id",
+        job_id,
+        "priority",
+        priority,
+        "lane",
+        lane,
+        "prompt_tokens",
+        n,
+        "max_tokens",
+        max_tokens,
+        "content_type",
+        content_type,
+        "body",
+        protocol.encode_body(body, content_type),
+    ]
     if deadline is not None:
         fields += ["deadline", int(deadline * 1000)]
     key_list = [keys.request_stream(lane), keys.job(job_id)]
@@ -74,9 +98,14 @@ def prepare(
         fields += ["idem", idempotency_key]
         key_list.append(keys.idempotency(idempotency_key))
     args: list[Any] = [
-        settings.stream_maxlen, settings.queued_ttl_s, settings.idempotency_ttl_s, job_id,
-        int(time.time() * 1000), lane, priority,
+        settings.stream_maxlen,
+        settings.queued_ttl_s,
+        settings.idempotency_ttl_s,
+        job_id,
+        int(time.time() * 1000),
+        lane,
+        priority,
         json.dumps(metadata, separators=(",", ":")) if metadata is not None else "",
         *fields,
-    ]  # fmt: skip
+    ]
     return job_id, key_list, args

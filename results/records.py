@@ -123,14 +123,21 @@ def final_fields(
     """Field/value pairs of a final result, flat, for the FINALIZE script."""
     ids = token_ids or []
     out: list[str | int] = [
-        "text", text,
-        "token_ids", json.dumps(ids, separators=(",", ":")),
-        "prompt_tokens", prompt_tokens,
-        "output_tokens", len(ids),
-        "cached_tokens", cached_tokens,
-        "worker", worker,
-        "finished_ms", finished_ms,
-    ]  # fmt: skip
+        "text",
+        text,
+        "token_ids",
+        json.dumps(ids, separators=(",", ":")),
+        "prompt_tokens",
+        prompt_tokens,
+        "output_tokens",
+        len(ids),
+        "cached_tokens",
+        cached_tokens,
+        "worker",
+        worker,
+        "finished_ms",
+        finished_ms,
+    ]
     if error_code:
         out += ["error_code", error_code, "error_message", error_message]
     if logprobs is not None:

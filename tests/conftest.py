@@ -32,8 +32,9 @@ def tiny_model(model_factory) -> Path:
     return model_factory("llama")
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
-                     stop_at_eos: bool = False) -> list[list[int]]:
+def reference_greedy(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int, stop_at_eos: bool = False
+) -> list[list[int]]:
     """transformers `generate`, one unpadded prompt at a time: the ground truth."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -45,9 +46,14 @@ def reference_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
     for p in prompts:
         ids = torch.tensor([p])
         with torch.inference_mode():
-            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                            do_sample=False, pad_token_id=0)
-        out.append(g[0, len(p):].tolist())
+            g = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        out.append(g[0, len(p) :].tolist())
     return out
 
 

@@ -24,8 +24,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, fingerprint: bytes,
-                 prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, fingerprint: bytes, prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.prefix_caching = prefix_caching
@@ -70,7 +71,9 @@ class BlockManager:
         out: list[int] = []
         for i in range(limit):
             bid = self.cached.get(seq.block_hashes[i])
-            if bid is None or self.blocks[bid].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if bid is None or self.blocks[bid].token_ids != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
                 break
             out.append(bid)
         return out

@@ -19,7 +19,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
     chunked_prefill: bool = True
     prefix_caching: bool = True
-    priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
+    priority_aging_steps: int = (
+        256  # a waiting request gains one priority level per this many steps
+    )
     watermark: float = 0.01  # share of blocks the capacity query keeps free
     seed: int = 0  # sampling seed for requests that give none
     threads: int | None = None  # torch CPU threads; None: torch's default

@@ -34,13 +34,19 @@ class Engine:
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len "
-                             f"({config.max_num_batched_tokens} < {self.max_model_len})")
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({config.max_num_batched_tokens} < {self.max_model_len})"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.vocab_size = self.runner.vocab_size
         self.model_fingerprint = fingerprint(config.model)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
-                                   bytes.fromhex(self.model_fingerprint), config.prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks,
+            config.block_size,
+            bytes.fromhex(self.model_fingerprint),
+            config.prefix_caching,
+        )
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(config.seed)
         self.eos_ids = self._eos_ids()
@@ -56,7 +62,9 @@ class Engine:
         try:
             from transformers import GenerationConfig
 
-            v = GenerationConfig.from_pretrained(self.config.model, local_files_only=True).eos_token_id
+            v = GenerationConfig.from_pretrained(
+                self.config.model, local_files_only=True
+            ).eos_token_id
             ids.update(v if isinstance(v, list) else [v] if v is not None else [])
         except OSError:
             pass
@@ -64,55 +72,87 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------
 
-    def tokenize(self, prompt: str | None = None, token_ids: list[int] | None = None,
-                 messages: list[dict] | None = None) -> list[int]:
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> list[int]:
         """Token ids for exactly one of prompt / token_ids / messages, validated."""
         given = [x is not None for x in (prompt, token_ids, messages)]
         if sum(given) != 1:
-            raise RequestError(ErrorCode.INVALID_PROMPT, "give exactly one of prompt, token_ids or messages")
+            raise RequestError(
+                ErrorCode.INVALID_PROMPT, "give exactly one of prompt, token_ids or messages"
+            )
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
                 raise RequestError(ErrorCode.INVALID_PROMPT, "prompt must be a non-empty string")
             ids = self.tokenizer(prompt).input_ids
         elif messages is not None:
-            if (not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
-                raise RequestError(ErrorCode.INVALID_PROMPT,
-                                   "messages must be a non-empty list of {role: str, content: str} objects")
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in messages
+                )
+            ):
+                raise RequestError(
+                    ErrorCode.INVALID_PROMPT,
+                    "messages must be a non-empty list of {role: str, content: str} objects",
+                )
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
         else:
             if not isinstance(token_ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
                 raise RequestError(ErrorCode.INVALID_PROMPT, "token_ids must be a list of integers")
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestError(ErrorCode.TOKEN_OUT_OF_VOCAB,
-                                   f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+                raise RequestError(
+                    ErrorCode.TOKEN_OUT_OF_VOCAB,
+                    f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                )
             ids = list(token_ids)
         if not ids:
             raise RequestError(ErrorCode.INVALID_PROMPT, "the prompt is empty")
         return ids
 
-    def add(self, request_id: str, prompt: str | None = None, token_ids: list[int] | None = None,
-            messages: list[dict] | None = None, params: SamplingParams | dict | None = None,
-            priority: int = 0) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        params: SamplingParams | dict | None = None,
+        priority: int = 0,
+    ) -> None:
         """Queue a request. Raises RequestError for bad input; nothing else is affected."""
         if request_id in self.seqs:
-            raise RequestError(ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine")
+            raise RequestError(
+                ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
+            )
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise RequestError(ErrorCode.INVALID_PARAMS, f"priority must be an integer, got {priority!r}")
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS, f"priority must be an integer, got {priority!r}"
+            )
         ids = self.tokenize(prompt, token_ids, messages)
         if len(ids) >= self.max_model_len:
-            raise RequestError(ErrorCode.PROMPT_TOO_LONG,
-                               f"the prompt has {len(ids)} tokens; this model serves at most "
-                               f"{self.max_model_len} tokens including at least one generated token, "
-                               f"so shorten the prompt to {self.max_model_len - 1} tokens or fewer")
+            raise RequestError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"the prompt has {len(ids)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens including at least one generated token, "
+                f"so shorten the prompt to {self.max_model_len - 1} tokens or fewer",
+            )
         seq = Sequence(request_id, ids, params, priority)
         seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.seqs[request_id] = seq
@@ -138,8 +178,10 @@ class Engine:
             reserved += max(0, self._blocks_needed(seq.max_len) - len(seq.block_table))
         watermark = int(self.config.watermark * self.blocks.num_blocks)
         room = self.blocks.num_free - reserved - watermark
-        return (len(self.seqs) < self.config.max_num_seqs
-                and self._blocks_needed(prompt_len + max_tokens) <= room)
+        return (
+            len(self.seqs) < self.config.max_num_seqs
+            and self._blocks_needed(prompt_len + max_tokens) <= room
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -167,7 +209,10 @@ class Engine:
         if not sampling:
             return []
         tokens, logprobs = self.sampler(logits, sampling)
-        return [self._append(seq, tok, lp) for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True)]
+        return [
+            self._append(seq, tok, lp)
+            for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True)
+        ]
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> StepOutput:
         p = seq.params
@@ -192,9 +237,17 @@ class Engine:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             del self.seqs[seq.request_id]
-        return StepOutput(seq.request_id, [token], delta, reason is not None, reason,
-                          seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                          [logprob] if logprob is not None else None)
+        return StepOutput(
+            seq.request_id,
+            [token],
+            delta,
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+            [logprob] if logprob is not None else None,
+        )
 
     @staticmethod
     def _cut_at_stop(seq: Sequence, before: int) -> bool:
@@ -211,9 +264,12 @@ class Engine:
 
     # -- offline ------------------------------------------------------------------
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 priorities: list[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priorities: list[int] | None = None,
+    ) -> list[Completion]:
         """Run prompts (text or token ids) to completion; results in input order."""
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
@@ -233,20 +289,38 @@ class Engine:
         for rid in ids:
             s = seqs[rid]
             assert s.detok is not None and s.finish_reason is not None
-            out.append(Completion(rid, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.detok.text,
-                                  s.finish_reason, s.num_cached_tokens, s.logprobs or None))
+            out.append(
+                Completion(
+                    rid,
+                    s.token_ids[: s.num_prompt_tokens],
+                    s.output_token_ids,
+                    s.detok.text,
+                    s.finish_reason,
+                    s.num_cached_tokens,
+                    s.logprobs or None,
+                )
+            )
         return out
 
     def stats(self) -> dict[str, Any]:
         bm = self.blocks
         used = [b for b in bm.blocks if b.ref_count > 0]
-        stored = sum(min(bm.block_size, max(0, s.num_computed_tokens - i * bm.block_size))
-                     for s in self.seqs.values() for i in range(len(s.block_table)))
+        stored = sum(
+            min(bm.block_size, max(0, s.num_computed_tokens - i * bm.block_size))
+            for s in self.seqs.values()
+            for i in range(len(s.block_table))
+        )
         return {
-            "blocks_total": bm.num_blocks, "blocks_free": bm.num_free, "blocks_used": len(used),
-            "blocks_cached": len(bm.cached), "tokens_stored": stored,
+            "blocks_total": bm.num_blocks,
+            "blocks_free": bm.num_free,
+            "blocks_used": len(used),
+            "blocks_cached": len(bm.cached),
+            "tokens_stored": stored,
             "slots_allocated": len(used) * bm.block_size,
-            "prefix_hit_blocks": bm.hits, "prefix_lookup_blocks": bm.lookups,
-            "running": self.num_running, "waiting": self.num_waiting,
-            "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+            "prefix_hit_blocks": bm.hits,
+            "prefix_lookup_blocks": bm.lookups,
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
         }

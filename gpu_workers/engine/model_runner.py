@@ -35,7 +35,11 @@ class ModelRunner:
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
-            log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
+            log.warning(
+                "KV cache holds %d tokens; max_model_len lowered from %d",
+                capacity,
+                self.max_model_len,
+            )
             self.max_model_len = capacity
 
     def _max_model_len(self, cfg) -> int:
@@ -52,8 +56,14 @@ class ModelRunner:
     def _allocate_cache(self) -> int:
         cfg = self.hf_config
         attn = self.model.layers[0].self_attn
-        per_block = (2 * cfg.num_hidden_layers * self.block_size * attn.num_kv_heads * attn.head_dim
-                     * torch.empty(0, dtype=self.dtype).element_size())
+        per_block = (
+            2
+            * cfg.num_hidden_layers
+            * self.block_size
+            * attn.num_kv_heads
+            * attn.head_dim
+            * torch.empty(0, dtype=self.dtype).element_size()
+        )
         n = self.config.num_kv_blocks
         if n is None:
             if self.device.type == "cuda":
@@ -62,14 +72,24 @@ class ModelRunner:
             else:
                 budget = self.config.kv_cache_bytes
             n = max(1, budget // per_block)
-        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, attn.num_kv_heads, n, self.block_size,
-                                    attn.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            2,
+            cfg.num_hidden_layers,
+            attn.num_kv_heads,
+            n,
+            self.block_size,
+            attn.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         return n
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[int]]:
+    def prepare(
+        self, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[int]]:
         """Inputs for one step. Decodes (one token) are laid out first, then prefill chunks."""
         bs = self.block_size
         decodes = [s for s in seqs if s.num_scheduled == 1]
@@ -93,10 +113,18 @@ class ModelRunner:
             if decodes:
                 lens = [s.num_computed_tokens + 1 for s in decodes]
                 width = -(-max(lens) // bs)
-                table = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in decodes]
+                table = [
+                    s.block_table[:width] + [0] * (width - len(s.block_table[:width]))
+                    for s in decodes
+                ]
                 ctx.decode_blocks = torch.tensor(table, device=dev)
-                pad = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
-                ctx.decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[None, :, None]
+                pad = (
+                    torch.arange(width * bs, device=dev)[None, :]
+                    >= torch.tensor(lens, device=dev)[:, None]
+                )
+                ctx.decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(
+                    pad, float("-inf")
+                )[None, :, None]
             gathered = [len(s.block_table) for s in prefills if s.num_computed_tokens]
             if decodes:
                 gathered.append(ctx.decode_blocks.numel())
@@ -119,8 +147,10 @@ class ModelRunner:
         need = num_blocks * self.kv_cache[0, 0, :, 0].numel()
         if self.scratch is None or self.scratch[0].numel() < need:
             size = max(need, 2 * self.scratch[0].numel() if self.scratch is not None else 0)
-            self.scratch = (torch.empty(size, dtype=self.dtype, device=self.device),
-                            torch.empty(size, dtype=self.dtype, device=self.device))
+            self.scratch = (
+                torch.empty(size, dtype=self.dtype, device=self.device),
+                torch.empty(size, dtype=self.dtype, device=self.device),
+            )
         return self.scratch
 
     def _flash_inputs(self, ctx: AttnContext, seqs: list[Sequence]) -> None:
@@ -128,11 +158,18 @@ class ModelRunner:
         k_lens = [s.num_computed_tokens + s.num_scheduled for s in seqs]
         width = max(len(s.block_table) for s in seqs)
         dev = self.device
-        ctx.cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        ctx.cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        ctx.cu_q = torch.tensor(
+            [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev
+        )
+        ctx.cu_k = torch.tensor(
+            [0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev
+        )
         ctx.max_q, ctx.max_k = max(q_lens), max(k_lens)
-        ctx.block_table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                       dtype=torch.int32, device=dev)
+        ctx.block_table = torch.tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+            dtype=torch.int32,
+            device=dev,
+        )
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:

@@ -19,11 +19,15 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[dict | None]]:
         logits = logits.float().cpu()
         raw = logits
         params = [s.params for s in seqs]
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+        ):
             logits = self._penalize(logits.clone(), seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -40,7 +44,9 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long)
                 vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
             if (p.presence_penalty or p.frequency_penalty) and s.output_counts:
                 ids = torch.tensor(list(s.output_counts), dtype=torch.long)
                 counts = torch.tensor(list(s.output_counts.values()), dtype=torch.float32)
@@ -53,7 +59,9 @@ class Sampler:
         logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
         ks = torch.tensor([min(p.top_k, vocab) for p in params])
         if ks.any():
-            kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).clamp(min=0).unsqueeze(1))
+            kth = logits.topk(int(ks.max()), dim=-1).values.gather(
+                1, (ks - 1).clamp(min=0).unsqueeze(1)
+            )
             kth[ks == 0] = float("-inf")
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
@@ -78,7 +86,9 @@ class Sampler:
         picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return picked.clamp(max=vocab - 1)
 
-    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict | None]:
+    def _logprobs(
+        self, raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+    ) -> list[dict | None]:
         wanted = [s.params.logprobs for s in seqs]
         if all(w is None for w in wanted):
             return [None] * len(seqs)
@@ -91,7 +101,9 @@ class Sampler:
             entry: dict = {"token_id": tokens[i], "logprob": lp[i, tokens[i]].item()}
             if w:
                 vals, ids = lp[i].topk(w)
-                entry["top"] = [[int(t), float(v)] for t, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+                entry["top"] = [
+                    [int(t), float(v)] for t, v in zip(ids.tolist(), vals.tolist(), strict=True)
+                ]
             out.append(entry)
         return out
 

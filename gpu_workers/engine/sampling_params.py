@@ -37,8 +37,14 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             v = getattr(self, name)
             if not is_num(v) or v != v:
                 raise bad(f"{name} must be a number, got {v!r}")
@@ -52,7 +58,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+            raise bad(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -62,11 +70,15 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+            is_int(t) for t in self.stop_token_ids
+        ):
             raise bad("stop_token_ids must be a list of integers")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
             raise bad("ignore_eos and skip_special_tokens must be booleans")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
+        ):
             raise bad(f"logprobs must be an integer in [0, 20] or null, got {self.logprobs!r}")
 
     @property

@@ -66,15 +66,26 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext
+    ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H, D]
         for cache, new in ((self.k_cache, k), (self.v_cache, v)):
-            cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, ctx.slot_mapping, new.transpose(0, 1))
+            cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+                1, ctx.slot_mapping, new.transpose(0, 1)
+            )
         if ctx.block_table is not None:
             return flash_attn_varlen_func(  # type: ignore[misc]
-                q, self.k_cache.permute(1, 2, 0, 3), self.v_cache.permute(1, 2, 0, 3),
-                ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k,
-                softmax_scale=self.scale, causal=True, block_table=ctx.block_table,
+                q,
+                self.k_cache.permute(1, 2, 0, 3),
+                self.v_cache.permute(1, 2, 0, 3),
+                ctx.cu_q,
+                ctx.cu_k,
+                ctx.max_q,
+                ctx.max_k,
+                softmax_scale=self.scale,
+                causal=True,
+                block_table=ctx.block_table,
             )
         out = torch.empty_like(q)
         n = ctx.num_decode
@@ -108,15 +119,18 @@ class PagedAttention(nn.Module):
         o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
         return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill,
-                 ctx: AttnContext) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill, ctx: AttnContext
+    ) -> torch.Tensor:
         rows = slice(p.start, p.start + p.length)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         gqa = self.num_heads != self.num_kv_heads
         if p.blocks is None:
             kp = k[rows].transpose(0, 1).unsqueeze(0)
             vp = v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa
+            )
         else:
             kp, vp = self._gather(ctx, p.blocks.unsqueeze(0))  # [Hkv, 1, L, D]
             kp = kp[:, 0, : p.context].unsqueeze(0)
@@ -124,5 +138,7 @@ class PagedAttention(nn.Module):
             # query i sits at position context - length + i and sees keys up to it
             qpos = torch.arange(p.context - p.length, p.context, device=q.device)
             mask = torch.arange(p.context, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            )
         return o.squeeze(0).transpose(0, 1)

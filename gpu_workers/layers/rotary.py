@@ -11,7 +11,9 @@ from torch import nn
 
 def rope_params(config: Any) -> dict[str, Any]:
     """The rope settings of an HF config, whichever transformers version wrote it."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
@@ -52,7 +54,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions`, shaped [T, 1, D] to broadcast over heads."""
         cos = torch.index_select(self.cos, 0, positions).unsqueeze(1).to(dtype)
         sin = torch.index_select(self.sin, 0, positions).unsqueeze(1).to(dtype)

@@ -26,24 +26,61 @@ CHAT_TEMPLATE = (
 
 _SIZES: dict[str, dict[str, Any]] = {
     # ~0.3M parameters: fast enough for token-exact tests of every family
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab=2048, initializer_range=0.2),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab=2048,
+        initializer_range=0.2,
+    ),
     # ~46M parameters, Llama architecture: the benchmark model
-    "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
-                  num_key_value_heads=4, vocab=8192, initializer_range=0.08),
+    "bench": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab=8192,
+        initializer_range=0.08,
+    ),
 }
 
 
 def corpus(seed: int = 0, sentences: int = 30000) -> list[str]:
     """A seeded synthetic text: Zipf-distributed words built from syllables."""
     rng = random.Random(seed)
-    onsets = ["", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "v", "st", "tr", "pl", "ch", "sh"]
+    onsets = [
+        "",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "st",
+        "tr",
+        "pl",
+        "ch",
+        "sh",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou", "ea"]
     codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st"]
 
     def word() -> str:
-        return "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
-                       for _ in range(rng.choice((1, 1, 2, 2, 3, 4))))
+        return "".join(
+            rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+            for _ in range(rng.choice((1, 1, 2, 2, 3, 4)))
+        )
 
     lexicon = list(dict.fromkeys(word() for _ in range(12000)))
     weights = [1.0 / (i + 1) for i in range(len(lexicon))]
@@ -64,8 +101,12 @@ def _tokenizer_json(vocab: int, seed: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(seed), trainer)
     return tok.to_str()
 
@@ -76,7 +117,8 @@ def make_tokenizer(vocab: int, seed: int = 0) -> Any:
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab, seed)),
-        eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
     tok.chat_template = CHAT_TEMPLATE
@@ -88,26 +130,50 @@ def model_config(family: str, size: str, vocab_size: int, eos_id: int) -> Any:
 
     s = dict(_SIZES[size])
     s.pop("vocab")
-    common = dict(s, vocab_size=vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                  bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    common = dict(
+        s,
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
     if family == "llama":
         # Llama 3.1-style rope scaling, untied embeddings
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
-        return LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False)
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+        return LlamaConfig(
+            **common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False
+        )
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
     if family == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     if family == "qwen3":
         # head_dim set apart from hidden/heads, as real Qwen3 checkpoints do
-        return Qwen3Config(**common, head_dim=2 * s["hidden_size"] // s["num_attention_heads"],
-                           tie_word_embeddings=True, use_sliding_window=False)
+        return Qwen3Config(
+            **common,
+            head_dim=2 * s["hidden_size"] // s["num_attention_heads"],
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+        )
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
-def make_model(path: str | Path, family: str = "llama", size: str = "tiny", seed: int = 0,
-               max_shard_size: str | None = None) -> Path:
+def make_model(
+    path: str | Path,
+    family: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
     """Write a random-weight model directory; returns its path."""
     from transformers import AutoModelForCausalLM
 

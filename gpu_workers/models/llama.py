@@ -34,12 +34,16 @@ class Attention(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = bias or cfg.model_type == "qwen2"
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.o_proj = nn.Linear(
+            self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2"
+        )
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: AttnContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -84,8 +88,11 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # checkpoint name piece -> (packed parameter piece, index of the shard inside it)
     packed = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, cfg: Any, max_positions: int) -> None:
@@ -101,7 +108,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
@@ -137,7 +146,9 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
         missing = [n for n in self._expected(params) if n not in loaded]
         if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            raise ValueError(
+                f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
 
     def _packed_offsets(self, packed: str) -> list[int]:
         a = self.layers[0].self_attn

@@ -14,8 +14,14 @@ from transformers import AutoConfig
 
 from gpu_workers.models.llama import ARCHITECTURES
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def load_config(model_dir: str | Path) -> Any:
@@ -78,16 +84,21 @@ def resolve_dtype(name: str, cfg: Any, device: torch.device) -> torch.dtype:
         d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float16
         return DTYPES[d] if isinstance(d, str) else d
     if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use one of auto, {', '.join(sorted(DTYPES))}")
+        raise ValueError(
+            f"dtype {name!r} is not supported; use one of auto, {', '.join(sorted(DTYPES))}"
+        )
     return DTYPES[name]
 
 
-def build_model(model_dir: str | Path, cfg: Any, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> torch.nn.Module:
+def build_model(
+    model_dir: str | Path, cfg: Any, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> torch.nn.Module:
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     cls = ARCHITECTURES.get(arch)
     if cls is None:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+        raise ValueError(
+            f"architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

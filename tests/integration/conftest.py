@@ -19,7 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Small KV cache and one thread per process: several engines share a 2-core machine.
 # fp32 so results are comparable token for token with an offline run of the same engine.
-ENGINE_ARGS = ["--engine", "kv_cache_bytes=33554432", "--engine", "threads=1", "--engine", "dtype=fp32"]
+ENGINE_ARGS = [
+    "--engine",
+    "kv_cache_bytes=33554432",
+    "--engine",
+    "threads=1",
+    "--engine",
+    "dtype=fp32",
+]
 
 
 @pytest.fixture
@@ -44,19 +51,32 @@ class Workers:
         self.url, self.model, self.log_dir = url, model, log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, n: int = 1, *extra: str, env: dict[str, str] | None = None,
-              timeout: float = 180.0) -> list[subprocess.Popen[bytes]]:  # fmt: skip
+    def start(
+        self, n: int = 1, *extra: str, env: dict[str, str] | None = None, timeout: float = 180.0
+    ) -> list[subprocess.Popen[bytes]]:
         r = redis.Redis.from_url(self.url)
         before = r.scard(keys.WORKERS)
         new = []
         for _ in range(n):
             log = open(self.log_dir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
             proc = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "worker", "--model", str(self.model),
-                 "--url", self.url, *ENGINE_ARGS, *extra],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "producer.cli",
+                    "worker",
+                    "--model",
+                    str(self.model),
+                    "--url",
+                    self.url,
+                    *ENGINE_ARGS,
+                    *extra,
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **(env or {})},
-            )  # fmt: skip
+            )
             self.procs.append(proc)
             new.append(proc)
         deadline = time.monotonic() + timeout

@@ -55,8 +55,13 @@ def test_client_calls(redis_url, workers):
     with pytest.raises(JobCancelled):
         queued.result(timeout=5)  # its entry was acked by the worker without running it
     r = redis.Redis.from_url(redis_url)
-    assert sum(r.xpending(keys.request_stream(lane), keys.GROUP)["pending"]
-               for lane in ("interactive", "standard", "batch")) == 0  # fmt: skip
+    assert (
+        sum(
+            r.xpending(keys.request_stream(lane), keys.GROUP)["pending"]
+            for lane in ("interactive", "standard", "batch")
+        )
+        == 0
+    )
 
     many = client.submit_many([{"prompt": f"doc {i}", "max_tokens": 3} for i in range(30)])
     recs = client.wait_all(many, timeout=120)

@@ -15,8 +15,12 @@ TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 def cli(url: str, *args: str) -> list[str]:
     """Run redis-cli; its --csv reply, flattened into strings."""
-    out = subprocess.run([find_binary("redis-cli"), "-u", url, "--csv", *args],
-                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [find_binary("redis-cli"), "-u", url, "--csv", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [ast.literal_eval('b"' + t + '"').decode() for t in TOKEN.findall(out)]
 
 
@@ -28,9 +32,24 @@ def test_redis_cli_client(redis_url, workers):
     workers.start(1)
     job = "cli-job-0123456789"
     body = '{"prompt": "hello from a shell", "temperature": 0, "metadata": {"from": "cli"}}'
-    reply = cli(redis_url, "XADD", "plurai:req:interactive", "*", "v", "1", "id", job,
-                "prompt_tokens", "5", "max_tokens", "6", "content_type", "application/json",
-                "body", body)  # fmt: skip
+    reply = cli(
+        redis_url,
+        "XADD",
+        "plurai:req:interactive",
+        "*",
+        "v",
+        "1",
+        "id",
+        job,
+        "prompt_tokens",
+        "5",
+        "max_tokens",
+        "6",
+        "content_type",
+        "application/json",
+        "body",
+        body,
+    )
     assert len(reply) == 1 and "-" in reply[0]  # the entry id
 
     # Follow the token stream until its end entry.
@@ -66,6 +85,10 @@ def test_redis_cli_client(redis_url, workers):
     assert record["text"] == text
     assert record["output_tokens"] == "6"
     assert record["metadata"] == '{"from": "cli"}'
-    ttl = subprocess.run([find_binary("redis-cli"), "-u", redis_url, "TTL", f"plurai:job:{job}"],
-                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    ttl = subprocess.run(
+        [find_binary("redis-cli"), "-u", redis_url, "TTL", f"plurai:job:{job}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert int(ttl) > 0  # records expire

@@ -22,8 +22,9 @@ def served(
     module_redis_url: str, tiny_model, tmp_path_factory, workers_class
 ) -> Iterator[redis.Redis]:
     w = workers_class(module_redis_url, tiny_model, tmp_path_factory.mktemp("logs"))
-    w.start(1, "--engine", f"max_model_len={MAX_MODEL_LEN}",
-            env={"PLURAI_MAX_TOKENS_LIMIT": str(LIMIT)})  # fmt: skip
+    w.start(
+        1, "--engine", f"max_model_len={MAX_MODEL_LEN}", env={"PLURAI_MAX_TOKENS_LIMIT": str(LIMIT)}
+    )
     yield redis.Redis.from_url(module_redis_url)
     assert w.stop() == [0]
 
@@ -32,8 +33,13 @@ def entry(body: bytes | dict = b'{"prompt": "hello"}', **fields: object) -> dict
     """A request entry; a field given as None is left out."""
     if isinstance(body, dict):
         body = json.dumps(body).encode()
-    f: dict = {"v": "1", "id": protocol.new_job_id(), "max_tokens": "4",
-               "content_type": "application/json", "body": body}  # fmt: skip
+    f: dict = {
+        "v": "1",
+        "id": protocol.new_job_id(),
+        "max_tokens": "4",
+        "content_type": "application/json",
+        "body": body,
+    }
     f.update(fields)
     return {k: v for k, v in f.items() if v is not None}
 
@@ -41,12 +47,22 @@ def entry(body: bytes | dict = b'{"prompt": "hello"}', **fields: object) -> dict
 # (case, entry fields, expected code, a word the message must contain)
 CASES = [
     ("body not json", entry(b"{prompt: hello"), "bad_body", "JSON"),
-    ("body not msgpack", entry(b"\xc1\x00", content_type="application/msgpack"), "bad_body", "msgpack"),
+    (
+        "body not msgpack",
+        entry(b"\xc1\x00", content_type="application/msgpack"),
+        "bad_body",
+        "msgpack",
+    ),
     ("body not an object", entry(b"[1, 2]"), "bad_body", "object"),
     ("missing max_tokens", entry(max_tokens=None), "bad_field", "max_tokens"),
     ("max_tokens mistyped", entry(max_tokens="ten"), "bad_field", "max_tokens"),
     ("priority mistyped", entry(priority="high"), "bad_field", "priority"),
-    ("temperature mistyped", entry({"prompt": "hi", "temperature": "hot"}), "invalid_params", "temperature"),
+    (
+        "temperature mistyped",
+        entry({"prompt": "hi", "temperature": "hot"}),
+        "invalid_params",
+        "temperature",
+    ),
     ("unknown body field", entry({"prompt": "hi", "temprature": 0.5}), "bad_field", "temprature"),
     ("unknown content type", entry(content_type="text/plain"), "bad_field", "content_type"),
     ("missing body", entry(**{"body": None}), "bad_field", "body"),
@@ -55,19 +71,32 @@ CASES = [
     ("missing prompt", entry({"temperature": 0}), "invalid_prompt", "prompt"),
     ("prompt not a string", entry({"prompt": 42}), "invalid_prompt", "string"),
     ("empty prompt", entry({"prompt": ""}), "invalid_prompt", "empty"),
-    ("prompt over max_model_len", entry({"token_ids": [5] * (MAX_MODEL_LEN + 10)}), "prompt_too_long",
-     str(MAX_MODEL_LEN - 1)),
+    (
+        "prompt over max_model_len",
+        entry({"token_ids": [5] * (MAX_MODEL_LEN + 10)}),
+        "prompt_too_long",
+        str(MAX_MODEL_LEN - 1),
+    ),
     ("token out of vocab", entry({"token_ids": [5, 99999]}), "token_out_of_vocab", "99999"),
     ("max_tokens zero", entry(max_tokens="0"), "invalid_params", "positive"),
     ("max_tokens negative", entry(max_tokens="-3"), "invalid_params", "positive"),
-    ("max_tokens over limit", entry(max_tokens=str(LIMIT + 1)), "max_tokens_over_limit", str(LIMIT)),
+    (
+        "max_tokens over limit",
+        entry(max_tokens=str(LIMIT + 1)),
+        "max_tokens_over_limit",
+        str(LIMIT),
+    ),
     ("invalid utf-8 in json", entry(b'{"prompt": "caf\xc3("}'), "invalid_utf8", "UTF-8"),
-    ("invalid utf-8 in msgpack", entry(b"\x81\xa6prompt\xa2\xff\xfe", content_type="application/msgpack"),
-     "invalid_utf8", "UTF-8"),
+    (
+        "invalid utf-8 in msgpack",
+        entry(b"\x81\xa6prompt\xa2\xff\xfe", content_type="application/msgpack"),
+        "invalid_utf8",
+        "UTF-8",
+    ),
     ("invalid utf-8 in a field", entry(lane=b"\xff\xfe"), "invalid_utf8", "lane"),
     ("unknown model", entry({"prompt": "hi", "model": "gpt-17"}), "unknown_model", "gpt-17"),
     ("bad messages", entry({"messages": [{"role": "user"}]}), "invalid_prompt", "messages"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(

@@ -35,11 +35,19 @@ def admit(bm: BlockManager, s: Sequence) -> list[int]:
 def test_block_hashes_are_the_same_in_every_process():
     tokens = list(range(100))
     here = [h.hex() for h in chain_hashes(tokens, 16, FP)]
-    code = ("from kv_store.block_hash import chain_hashes;"
-            f"print(','.join(h.hex() for h in chain_hashes(list(range(100)), 16, bytes.fromhex('{FP.hex()}'))))")
+    code = (
+        "from kv_store.block_hash import chain_hashes;"
+        f"print(','.join(h.hex() for h in chain_hashes(list(range(100)), 16, bytes.fromhex('{FP.hex()}'))))"
+    )
     for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=".")
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            cwd=".",
+        )
         assert out.stdout.strip().split(",") == here
     assert len(here) == 6  # full blocks only
     # the chain: a different first block changes every later hash
@@ -111,11 +119,14 @@ def check_invariants(engine) -> None:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 40), st.integers(0, 3), st.booleans()),
+        st.tuples(
+            st.just("add"), st.integers(1, 70), st.integers(1, 40), st.integers(0, 3), st.booleans()
+        ),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("step"), st.integers(1, 4)),
     ),
-    min_size=1, max_size=40,
+    min_size=1,
+    max_size=40,
 )
 
 
@@ -126,13 +137,23 @@ def prop_engine_factory(model_factory):
     path = model_factory("llama")
 
     def make():
-        return Engine(EngineConfig(model=str(path), dtype="fp32", block_size=8, num_kv_blocks=24,
-                                   max_num_batched_tokens=32, max_num_seqs=6))
+        return Engine(
+            EngineConfig(
+                model=str(path),
+                dtype="fp32",
+                block_size=8,
+                num_kv_blocks=24,
+                max_num_batched_tokens=32,
+                max_num_seqs=6,
+            )
+        )
 
     return make
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=ops)
 def test_random_add_abort_step_never_leaks_blocks(prop_engine_factory, ops):
     engine = prop_engine_factory()
@@ -141,10 +162,16 @@ def test_random_add_abort_step_never_leaks_blocks(prop_engine_factory, ops):
         if op[0] == "add":
             _, n, max_tokens, prio, shared = op
             # shared prefixes exercise the prefix cache and shared ref counts
-            tokens = ([5] * 16 if shared else []) + [(len(added) * 7 + i) % 2000 + 16 for i in range(n)]
+            tokens = ([5] * 16 if shared else []) + [
+                (len(added) * 7 + i) % 2000 + 16 for i in range(n)
+            ]
             rid = f"r{len(added)}"
-            engine.add(rid, token_ids=tokens[:150], priority=prio,
-                       params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            engine.add(
+                rid,
+                token_ids=tokens[:150],
+                priority=prio,
+                params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
             added.append(rid)
         elif op[0] == "abort" and added:
             engine.abort(added[op[1] % len(added)])

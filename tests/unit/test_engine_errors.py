@@ -44,7 +44,9 @@ def test_bad_sampling_params_are_refused(params, named):
 def test_bad_requests_get_codes_and_others_keep_running(path, engine_factory):
     engine = engine_factory(path, max_model_len=64)
     good = {"token_ids": [20, 21, 22, 23], "params": SamplingParams(max_tokens=12, ignore_eos=True)}
-    expected = engine_factory(path, max_model_len=64).generate([good["token_ids"]], good["params"])[0]
+    expected = engine_factory(path, max_model_len=64).generate([good["token_ids"]], good["params"])[
+        0
+    ]
 
     engine.add("before", **good)
     first = engine.step()  # "before" is running while the bad ones arrive
@@ -90,8 +92,12 @@ def test_bad_requests_get_codes_and_others_keep_running(path, engine_factory):
 
 def test_abort_frees_blocks_at_once(path, engine_factory):
     engine = engine_factory(path, num_kv_blocks=64)
-    engine.add("a", token_ids=list(range(20, 60)), params=SamplingParams(max_tokens=100, ignore_eos=True))
-    engine.add("b", token_ids=list(range(30, 50)), params=SamplingParams(max_tokens=10, ignore_eos=True))
+    engine.add(
+        "a", token_ids=list(range(20, 60)), params=SamplingParams(max_tokens=100, ignore_eos=True)
+    )
+    engine.add(
+        "b", token_ids=list(range(30, 50)), params=SamplingParams(max_tokens=10, ignore_eos=True)
+    )
     for _ in range(3):
         engine.step()
     used_by_b = len(engine.seqs["b"].block_table)

@@ -120,9 +120,14 @@ def test_text_prompt_and_chat_messages(model_factory, engine_factory, reference)
     path = model_factory("qwen3")
     engine = engine_factory(path)
     tok = engine.tokenizer
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Plai stou ten?"}]
-    ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False).input_ids
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Plai stou ten?"},
+    ]
+    ids = tok(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    ).input_ids
     assert engine.tokenize(messages=msgs) == ids
     assert engine.tokenize(prompt="Hello there") == tok("Hello there").input_ids
     engine.add("chat", messages=msgs, params=greedy())

@@ -13,8 +13,11 @@ from gpu_workers.models.factory import make_tokenizer, model_config
 
 def test_make_model_cli_writes_a_loadable_model(tmp_path):
     out = tmp_path / "q3"
-    subprocess.run([sys.executable, "-m", "producer.cli", "make-model", str(out), "--family", "qwen3"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "producer.cli", "make-model", str(out), "--family", "qwen3"],
+        check=True,
+        capture_output=True,
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
     assert cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]

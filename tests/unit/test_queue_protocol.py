@@ -22,8 +22,11 @@ def fields(body: object = None, **kw: object) -> dict[bytes, bytes]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     f = {"v": "1", "id": "job-0123456789", "max_tokens": "8", "body": raw}
     f.update(kw)
-    return {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
-            for k, v in f.items() if v is not None}  # fmt: skip
+    return {
+        k.encode(): (v if isinstance(v, bytes) else str(v).encode())
+        for k, v in f.items()
+        if v is not None
+    }
 
 
 def code_of(f: dict[bytes, bytes], limit: int = 100) -> str:
@@ -37,14 +40,26 @@ def test_sampling_fields_match_the_engine() -> None:
 
 
 def test_engine_codes_match() -> None:
-    assert (Code.INVALID_PROMPT, Code.PROMPT_TOO_LONG, Code.INVALID_PARAMS, Code.TOKEN_OUT_OF_VOCAB) == (
-        ErrorCode.INVALID_PROMPT, ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_PARAMS,
-        ErrorCode.TOKEN_OUT_OF_VOCAB)  # fmt: skip
+    assert (
+        Code.INVALID_PROMPT,
+        Code.PROMPT_TOO_LONG,
+        Code.INVALID_PARAMS,
+        Code.TOKEN_OUT_OF_VOCAB,
+    ) == (
+        ErrorCode.INVALID_PROMPT,
+        ErrorCode.PROMPT_TOO_LONG,
+        ErrorCode.INVALID_PARAMS,
+        ErrorCode.TOKEN_OUT_OF_VOCAB,
+    )
 
 
 def test_valid_request() -> None:
-    req = protocol.parse_request(fields({"prompt": "hi", "temperature": 0.5, "metadata": {"a": 1}},
-                                        priority="2", deadline="123"), 100)  # fmt: skip
+    req = protocol.parse_request(
+        fields(
+            {"prompt": "hi", "temperature": 0.5, "metadata": {"a": 1}}, priority="2", deadline="123"
+        ),
+        100,
+    )
     assert req.prompt == "hi" and req.params == {"temperature": 0.5, "max_tokens": 8}
     assert req.envelope.priority == 2 and req.envelope.deadline_ms == 123
     assert req.metadata == {"a": 1} and req.stream is True
@@ -87,13 +102,22 @@ def test_missing_id_is_no_job_id() -> None:
 
 def test_sdk_entry_parses_back() -> None:
     settings = Settings(lanes=["interactive", "standard", "batch"])
-    job_id, key_list, args = prepare(settings, prompt="héllo", max_tokens=5, temperature=0.7,
-                                     lane="batch", metadata={"x": 1}, idempotency_key="k",
-                                     deadline=1.5)  # fmt: skip
+    job_id, key_list, args = prepare(
+        settings,
+        prompt="héllo",
+        max_tokens=5,
+        temperature=0.7,
+        lane="batch",
+        metadata={"x": 1},
+        idempotency_key="k",
+        deadline=1.5,
+    )
     assert key_list == ["plurai:req:batch", f"plurai:job:{job_id}", "plurai:idem:k"]
     entry = args[8:]
-    f = {str(k).encode(): (v if isinstance(v, bytes) else str(v).encode())
-         for k, v in zip(entry[::2], entry[1::2], strict=True)}  # fmt: skip
+    f = {
+        str(k).encode(): (v if isinstance(v, bytes) else str(v).encode())
+        for k, v in zip(entry[::2], entry[1::2], strict=True)
+    }
     req = protocol.parse_request(f, 100)
     assert req.envelope.job_id == job_id and protocol.valid_job_id(job_id)
     assert req.envelope.content_type == protocol.MSGPACK

@@ -33,28 +33,49 @@ def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[s
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(path, engine_factory):
-    sp = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
+    )
     alone = run(engine_factory(path), {"me": (prompt(20, 0), sp)})["me"]
     busy: dict[str, tuple[list[int], SamplingParams]] = {
-        f"other{i}": (prompt(5 + 13 * i, 100 + i),
-                      SamplingParams(max_tokens=10 + 7 * i, temperature=[0.0, 1.0, 0.7][i % 3],
-                                     seed=None if i % 2 else i, ignore_eos=True))
+        f"other{i}": (
+            prompt(5 + 13 * i, 100 + i),
+            SamplingParams(
+                max_tokens=10 + 7 * i,
+                temperature=[0.0, 1.0, 0.7][i % 3],
+                seed=None if i % 2 else i,
+                ignore_eos=True,
+            ),
+        )
         for i in range(8)
     }
     busy["me"] = (prompt(20, 0), sp)
     together = run(engine_factory(path, max_num_batched_tokens=32), busy)["me"]
     assert together == alone
-    other_seed = run(engine_factory(path), {"me": (prompt(20, 0), SamplingParams(
-        max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True))})["me"]
+    other_seed = run(
+        engine_factory(path),
+        {
+            "me": (
+                prompt(20, 0),
+                SamplingParams(
+                    max_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True
+                ),
+            )
+        },
+    )["me"]
     assert other_seed != alone
 
 
 def test_filters_that_leave_one_token_equal_greedy(path, engine_factory):
     p = prompt(25, 1)
-    greedy = run(engine_factory(path), {"g": (p, SamplingParams(max_tokens=20, ignore_eos=True))})["g"]
-    for sp in (SamplingParams(max_tokens=20, temperature=1.5, top_k=1, ignore_eos=True),
-               SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, ignore_eos=True),
-               SamplingParams(max_tokens=20, temperature=1.5, min_p=1.0, ignore_eos=True)):
+    greedy = run(engine_factory(path), {"g": (p, SamplingParams(max_tokens=20, ignore_eos=True))})[
+        "g"
+    ]
+    for sp in (
+        SamplingParams(max_tokens=20, temperature=1.5, top_k=1, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.5, min_p=1.0, ignore_eos=True),
+    ):
         assert run(engine_factory(path), {"s": (p, sp)})["s"] == greedy
 
 
@@ -70,13 +91,21 @@ def test_repetition_penalty_matches_transformers(path, engine_factory):
     from transformers import AutoModelForCausalLM
 
     p = prompt(12, 3)
-    got = run(engine_factory(path), {"r": (p, SamplingParams(max_tokens=20, repetition_penalty=1.8,
-                                                              ignore_eos=True))})["r"]
+    got = run(
+        engine_factory(path),
+        {"r": (p, SamplingParams(max_tokens=20, repetition_penalty=1.8, ignore_eos=True))},
+    )["r"]
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     ids = torch.tensor([p])
-    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                      repetition_penalty=1.8, pad_token_id=0)[0, len(p):].tolist()
+    ref = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=20,
+        do_sample=False,
+        repetition_penalty=1.8,
+        pad_token_id=0,
+    )[0, len(p) :].tolist()
     assert got == ref
 
 
@@ -115,7 +144,9 @@ def test_stop_token_ids_and_max_tokens(path, engine_factory):
     full = engine.generate([p], SamplingParams(max_tokens=25, ignore_eos=True))[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 25
     stop_id = full.token_ids[6]
-    got = engine.generate([p], SamplingParams(max_tokens=25, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    got = engine.generate(
+        [p], SamplingParams(max_tokens=25, ignore_eos=True, stop_token_ids=[stop_id])
+    )[0]
     assert got.finish_reason == "stop"
     assert got.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
@@ -124,7 +155,9 @@ def test_logprobs_are_those_of_the_model(path, engine_factory):
     from transformers import AutoModelForCausalLM
 
     p = prompt(10, 6)
-    got = engine_factory(path).generate([p], SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    got = engine_factory(path).generate(
+        [p], SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True)
+    )[0]
     assert got.logprobs is not None and len(got.logprobs) == 5
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     ids = torch.tensor([p + got.token_ids])
