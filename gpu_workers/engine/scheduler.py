@@ -7,7 +7,8 @@ are then admitted in (effective priority, arrival) order while budget, sequence 
 and KV blocks last; a prompt longer than the remaining budget is prefilled in chunks.
 When a running sequence needs a block and none is free, the worst running sequence
 (highest priority value, newest) is preempted: its blocks are released (its full blocks
-stay in the prefix cache) and it is recomputed when readmitted.
+stay in the prefix cache) and it is recomputed when readmitted. A waiting sequence that
+does not fit may likewise preempt running sequences of a strictly lower priority.
 """
 
 from __future__ import annotations
@@ -68,16 +69,23 @@ class Scheduler:
         bm = self.blocks
         chunked = self.config.chunked_prefill
         self.waiting.sort(key=self.rank)
-        admitted = 0
-        for seq in self.waiting:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        admitted: set[int] = set()
+        for seq in list(self.waiting):
+            if budget <= 0:
                 break
             hit = bm.match_prefix(seq)
-            remaining = len(seq) - len(hit) * bm.block_size
+            cached = len(hit) * bm.block_size
+            remaining = len(seq) - cached
             if remaining > budget and not chunked:
                 break
             n = min(remaining, budget)
-            if not bm.can_allocate(seq, hit, len(hit) * bm.block_size + n):
+            while not self._fits(seq, hit, cached + n):
+                victim = self._victim_for(seq)
+                if victim is None:
+                    break
+                budget += self._evict(victim, scheduled)
+                n = min(remaining, budget)
+            if not self._fits(seq, hit, cached + n):
                 break
             bm.allocate(seq, hit)
             bm.grow(seq, seq.num_computed_tokens + n)
@@ -86,9 +94,31 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(seq)
             budget -= n
-            admitted += 1
-        del self.waiting[:admitted]
+            admitted.add(id(seq))
+        self.waiting = [s for s in self.waiting if id(s) not in admitted]
         return budget
+
+    def _fits(self, seq: Sequence, hit: list[int], num_tokens: int) -> bool:
+        return len(self.running) < self.config.max_num_seqs and self.blocks.can_allocate(
+            seq, hit, num_tokens
+        )
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """The running sequence a waiting `seq` may preempt to get in: the worst one whose
+        effective priority is strictly lower (a higher value), newest first."""
+        mine = self.rank(seq)[0]
+        worse = [s for s in self.running if self.rank(s)[0] > mine]
+        return max(worse, key=self.rank, default=None)
+
+    def _evict(self, victim: Sequence, scheduled: list[Sequence]) -> int:
+        """Preempt a running sequence, taking it out of this step; returns its tokens."""
+        refund = 0
+        if victim in scheduled:
+            scheduled.remove(victim)
+            refund = victim.num_scheduled
+        self.running.remove(victim)
+        self._preempt(victim)
+        return refund
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)

@@ -59,3 +59,51 @@ def test_preemption_takes_the_worst_priority_newest_sequence(path, engine_factor
         engine.step()
     assert seqs["vip"].num_preemptions == 0
     assert all(s.num_output_tokens == 60 for s in seqs.values())
+
+
+def test_a_high_priority_arrival_preempts_low_priority_work(path, engine_factory, reference):
+    engine = engine_factory(path, num_kv_blocks=8, block_size=16, max_num_batched_tokens=256)
+    low = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add("bulk-1", token_ids=[61] * 30, params=low, priority=5)
+    engine.add("bulk-2", token_ids=[62] * 30, params=low, priority=5)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ("bulk-1", "bulk-2", "urgent")}
+    for _ in range(3):  # both bulk requests now hold 6 of the 8 blocks
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+    seqs = dict(engine.seqs)
+    urgent = [63, 64, 65] * 12
+    engine.add(
+        "urgent",
+        token_ids=urgent,
+        params=SamplingParams(max_tokens=20, ignore_eos=True),
+        priority=0,
+    )
+    out = engine.step()
+    # it needed 3 blocks, only 2 were free: the newest low-priority request made room
+    assert [o.request_id for o in out if o.request_id == "urgent"] == ["urgent"]
+    assert seqs["bulk-2"].num_preemptions == 1 and seqs["bulk-1"].num_preemptions == 0
+    for o in out:
+        tokens[o.request_id] += o.new_token_ids
+    order = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                order.append(o.request_id)
+    assert order.index("urgent") < order.index("bulk-2")
+    assert tokens["urgent"] == reference(path, [urgent], 20)[0]
+    assert tokens["bulk-2"] == reference(path, [[62] * 30], 40)[0]  # resumed exactly
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_equal_priority_never_preempts_to_get_in(path, engine_factory):
+    engine = engine_factory(path, num_kv_blocks=8, block_size=16, max_num_batched_tokens=256)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add("a", token_ids=[71] * 30, params=sp, priority=1)
+    engine.add("b", token_ids=[72] * 30, params=sp, priority=1)
+    for _ in range(3):
+        engine.step()
+    engine.add("c", token_ids=[73] * 36, params=sp, priority=1)
+    engine.step()
+    assert engine.scheduler.num_preemptions == 0
+    assert [s.request_id for s in engine.scheduler.waiting] == ["c"]
