@@ -1,0 +1,14 @@
+# One image for every Plurai service (worker, and later celery and metrics).
+FROM python:3.11-slim
+WORKDIR /app
+# Pass TORCH=torch==2.13.0 --index-url ... to pick a CPU or CUDA build explicitly.
+ARG TORCH=torch
+RUN pip install --no-cache-dir "${TORCH}"
+COPY pyproject.toml README.md ./
+COPY producer producer
+COPY broker_config broker_config
+COPY gpu_workers gpu_workers
+COPY kv_store kv_store
+COPY results results
+RUN pip install --no-cache-dir .
+ENTRYPOINT ["plurai"]
