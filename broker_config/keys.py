@@ -38,3 +38,8 @@ def idempotency(key: str) -> str:
 def worker(worker_id: str) -> str:
     """A worker's heartbeat hash; it expires when the worker stops beating."""
     return f"{PREFIX}:worker:{worker_id}"
+
+
+def kv_block(fingerprint: str, block_hash: str) -> str:
+    """A KV block in the shared Redis tier: model fingerprint + chained block hash (hex)."""
+    return f"{PREFIX}:kv:{fingerprint}:{block_hash}"

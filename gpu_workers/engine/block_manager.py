@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
+from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.sequence import Sequence
 from kv_store.block_hash import EMPTY, block_hash
 
@@ -35,6 +38,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.hits = 0  # prefix-cache hits and lookups, in blocks
         self.lookups = 0
+        self.tiers: KVTiers | None = None  # host / Redis tiers below the device cache
 
     @property
     def num_blocks(self) -> int:
@@ -78,14 +82,30 @@ class BlockManager:
             out.append(bid)
         return out
 
+    def match_tiers(self, seq: Sequence, start: int) -> list[torch.Tensor]:
+        """Blocks `start`.. of seq's prefix that a tier below the device holds, looked up
+        once per admission attempt and kept on the sequence until it is admitted."""
+        if self.tiers is None or not self.prefix_caching:
+            return []
+        if seq.tier_blocks is None or seq.tier_start != start:
+            limit = (len(seq.token_ids) - 1) // self.block_size
+            seq.tier_blocks = (
+                self.tiers.lookup(seq.block_hashes[start:limit]) if start < limit else []
+            )
+            seq.tier_start = start
+        return seq.tier_blocks
+
     def can_allocate(self, seq: Sequence, hit: list[int], num_tokens: int) -> bool:
         """Whether seq can hold `num_tokens` slots, reusing the `hit` blocks."""
         hit_in_free = sum(1 for b in hit if self.blocks[b].ref_count == 0)
         need = self.blocks_for(num_tokens) - len(hit)
         return need <= self.num_free - hit_in_free
 
-    def allocate(self, seq: Sequence, hit: list[int]) -> None:
-        """Give a waiting sequence its cached prefix; further blocks come from `grow`."""
+    def allocate(
+        self, seq: Sequence, hit: list[int], loaded: list[torch.Tensor] | None = None
+    ) -> None:
+        """Give a waiting sequence its cached prefix: the device blocks `hit`, then fresh
+        blocks filled with the `loaded` tier blocks. Further blocks come from `grow`."""
         assert not seq.block_table
         for bid in hit:
             block = self.blocks[bid]
@@ -93,11 +113,19 @@ class BlockManager:
                 del self.free[bid]
             block.ref_count += 1
         seq.block_table = list(hit)
-        seq.num_committed_blocks = len(hit)
-        seq.num_computed_tokens = len(hit) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens
-        self.lookups += max(1, (len(seq.token_ids) - 1) // self.block_size)
-        self.hits += len(hit)
+        bs = self.block_size
+        for i, data in enumerate(loaded or [], start=len(hit)):
+            block = self._take_free()
+            self.tiers.load(block.id, data)  # type: ignore[union-attr]
+            block.hash = seq.block_hashes[i]
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.cached.setdefault(block.hash, block.id)
+            seq.block_table.append(block.id)
+        seq.tier_blocks = None
+        seq.num_committed_blocks = len(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+        self.lookups += max(1, (len(seq.token_ids) - 1) // bs)
+        self.hits += len(hit)  # device hits; tier loads are counted by the tiers
 
     # -- allocation ---------------------------------------------------------------
 
@@ -107,14 +135,21 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append blocks until seq's table covers `num_tokens` slots."""
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
-            bid, _ = self.free.popitem(last=False)
-            block = self.blocks[bid]
-            if block.hash is not None:
-                if self.cached.get(block.hash) == bid:
-                    del self.cached[block.hash]
-                block.hash, block.token_ids = None, ()
-            block.ref_count = 1
-            seq.block_table.append(bid)
+            seq.block_table.append(self._take_free().id)
+
+    def _take_free(self) -> Block:
+        """The least recently used free block, its cached content evicted (to a tier
+        below, when there is one)."""
+        bid, _ = self.free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == bid:
+                del self.cached[block.hash]
+                if self.tiers is not None:
+                    self.tiers.evicted(bid, block.hash)
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
 
     def commit(self, seq: Sequence) -> None:
         """Publish blocks that became full in the prefix cache (after a step)."""
@@ -132,7 +167,11 @@ class BlockManager:
             if block.hash is None:
                 block.hash = seq.block_hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                self.cached.setdefault(block.hash, block.id)
+                if (
+                    self.cached.setdefault(block.hash, block.id) == block.id
+                    and self.tiers is not None
+                ):
+                    self.tiers.computed(block.id, block.hash)
 
     def release(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks are queued for eviction before its prefix."""
@@ -147,3 +186,4 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.tier_blocks = None

@@ -20,12 +20,14 @@ from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode, RequestError
+from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.model_runner import ModelRunner
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Completion, Sequence, Status, StepOutput
 from gpu_workers.models.loader import fingerprint
+from kv_store.redis_tier import RedisTier
 
 
 class Engine:
@@ -47,12 +49,38 @@ class Engine:
             bytes.fromhex(self.model_fingerprint),
             config.prefix_caching,
         )
+        self.blocks.tiers = self._tiers()
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(config.seed)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self._batches = itertools.count()
+
+    def _tiers(self) -> KVTiers | None:
+        c = self.config
+        if not c.prefix_caching or (c.kv_host_bytes <= 0 and not c.kv_redis_url):
+            return None
+        remote = None
+        if c.kv_redis_url:
+            import redis
+
+            conn = redis.Redis.from_url(
+                c.kv_redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+            )
+            remote = RedisTier(conn, self.model_fingerprint, c.kv_redis_ttl_s)
+        return KVTiers(
+            self.runner.kv_cache,
+            bytes.fromhex(self.model_fingerprint),
+            c.kv_host_bytes,
+            remote,
+            c.kv_write_through,
+        )
+
+    def close(self) -> None:
+        """Finish queued writes to the Redis tier and stop its writer."""
+        if self.blocks.tiers is not None:
+            self.blocks.tiers.close()
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -323,4 +351,5 @@ class Engine:
             "waiting": self.num_waiting,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            **({f"kv_{k}": v for k, v in vars(bm.tiers.counters).items()} if bm.tiers else {}),
         }

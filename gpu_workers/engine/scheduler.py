@@ -74,7 +74,8 @@ class Scheduler:
             if budget <= 0:
                 break
             hit = bm.match_prefix(seq)
-            cached = len(hit) * bm.block_size
+            loaded = bm.match_tiers(seq, len(hit))
+            cached = (len(hit) + len(loaded)) * bm.block_size
             remaining = len(seq) - cached
             if remaining > budget and not chunked:
                 break
@@ -87,7 +88,7 @@ class Scheduler:
                 n = min(remaining, budget)
             if not self._fits(seq, hit, cached + n):
                 break
-            bm.allocate(seq, hit)
+            bm.allocate(seq, hit, loaded)
             bm.grow(seq, seq.num_computed_tokens + n)
             seq.status = Status.RUNNING
             seq.num_scheduled = n

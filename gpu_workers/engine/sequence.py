@@ -36,6 +36,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_committed_blocks: int = 0  # leading blocks already published to the prefix cache
+    tier_blocks: list[torch.Tensor] | None = None  # prefix blocks found in a KV tier, to load
+    tier_start: int = 0  # the block index tier_blocks starts at
     arrival: int = field(default_factory=lambda: next(_arrival))
     waited_steps: int = 0
     num_preemptions: int = 0

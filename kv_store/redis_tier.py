@@ -1,0 +1,107 @@
+"""Redis tier: encoded blocks shared by every worker of the same model.
+
+Keys come from broker_config.keys.kv_block (model fingerprint + block hash) and expire
+after `ttl_s`; Redis `maxmemory` with an eviction policy such as allkeys-lru may drop any
+of them at any time, which is only a miss. Writes go through a background thread in
+pipelined batches, so the engine step never waits on them; reads are one pipelined round
+trip per lookup. Redis being down or full degrades to misses and dropped writes, never
+to an error for a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import redis
+
+from broker_config import keys
+
+log = logging.getLogger(__name__)
+
+
+class RedisTier:
+    def __init__(
+        self,
+        r: redis.Redis,
+        fingerprint: str,
+        ttl_s: int = 3600,
+        max_pending: int = 1024,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        self.r = r
+        self.fingerprint = fingerprint
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self.pending: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(max_pending)
+        self.down_until = 0.0  # after an error, skip Redis for a while instead of stalling
+        self.dropped = 0  # writes not made: queue full, or Redis down or full
+        self.errors = 0
+        self.writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
+        self.writer.start()
+
+    def key(self, h: bytes) -> str:
+        return keys.kv_block(self.fingerprint, h.hex())
+
+    def _failed(self, e: Exception) -> None:
+        self.errors += 1
+        if time.monotonic() >= self.down_until:
+            log.warning(
+                "Redis KV tier unavailable (%s); treating it as empty for %.0fs",
+                e,
+                self.retry_after_s,
+            )
+        self.down_until = time.monotonic() + self.retry_after_s
+
+    def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        if not hashes or time.monotonic() < self.down_until:
+            return [None] * len(hashes)
+        try:
+            return list(self.r.mget([self.key(h) for h in hashes]))
+        except redis.RedisError as e:
+            self._failed(e)
+            return [None] * len(hashes)
+
+    def put(self, h: bytes, data: bytes) -> None:
+        """Queue a write; dropped (and counted) when the writer is behind."""
+        try:
+            self.pending.put_nowait((h, data))
+        except queue.Full:
+            self.dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.pending.get()
+            batch: list[Any] = [item]
+            while len(batch) < 64:
+                try:
+                    batch.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            items = [b for b in batch if b is not None]
+            if items and time.monotonic() >= self.down_until:
+                try:
+                    pipe = self.r.pipeline(transaction=False)
+                    for h, data in items:
+                        pipe.set(self.key(h), data, ex=self.ttl_s)
+                    pipe.execute()
+                except redis.RedisError as e:  # down, or full (OOM with noeviction)
+                    self._failed(e)
+                    self.dropped += len(items)
+            elif items:
+                self.dropped += len(items)
+            for _ in batch:
+                self.pending.task_done()
+            if None in batch:
+                return
+
+    def flush(self) -> None:
+        """Wait until every queued write has been made or dropped."""
+        self.pending.join()
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.writer.join(timeout=10)

@@ -1,0 +1,110 @@
+"""KV tiers below the device cache: the block format, the host tier, and the engine
+loading blocks from the host tier instead of recomputing them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_workers.engine.sampling_params import SamplingParams
+from kv_store import block_format
+from kv_store.block_format import BadBlock
+from kv_store.host import HostTier
+
+FP = bytes(range(16))
+H = bytes(range(100, 116))
+SHAPE = (2, 3, 2, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_format_round_trip(dtype):
+    block = torch.randn(SHAPE).to(dtype)
+    data = block_format.encode(block, H, FP)
+    assert torch.equal(block_format.decode(data, H, FP, SHAPE, dtype), block)
+
+
+def test_block_format_refuses_anything_off():
+    block = torch.randn(SHAPE)
+    data = block_format.encode(block, H, FP)
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x40
+    cases = {
+        "checksum": (bytes(flipped), H, FP, SHAPE, torch.float32),
+        "truncated payload": (data[:-4], H, FP, SHAPE, torch.float32),
+        "truncated header": (data[:30], H, FP, SHAPE, torch.float32),
+        "another model": (data, H, bytes(16), SHAPE, torch.float32),
+        "another block": (data, bytes(16), FP, SHAPE, torch.float32),
+        "shape": (data, H, FP, (2, 3, 2, 8, 4), torch.float32),
+        "dtype": (data, H, FP, SHAPE, torch.float16),
+        "format": (b"XXXX" + data[4:], H, FP, SHAPE, torch.float32),
+    }
+    for why, args in cases.items():
+        with pytest.raises(BadBlock):
+            block_format.decode(*args)
+        assert why
+
+
+def test_host_tier_evicts_least_recently_used_to_the_next_tier():
+    spilled = []
+    host = HostTier(300, on_evict=lambda h, d: spilled.append(h))
+    for h in (b"a", b"b", b"c"):
+        host.put(h, b"x" * 100)
+    assert host.get(b"a") is not None  # now most recently used
+    host.put(b"d", b"x" * 100)
+    assert spilled == [b"b"]
+    assert b"b" not in host and b"a" in host and host.bytes == 300
+
+
+def long_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(16, 2000) for _ in range(length)] for _ in range(n)]
+
+
+def test_blocks_evicted_to_host_are_loaded_back_and_give_the_same_tokens(
+    model_factory, engine_factory
+):
+    path = model_factory("llama")
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompt = long_prompts(1, 200, 1)[0] + [5, 6, 7]
+    cold = engine_factory(path, kv_host_bytes=0).generate([prompt], sp)[0]
+    engine = engine_factory(path, num_kv_blocks=16, kv_host_bytes=64 << 20)
+    assert engine.generate([prompt], sp)[0].token_ids == cold.token_ids
+    engine.generate(long_prompts(2, 200, 2), sp)  # pushes the prompt's blocks out of the device
+    assert engine.blocks.match_prefix(_seq(prompt)) == []
+    warm = engine.generate([prompt], sp)[0]
+    assert warm.token_ids == cold.token_ids
+    assert warm.num_cached_tokens == 192  # 12 full blocks from the host tier
+    stats = engine.stats()
+    assert stats["kv_host_hits"] == 12 and stats["kv_spilled"] > 0
+
+
+def test_a_corrupt_host_entry_is_recomputed(model_factory, engine_factory):
+    path = model_factory("llama")
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompt = long_prompts(1, 100, 3)[0]
+    cold = engine_factory(path, kv_host_bytes=0).generate([prompt], sp)[0]
+    engine = engine_factory(path, num_kv_blocks=10, kv_host_bytes=64 << 20)
+    engine.generate([prompt], sp)
+    engine.generate(long_prompts(1, 150, 4), sp)
+    host = engine.blocks.tiers.host
+    hashes = _seq(prompt, engine).block_hashes
+    damaged = bytearray(host.blocks[hashes[2]])
+    damaged[-1] ^= 1
+    host.blocks[hashes[2]] = bytes(damaged)
+    warm = engine.generate([prompt], sp)[0]
+    assert warm.token_ids == cold.token_ids
+    assert (
+        warm.num_cached_tokens == 32
+    )  # blocks 0 and 1 loaded; 2 refused, so recomputed from there
+    assert engine.stats()["kv_bad_entries"] == 1
+
+
+def _seq(prompt: list[int], engine=None):
+    from gpu_workers.engine.sequence import Sequence
+
+    seq = Sequence("probe", list(prompt), SamplingParams())
+    if engine is not None:
+        engine.blocks._hash_full_blocks(seq)
+    return seq
