@@ -12,6 +12,13 @@ strands little. SIGTERM (or Ctrl-C): stop taking entries, let running jobs finis
 the grace period, then hand the rest back by re-adding their entries at the tail of their
 lanes (and acking the old ones), so any worker can take them at once. A second Ctrl-C
 skips the grace period.
+
+Reliability (docs/operations.md): every heartbeat the worker renews the entries it holds
+(XCLAIM to itself, JUSTID: resets their idle time, not their delivery count), so only a
+dead worker's entries grow idle; those are taken over with XAUTOCLAIM once idle longer than
+reclaim_idle_ms, and one delivered more than max_deliveries times is dead-lettered with a
+`too_many_deliveries` result. Final results not yet stored when Redis goes away are kept
+and sent again once it is back (FINALIZE is idempotent).
 """
 
 from __future__ import annotations
@@ -95,6 +102,10 @@ class Worker:
         self._in_flight: list[list[Any]] = []
         self._cancels = r.pubsub(ignore_subscribe_messages=True)
         self._next_beat = 0.0
+        self._next_reclaim = 0.0
+        self._reclaim_from = {lane: "0-0" for lane in self.lanes}  # XAUTOCLAIM cursors
+        self._pulls = 0  # entries taken from the lanes, for the fair_every turn
+        self._unsent: list[list[Any]] = []  # FINALIZE calls not yet known to be stored
         self.jobs_done = 0
 
     # -- lifecycle ------------------------------------------------------------------
@@ -111,18 +122,37 @@ class Worker:
         self._cancels.subscribe(keys.CANCEL_CHANNEL)
         self._heartbeat()
         log.info("worker %s ready on lanes %s", self.id, self.lanes)
+        backoff = 0.1
         try:
             while True:
                 if self.stopping and (
-                    not self.engine.has_unfinished() or time.monotonic() >= self.stop_deadline
+                    not (self.engine.has_unfinished() or self._unsent)
+                    or time.monotonic() >= self.stop_deadline
                 ):
                     break
                 try:
                     self._iterate()
+                    backoff = 0.1
+                except redis.ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    log.warning("consumer groups are gone (Redis lost its data?); recreating")
+                    ensure_groups(self.r, self.lanes)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
-                    log.warning("redis unavailable (%s); retrying in 1s", e)
-                    time.sleep(1.0)
+                    log.warning(
+                        "redis unavailable (%s); %d result(s) kept; retrying in %.1fs",
+                        e,
+                        len(self._unsent),
+                        backoff,
+                    )
+                    time.sleep(backoff)
+                    backoff = min(2 * backoff, 5.0)
         finally:
+            if self._unsent:
+                try:
+                    self._flush_unsent()
+                except redis.RedisError:
+                    log.exception("%d result(s) not stored; their entries stay pending")
             self._hand_back()
             self._cancels.close()
             if self._pub_conn is not None:
@@ -158,6 +188,8 @@ class Worker:
                 raise rep
 
     def _iterate(self) -> None:
+        if self._unsent:
+            self._flush_unsent()
         if not self.stopping:
             self._fill()
         self._poll_cancels()
@@ -185,6 +217,13 @@ class Worker:
         )
         pipe.expire(keys.worker(self.id), max(1, int(3 * interval)))
         pipe.sadd(keys.WORKERS, self.id)
+        # Renew the lease on every entry held here: an entry's idle time restarts, so only
+        # the entries of a dead worker can ever pass reclaim_idle_ms.
+        held: dict[str, list[bytes]] = {}
+        for entry in [run.entry for run in self.running.values()] + self.held:
+            held.setdefault(entry.lane, []).append(entry.entry_id)
+        for lane, ids in held.items():
+            pipe.xclaim(keys.request_stream(lane), keys.GROUP, self.id, 0, ids, justid=True)
         pipe.execute()
         self._next_beat = time.monotonic() + interval
 
@@ -207,28 +246,18 @@ class Worker:
             self._start(entry)
 
     def _take(self, block: bool) -> list[Entry]:
-        """The next valid entries: one from the highest lane that has work. Invalid entries
-        met on the way get their error result here and are skipped.
+        """The next valid entries: an entry stranded by a dead worker if there is one, else
+        one from the highest lane that has work (see _lane_order). Invalid entries met on
+        the way get their error result here and are skipped.
 
         While the engine is busy and the lanes were all empty, they are read again only
         after poll_ms, so an empty queue does not cost round trips on every step."""
-        if not block and time.monotonic() < self._next_scan:
-            return []
         while True:
-            got: list[tuple[str, bytes, dict[bytes, bytes]]] = []
-            for lane in self.lanes:
-                reply = self.r.xreadgroup(
-                    keys.GROUP, self.id, {keys.request_stream(lane): ">"}, count=1
-                )
-                got = self._entries(reply)
-                if got:
-                    break
-            if not got and block:
-                streams = {keys.request_stream(lane): ">" for lane in self.lanes}
-                reply = self.r.xreadgroup(
-                    keys.GROUP, self.id, streams, count=1, block=self.settings.block_ms
-                )
-                got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))
+            got = self._reclaim()
+            if not got:
+                if not block and time.monotonic() < self._next_scan:
+                    return []
+                got = self._read(block)
             if not got:
                 self._next_scan = time.monotonic() + self.settings.poll_ms / 1000
                 return []
@@ -236,6 +265,113 @@ class Worker:
             if valid:
                 return valid
             block = False  # invalid entries were handled: look again without waiting
+
+    def _lane_order(self) -> list[str]:
+        """Highest lane first, except every fair_every-th pull, which starts at the next
+        lower lane in turn (standard, batch, standard, ... with the default lanes) and wraps
+        round to the top: a lower lane gets at least one pull in fair_every * (lanes - 1)
+        while it has work, however busy the lanes above it are."""
+        n, every = len(self.lanes), self.settings.fair_every
+        if n < 2 or every <= 0 or (self._pulls + 1) % every:
+            return self.lanes
+        k = 1 + ((self._pulls + 1) // every - 1) % (n - 1)
+        return self.lanes[k:] + self.lanes[:k]
+
+    def _room_below_top(self) -> bool:
+        """Whether entries of lanes below the top one may be taken now: only while the
+        engine keeps top_lane_reserve sequence slots free beyond them, so that a top-lane
+        arrival is admitted at once rather than after lower-lane work finishes."""
+        reserve = self.settings.top_lane_reserve
+        if reserve <= 0 or not self.engine.has_unfinished():
+            return True
+        busy = self.engine.num_running + self.engine.num_waiting
+        return busy + reserve < self.engine.config.max_num_seqs
+
+    def _read(self, block: bool) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        got: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+        order = self._lane_order()
+        if not self._room_below_top():
+            order = self.lanes[:1]
+        for lane in order:
+            reply = self.r.xreadgroup(
+                keys.GROUP, self.id, {keys.request_stream(lane): ">"}, count=1
+            )
+            got = self._entries(reply)
+            if got:
+                break
+        if not got and block:
+            streams = {keys.request_stream(lane): ">" for lane in self.lanes}
+            reply = self.r.xreadgroup(
+                keys.GROUP, self.id, streams, count=1, block=self.settings.block_ms
+            )
+            got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))
+        if got:
+            self._pulls += 1
+        return got
+
+    def _reclaim(self) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        """One entry left idle by a dead worker, highest lane first, claimed to this worker;
+        entries delivered more than max_deliveries times are dead-lettered on the way. When a
+        whole pass finds none, the next pass waits reclaim_interval_s."""
+        if time.monotonic() < self._next_reclaim:
+            return []
+        for lane in self.lanes:
+            stream = keys.request_stream(lane)
+            while True:
+                cursor, claimed = self.r.xautoclaim(
+                    stream,
+                    keys.GROUP,
+                    self.id,
+                    self.settings.reclaim_idle_ms,
+                    start_id=self._reclaim_from[lane],
+                    count=1,
+                )[:2]
+                self._reclaim_from[lane] = cursor
+                for entry_id, fields in claimed:
+                    if entry_id is None or fields is None:  # trimmed away: nothing to run
+                        continue
+                    pending = self.r.xpending_range(stream, keys.GROUP, entry_id, entry_id, 1)
+                    times = pending[0]["times_delivered"] if pending else 1
+                    if times > self.settings.max_deliveries:
+                        self._too_many_deliveries(lane, entry_id, fields, times)
+                        continue
+                    log.info("reclaimed entry %s on %s (delivery %d)", entry_id, lane, times)
+                    return [(lane, entry_id, fields)]
+                if cursor in (b"0-0", "0-0"):
+                    break
+        self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
+        return []
+
+    def _too_many_deliveries(
+        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], times: int
+    ) -> None:
+        error = (
+            f"delivered {times} times (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); "
+            "its workers kept dying or stalling on it"
+        )
+        try:
+            job_id = protocol.job_id_of(fields)
+        except protocol.NoJobId:
+            self._dead_letter(lane, entry_id, fields, ValueError(error))
+            return
+        log.warning("job %s: %s; moved to %s", job_id, error, keys.DEAD_LETTER)
+        pipe = self.r.pipeline(transaction=False)
+        self._dead_letter_entry(pipe, lane, entry_id, fields, error)
+        self._final(
+            pipe,
+            job_id,
+            lane,
+            entry_id,
+            records.FAILED,
+            "",
+            records.final_fields(
+                worker=self.id,
+                finished_ms=_ms(),
+                error_code=Code.TOO_MANY_DELIVERIES,
+                error_message=error,
+            ),
+        )
+        self._execute(pipe)
 
     def _entries(self, reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         by_stream = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
@@ -274,12 +410,20 @@ class Worker:
     ) -> None:
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
         pipe = self.r.pipeline(transaction=True)
+        self._dead_letter_entry(pipe, lane, entry_id, fields, str(e))
+        pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
+        pipe.xdel(keys.request_stream(lane), entry_id)
+        pipe.execute()
+
+    def _dead_letter_entry(
+        self, pipe: Any, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
+    ) -> None:
         pipe.xadd(
             keys.DEAD_LETTER,
             {
                 "lane": lane,
                 "entry_id": entry_id,
-                "error": str(e),
+                "error": error,
                 "worker": self.id,
                 "fields": json.dumps(
                     {
@@ -291,8 +435,6 @@ class Worker:
             maxlen=self.settings.stream_maxlen,
             approximate=True,
         )
-        pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
-        pipe.execute()
 
     def _fail_entry(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
         log.info("job %s refused: %s: %s", job_id, code, message)
@@ -313,9 +455,10 @@ class Worker:
     def _start(self, entry: Entry) -> None:
         req, env = entry.req, entry.req.envelope
         job_id = env.job_id
-        if job_id in self.running:  # a second entry for a job already running here
-            self.r.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
-            return
+        if job_id in self.running:
+            if self.running[job_id].entry.entry_id != entry.entry_id:
+                self._ack(entry)  # a second entry for a job already running here
+            return  # else this worker's own entry, reclaimed after a stall: it runs already
         verdict = self._begin(
             keys=[keys.job(job_id), keys.output(job_id)],
             args=[
@@ -330,7 +473,7 @@ class Worker:
         )
         verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
         if verdict == "done":
-            self.r.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
+            self._ack(entry)
             return
         if verdict == "cancelled":
             self._end_now(Running(entry), records.CANCELLED, "abort")
@@ -366,6 +509,14 @@ class Worker:
             )
             return
         self.running[job_id] = Running(entry)
+
+    def _ack(self, entry: Entry) -> None:
+        """Ack and delete an entry that needs no result from here (workers delete acked
+        entries, so a lane's length minus its pending count is its backlog)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
+        pipe.xdel(keys.request_stream(entry.lane), entry.entry_id)
+        pipe.execute()
 
     # -- results --------------------------------------------------------------------
 
@@ -403,10 +554,28 @@ class Worker:
             del self.running[run.entry.req.envelope.job_id]
             self._end(_Collector(commands), run, records.COMPLETED, reason)
         if commands:
-            if self._pub_conn is None:
-                self._pub_conn = self.r.connection_pool.get_connection()
-            self._pub_conn.send_packed_command([b"".join(fastpipe.pack(c) for c in commands)])
+            try:
+                if self._pub_conn is None:
+                    self._pub_conn = self.r.connection_pool.get_connection()
+                self._pub_conn.send_packed_command([b"".join(fastpipe.pack(c) for c in commands)])
+            except BaseException:
+                self._keep_finals(commands)
+                raise
             self._in_flight = commands
+
+    def _keep_finals(self, commands: list[list[Any]]) -> None:
+        """Keep the FINALIZE calls of writes that may not have reached Redis, to send again
+        (a repeat stores nothing new). Lost deltas only thin out a token stream; the record
+        holds the full text."""
+        self._unsent += [c for c in commands if c[1] == self._sha["FINALIZE"]]
+
+    def _flush_unsent(self) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for command in self._unsent:
+            pipe.execute_command(*command)
+        self._execute(pipe)
+        log.info("stored %d kept result(s)", len(self._unsent))
+        self._unsent = []
 
     def _collect(self) -> None:
         """Read the replies of the writes sent after the previous step."""
@@ -422,6 +591,7 @@ class Worker:
                     failed.append(command)
         except BaseException:
             self._pub_conn.disconnect()
+            self._keep_finals(commands)
             raise
         if failed:  # Redis lost its script cache: these did nothing; run them again
             self._load_scripts()
@@ -458,10 +628,11 @@ class Worker:
     def _end_now(
         self, run: Running, state: str, finish_reason: str, code: str = "", message: str = ""
     ) -> None:
+        commands: list[list[Any]] = []
+        self._end(_Collector(commands), run, state, finish_reason, code, message)
+        self._unsent += commands  # kept until stored, whatever happens to the connection
         self._collect()  # this job's deltas go before its end entry
-        pipe = self.r.pipeline(transaction=False)
-        self._end(pipe, run, state, finish_reason, code, message)
-        self._execute(pipe)
+        self._flush_unsent()
 
     def _final(
         self,

@@ -1,9 +1,14 @@
-"""Host-memory tier: encoded blocks in an LRU under a byte budget."""
+"""Host-memory tier: copies of device blocks in an LRU under a byte budget.
+
+Blocks stay tensors here: they never leave the process, so they need no encoding; the
+Redis tier encodes what the host tier pushes out to it."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+
+import torch
 
 
 class HostTier:
@@ -18,29 +23,29 @@ class HostTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self.blocks
 
-    def get(self, h: bytes) -> bytes | None:
+    def get(self, h: bytes) -> torch.Tensor | None:
         data = self.blocks.get(h)
         if data is not None:
             self.blocks.move_to_end(h)
         return data
 
-    def put(self, h: bytes, data: bytes) -> None:
-        if len(data) > self.budget:  # can never fit: straight to the next tier
+    def put(self, h: bytes, block: torch.Tensor) -> None:
+        size = _nbytes(block)
+        if size > self.budget:  # can never fit: straight to the next tier
             if self.on_evict is not None:
-                self.on_evict(h, data)
+                self.on_evict(h, block)
             return
         old = self.blocks.pop(h, None)
         if old is not None:
-            self.bytes -= len(old)
-        self.blocks[h] = data
-        self.bytes += len(data)
+            self.bytes -= _nbytes(old)
+        self.blocks[h] = block
+        self.bytes += size
         while self.bytes > self.budget:
-            victim, vdata = self.blocks.popitem(last=False)
-            self.bytes -= len(vdata)
+            victim, vblock = self.blocks.popitem(last=False)
+            self.bytes -= _nbytes(vblock)
             if self.on_evict is not None:
-                self.on_evict(victim, vdata)
+                self.on_evict(victim, vblock)
 
-    def discard(self, h: bytes) -> None:
-        data = self.blocks.pop(h, None)
-        if data is not None:
-            self.bytes -= len(data)
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

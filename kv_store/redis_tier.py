@@ -1,10 +1,10 @@
 """Redis tier: encoded blocks shared by every worker of the same model.
 
-Keys come from broker_config.keys.kv_block (model fingerprint + block hash) and expire
+Blocks are stored in kv_store.block_format under keys from broker_config.keys.kv_block (model fingerprint + block hash) and expire
 after `ttl_s`; Redis `maxmemory` with an eviction policy such as allkeys-lru may drop any
 of them at any time, which is only a miss. Writes go through a background thread in
 pipelined batches, so the engine step never waits on them; reads are one pipelined round
-trip per lookup. Redis being down or full degrades to misses and dropped writes, never
+trip per lookup; the caller decodes and checks what it reads. Redis being down or full degrades to misses and dropped writes, never
 to an error for a request.
 """
 
@@ -17,8 +17,10 @@ import time
 from typing import Any
 
 import redis
+import torch
 
 from broker_config import keys
+from kv_store import block_format
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class RedisTier:
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
-        self.pending: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(max_pending)
+        self.pending: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_pending)
         self.down_until = 0.0  # after an error, skip Redis for a while instead of stalling
         self.dropped = 0  # writes not made: queue full, or Redis down or full
         self.errors = 0
@@ -65,10 +67,11 @@ class RedisTier:
             self._failed(e)
             return [None] * len(hashes)
 
-    def put(self, h: bytes, data: bytes) -> None:
-        """Queue a write; dropped (and counted) when the writer is behind."""
+    def put(self, h: bytes, block: torch.Tensor) -> None:
+        """Queue a write of a block (a CPU tensor the caller no longer changes); dropped
+        and counted when the writer is behind. Encoding happens on the writer thread."""
         try:
-            self.pending.put_nowait((h, data))
+            self.pending.put_nowait((h, block))
         except queue.Full:
             self.dropped += 1
 
@@ -84,9 +87,10 @@ class RedisTier:
             items = [b for b in batch if b is not None]
             if items and time.monotonic() >= self.down_until:
                 try:
+                    fp = bytes.fromhex(self.fingerprint)
                     pipe = self.r.pipeline(transaction=False)
-                    for h, data in items:
-                        pipe.set(self.key(h), data, ex=self.ttl_s)
+                    for h, block in items:
+                        pipe.set(self.key(h), block_format.encode(block, h, fp), ex=self.ttl_s)
                     pipe.execute()
                 except redis.RedisError as e:  # down, or full (OOM with noeviction)
                     self._failed(e)

@@ -1,12 +1,12 @@
 """The bridge between the device KV cache and the kv_store tiers.
 
-Cached blocks evicted from the device are encoded and kept in the host tier; blocks
-pushed out of the host tier go to Redis. With write-through, every full block is also
+Cached blocks evicted from the device are copied into the host tier; blocks pushed out
+of the host tier are encoded and written to Redis by a background thread. With write-through, every full block is also
 sent to Redis as soon as it is computed, so other workers can use a hot prefix at once.
 On admission the block manager asks for the longest run of a sequence's next blocks
 that a tier holds (host first, then Redis) and has them copied into fresh device blocks
-instead of computing them. An entry that fails any check of kv_store.block_format ends
-the run there and is recomputed.
+instead of computing them. A Redis entry that fails any check of kv_store.block_format
+ends the run there and is recomputed.
 """
 
 from __future__ import annotations
@@ -45,30 +45,30 @@ class KVTiers:
         self.fingerprint = fingerprint
         self.remote = redis_tier
         self.write_through = write_through and redis_tier is not None
-        spill = redis_tier.put if redis_tier is not None else None
+        # with write-through, Redis already has every block: the host tier just drops
+        spill = redis_tier.put if redis_tier is not None and not self.write_through else None
         self.host = HostTier(host_bytes, on_evict=spill) if host_bytes > 0 else None
         c = kv_cache
         self.shape = (2, c.shape[1], c.shape[2], c.shape[4], c.shape[5])
         self.counters = TierCounters()
 
-    def _encode(self, block_id: int, h: bytes) -> bytes:
-        return block_format.encode(self.cache[:, :, :, block_id], h, self.fingerprint)
+    def _copy(self, block_id: int) -> torch.Tensor:
+        return self.cache[:, :, :, block_id].to("cpu", copy=True)
 
     def evicted(self, block_id: int, h: bytes) -> None:
         """A cached device block is about to be reused: keep its content below."""
         if self.host is None and self.remote is None:
             return
-        data = self._encode(block_id, h)
         self.counters.spilled += 1
         if self.host is not None:
-            self.host.put(h, data)
+            self.host.put(h, self._copy(block_id))
         elif not self.write_through:  # already sent to Redis when it was computed
-            self.remote.put(h, data)  # type: ignore[union-attr]
+            self.remote.put(h, self._copy(block_id))  # type: ignore[union-attr]
 
     def computed(self, block_id: int, h: bytes) -> None:
         """A block just became full: write it through to Redis if asked."""
         if self.write_through:
-            self.remote.put(h, self._encode(block_id, h))  # type: ignore[union-attr]
+            self.remote.put(h, self._copy(block_id))  # type: ignore[union-attr]
             self.counters.written_through += 1
 
     def lookup(self, hashes: list[bytes]) -> list[torch.Tensor]:
@@ -76,9 +76,11 @@ class KVTiers:
         out: list[torch.Tensor] = []
         i = 0
         while i < len(hashes) and self.host is not None:
-            data = self.host.get(hashes[i])
-            if data is None or not self._take(hashes[i], data, out, "host"):
+            block = self.host.get(hashes[i])
+            if block is None:
                 break
+            out.append(block)
+            self.counters.host_hits += 1
             i += 1
         if (
             i < len(hashes)
@@ -86,23 +88,18 @@ class KVTiers:
             and (self.host is None or hashes[i] not in self.host)
         ):
             for h, data in zip(hashes[i:], self.remote.get_many(hashes[i:]), strict=True):
-                if data is None or not self._take(h, data, out, "redis"):
+                if data is None or not self._take(h, data, out):
                     break
         return out
 
-    def _take(self, h: bytes, data: bytes, out: list[torch.Tensor], tier: str) -> bool:
+    def _take(self, h: bytes, data: bytes, out: list[torch.Tensor]) -> bool:
         try:
             out.append(block_format.decode(data, h, self.fingerprint, self.shape, self.cache.dtype))
         except block_format.BadBlock as e:
             self.counters.bad_entries += 1
-            log.warning("KV block %s from %s refused (%s); recomputing it", h.hex(), tier, e)
-            if tier == "host":
-                self.host.discard(h)  # type: ignore[union-attr]
+            log.warning("KV block %s from Redis refused (%s); recomputing it", h.hex(), e)
             return False
-        if tier == "host":
-            self.counters.host_hits += 1
-        else:
-            self.counters.redis_hits += 1
+        self.counters.redis_hits += 1
         return True
 
     def load(self, block_id: int, block: torch.Tensor) -> None:

@@ -50,11 +50,13 @@ def test_host_tier_evicts_least_recently_used_to_the_next_tier():
     spilled = []
     host = HostTier(300, on_evict=lambda h, d: spilled.append(h))
     for h in (b"a", b"b", b"c"):
-        host.put(h, b"x" * 100)
+        host.put(h, torch.zeros(25))  # 100 bytes each
     assert host.get(b"a") is not None  # now most recently used
-    host.put(b"d", b"x" * 100)
+    host.put(b"d", torch.zeros(25))
     assert spilled == [b"b"]
     assert b"b" not in host and b"a" in host and host.bytes == 300
+    host.put(b"huge", torch.zeros(1000))  # larger than the whole budget: passed straight on
+    assert spilled == [b"b", b"huge"] and b"huge" not in host
 
 
 def long_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -78,27 +80,6 @@ def test_blocks_evicted_to_host_are_loaded_back_and_give_the_same_tokens(
     assert warm.num_cached_tokens == 192  # 12 full blocks from the host tier
     stats = engine.stats()
     assert stats["kv_host_hits"] == 12 and stats["kv_spilled"] > 0
-
-
-def test_a_corrupt_host_entry_is_recomputed(model_factory, engine_factory):
-    path = model_factory("llama")
-    sp = SamplingParams(max_tokens=16, ignore_eos=True)
-    prompt = long_prompts(1, 100, 3)[0]
-    cold = engine_factory(path, kv_host_bytes=0).generate([prompt], sp)[0]
-    engine = engine_factory(path, num_kv_blocks=10, kv_host_bytes=64 << 20)
-    engine.generate([prompt], sp)
-    engine.generate(long_prompts(1, 150, 4), sp)
-    host = engine.blocks.tiers.host
-    hashes = _seq(prompt, engine).block_hashes
-    damaged = bytearray(host.blocks[hashes[2]])
-    damaged[-1] ^= 1
-    host.blocks[hashes[2]] = bytes(damaged)
-    warm = engine.generate([prompt], sp)[0]
-    assert warm.token_ids == cold.token_ids
-    assert (
-        warm.num_cached_tokens == 32
-    )  # blocks 0 and 1 loaded; 2 refused, so recomputed from there
-    assert engine.stats()["kv_bad_entries"] == 1
 
 
 def _seq(prompt: list[int], engine=None):

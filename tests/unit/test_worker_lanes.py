@@ -1,0 +1,33 @@
+"""The order in which a worker reads the lanes: highest first, with every fair_every-th
+pull starting at the next lower lane in turn."""
+
+from __future__ import annotations
+
+import fakeredis
+
+from broker_config.settings import Settings
+from gpu_workers.worker import Worker
+
+
+def orders(settings: Settings, pulls: int) -> list[str]:
+    w = Worker(None, fakeredis.FakeRedis(), settings, worker_id="w")
+    firsts = []
+    for _ in range(pulls):
+        firsts.append(w._lane_order()[0])
+        w._pulls += 1
+    return firsts
+
+
+def test_every_nth_pull_starts_lower_in_turn():
+    firsts = orders(Settings(fair_every=4), 16)
+    assert firsts == ["interactive"] * 3 + ["standard"] + ["interactive"] * 3 + ["batch"] + [
+        "interactive"
+    ] * 3 + ["standard"] + ["interactive"] * 3 + ["batch"]
+    w = Worker(None, fakeredis.FakeRedis(), Settings(fair_every=4), worker_id="w")
+    w._pulls = 7
+    assert w._lane_order() == ["batch", "interactive", "standard"]  # wraps round to the top
+
+
+def test_strict_order_when_off():
+    assert set(orders(Settings(fair_every=0), 20)) == {"interactive"}
+    assert set(orders(Settings(fair_every=4, lanes=["only"]), 8)) == {"only"}
