@@ -22,6 +22,7 @@ from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.model_runner import ModelRunner
+from gpu_workers.engine.parallel import TP, Group, encode_step, send_step
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
@@ -33,7 +34,9 @@ from kv_store.redis_tier import RedisTier
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        # with tensor parallelism this process is rank 0; the other ranks are started here
+        self.group = Group(config) if config.tensor_parallel > 1 else None
+        self.runner = ModelRunner(config, TP(0, config.tensor_parallel))
         self.max_model_len = self.runner.max_model_len
         if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -59,7 +62,12 @@ class Engine:
 
     def _tiers(self) -> KVTiers | None:
         c = self.config
-        if not c.prefix_caching or (c.kv_host_bytes <= 0 and not c.kv_redis_url):
+        # a rank-0 block holds only rank 0's heads: tiers are for single-rank engines
+        if (
+            not c.prefix_caching
+            or c.tensor_parallel > 1
+            or (c.kv_host_bytes <= 0 and not c.kv_redis_url)
+        ):
             return None
         remote = None
         if c.kv_redis_url:
@@ -78,9 +86,12 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Finish queued writes to the Redis tier and stop its writer."""
+        """Finish queued writes to the Redis tier, stop its writer and the other ranks."""
         if self.blocks.tiers is not None:
             self.blocks.tiers.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -229,6 +240,9 @@ class Engine:
         if not seqs:
             return []
         self.num_steps += 1
+        if self.group is not None:
+            self.group.check()
+            send_step(encode_step(seqs))
         logits, sampling = self.runner.run(seqs)
         for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled

@@ -4,10 +4,12 @@ forward pass that returns logits for the rows that sample."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from gpu_workers.engine.config import EngineConfig
+from gpu_workers.engine.parallel import TP
 from gpu_workers.engine.sequence import Sequence
 from gpu_workers.layers.attention import AttnContext, Prefill, use_flash
 from gpu_workers.models.loader import build_model, load_config, resolve_dtype
@@ -16,18 +18,25 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TP | None = None) -> None:
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.tp = tp or TP()
         dev = config.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if dev == "cuda" and self.tp.size > 1:
+            dev = f"cuda:{self.tp.rank}"
         self.device = torch.device(dev)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        elif self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
         self.hf_config = cfg = load_config(config.model)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.max_model_len = self._max_model_len(cfg)
-        self.model = build_model(config.model, cfg, self.dtype, self.device, self.max_model_len)
+        self.model = build_model(
+            config.model, cfg, self.dtype, self.device, self.max_model_len, self.tp
+        )
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
         self.flash = use_flash(self.device, self.block_size)
@@ -72,6 +81,10 @@ class ModelRunner:
             else:
                 budget = self.config.kv_cache_bytes
             n = max(1, budget // per_block)
+        if self.tp.size > 1:  # block ids are shared by the ranks: agree on one count
+            agreed = torch.tensor([n])
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            n = int(agreed.item())
         self.kv_cache = torch.zeros(
             2,
             cfg.num_hidden_layers,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_workers.engine.parallel import TP
 from gpu_workers.layers.attention import AttnContext, PagedAttention
 from gpu_workers.layers.norm import RMSNorm
 from gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
@@ -24,11 +25,27 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the step's positions
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """Heads are split across tensor-parallel ranks; KV heads too, or replicated when there
+    are fewer KV heads than ranks. o_proj is row-parallel: one all-reduce."""
+
+    def __init__(self, cfg: Any, tp: TP) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.tp = tp
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        if (
+            heads % tp.size
+            or (kv_heads >= tp.size and kv_heads % tp.size)
+            or (kv_heads < tp.size and tp.size % kv_heads)
+        ):
+            raise ValueError(
+                f"{heads} heads / {kv_heads} KV heads do not split over {tp.size} ranks"
+            )
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.num_heads = heads // tp.size
+        self.num_kv_heads = max(1, kv_heads // tp.size)
+        self.q_start = tp.rank * self.num_heads  # first global head of each kind held here
+        self.kv_start = tp.rank * kv_heads // tp.size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
@@ -54,14 +71,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attn(q, k, v, ctx)
-        return self.o_proj(o.flatten(1))
+        return self.tp.all_reduce(self.o_proj(o.flatten(1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """gate/up column-parallel, down row-parallel: one all-reduce."""
+
+    def __init__(self, cfg: Any, tp: TP) -> None:
         super().__init__()
+        self.tp = tp
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.inter = cfg.intermediate_size
+        if cfg.intermediate_size % tp.size:
+            raise ValueError(
+                f"intermediate_size {cfg.intermediate_size} does not split over {tp.size} ranks"
+            )
+        self.inter = cfg.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -69,16 +93,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: AttnContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
@@ -95,30 +119,45 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: Any, max_positions: int) -> None:
+    def __init__(self, cfg: Any, max_positions: int, tp: TP | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.tp = tp = tp or TP()
+        # vocab-parallel embedding and lm_head: each rank holds one slice of the rows
+        self.vocab = cfg.vocab_size
+        self.vocab_local = -(-cfg.vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_local
+        self.embed_tokens = nn.Embedding(self.vocab_local, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         attn = self.layers[0].self_attn
         self.rotary = Rotary(attn.head_dim, max_positions, rope_params(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_local, bias=False)
         if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_local)
+        x = self.embed_tokens(local.clamp(0, self.vocab_local - 1)) * mine.unsqueeze(1).to(
+            self.embed_tokens.weight.dtype
+        )
+        return self.tp.all_reduce(x)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, ctx)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.tp.all_gather_last(self.lm_head(hidden).float())[:, : self.vocab]
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -131,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
+            w = self._shard(name, w)
             for piece, (packed, idx) in self.packed.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, packed)
@@ -142,13 +182,44 @@ class LlamaForCausalLM(nn.Module):
             else:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                params[name].data.copy_(w)
+                if params[name].shape != w.shape:  # the last rank's vocab slice is padded
+                    params[name].data.zero_()
+                    params[name].data[: w.shape[0]].copy_(w)
+                else:
+                    params[name].data.copy_(w)
                 loaded.add(name)
         missing = [n for n in self._expected(params) if n not in loaded]
         if missing:
             raise ValueError(
                 f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             )
+
+    def _shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor."""
+        tp = self.tp
+        if tp.size == 1:
+            return w
+        a = self.layers[0].self_attn
+        d = a.head_dim
+        if ".q_proj." in name:
+            return w.narrow(0, a.q_start * d, a.q_size)
+        if ".k_proj." in name or ".v_proj." in name:
+            return w.narrow(0, a.kv_start * d, a.kv_size)
+        inter = self.layers[0].mlp.inter
+        if ".gate_proj." in name or ".up_proj." in name:
+            return w.narrow(0, tp.rank * inter, inter)
+        row_parallel = {
+            ".o_proj.": (a.q_start * d, a.q_size),
+            ".down_proj.": (tp.rank * inter, inter),
+        }
+        for piece, (start, length) in row_parallel.items():
+            if piece in name:
+                if name.endswith(".bias"):  # added once: by rank 0, before the all-reduce
+                    return w if tp.rank == 0 else torch.zeros_like(w)
+                return w.narrow(1, start, length)
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return w[self.vocab_start : self.vocab_start + self.vocab_local]
+        return w
 
     def _packed_offsets(self, packed: str) -> list[int]:
         a = self.layers[0].self_attn

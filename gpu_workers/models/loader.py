@@ -91,7 +91,12 @@ def resolve_dtype(name: str, cfg: Any, device: torch.device) -> torch.dtype:
 
 
 def build_model(
-    model_dir: str | Path, cfg: Any, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path,
+    cfg: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: Any = None,
 ) -> torch.nn.Module:
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     cls = ARCHITECTURES.get(arch)
@@ -103,7 +108,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(cfg, max_positions)
+            model = cls(cfg, max_positions, tp)
     finally:
         torch.set_default_dtype(default)
     model.load_weights(iter_tensors(weight_files(model_dir)))

@@ -1,0 +1,69 @@
+"""Tensor parallelism over processes (gloo on CPU): same tokens as one rank and as
+transformers; a dead rank stops the engine."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from gpu_workers.engine.parallel import decode_step, encode_step
+from gpu_workers.engine.sampling_params import SamplingParams
+from gpu_workers.engine.sequence import Sequence
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(16, 2000) for _ in range(n)] for n in (3, 40, 100, 17)]
+
+
+def test_step_encoding_round_trip():
+    a = Sequence("a", list(range(10, 40)), SamplingParams())
+    a.num_computed_tokens, a.num_scheduled, a.block_table = 16, 14, [3, 7]
+    b = Sequence("b", [5, 6, 7], SamplingParams())
+    b.num_computed_tokens, b.num_scheduled, b.block_table = 2, 1, [9]
+    got = decode_step(encode_step([a, b]).tolist())
+    for want, have in zip([a, b], got, strict=True):
+        assert len(have) == len(want)
+        assert have.num_computed_tokens == want.num_computed_tokens
+        assert have.num_scheduled == want.num_scheduled
+        assert have.block_table == want.block_table
+        s, e = want.num_computed_tokens, want.num_computed_tokens + want.num_scheduled
+        assert have.token_ids[s:e] == want.token_ids[s:e]
+
+
+# the tiny models have 4 heads and 2 KV heads: TP4 replicates each KV head on two ranks
+@pytest.mark.parametrize(("family", "size"), [("llama", 2), ("qwen2", 2), ("qwen3", 4)])
+def test_tensor_parallel_matches_transformers(
+    family, size, model_factory, engine_factory, reference
+):
+    path = model_factory(family)
+    ps = prompts()
+    engine = engine_factory(path, tensor_parallel=size, max_num_batched_tokens=32)
+    try:
+        got = [
+            c.token_ids for c in engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
+        ]
+    finally:
+        engine.close()
+    assert got == reference(path, ps, 16)
+
+
+def test_a_dead_rank_stops_the_engine(model_factory, engine_factory):
+    engine = engine_factory(model_factory("llama"), tensor_parallel=2)
+    try:
+        engine.add(
+            "r", token_ids=[20, 21, 22], params=SamplingParams(max_tokens=50, ignore_eos=True)
+        )
+        engine.step()
+        rank1 = engine.group.procs[0]
+        rank1.kill()
+        rank1.wait()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()
