@@ -1,0 +1,77 @@
+"""Step time of tensor-parallel engine groups against one rank, on the same batch.
+
+For each group size, starts an engine (rank 0 here, the other ranks as processes),
+brings --batch requests into steady decoding and reports the median decode step time and
+the prefill time of the batch. On a 2-core CPU the ranks share two cores and every layer
+adds two all-reduces, so TP is slower there; the script is the same on a machine with
+several GPUs (device auto picks cuda:rank for each rank, NCCL for the collectives).
+The last line is one JSON object.
+
+    python bench/parallel.py [--model DIR] [--tp 1,2] [--batch 16] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.workload import bench_model, mixed  # noqa: E402
+from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
+from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def measure(model: str, tp: int, args: argparse.Namespace) -> dict:
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, tensor_parallel=tp,
+                                 kv_cache_bytes=256 << 20))
+    try:
+        reqs = mixed(args.batch, engine.vocab_size, seed=2, output_median=100000)
+        sp = SamplingParams(max_tokens=args.steps + 50, ignore_eos=True)
+        for i, r in enumerate(reqs):
+            engine.add(f"r{i}", token_ids=r.prompt, params=sp)
+        start = time.perf_counter()
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+            engine.step()
+        prefill = time.perf_counter() - start
+        steps = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        return {"tp": tp, "decode_step_ms": round(statistics.median(steps) * 1000, 2),
+                "prefill_s": round(prefill, 3), "device": str(engine.runner.device),
+                "dtype": str(engine.runner.dtype).removeprefix("torch.")}
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/bench-llama")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    model = str(bench_model(args.model))
+    runs = []
+    for tp in [int(x) for x in args.tp.split(",")]:
+        r = measure(model, tp, args)
+        runs.append(r)
+        print(f"TP{tp}: decode step {r['decode_step_ms']} ms at batch {args.batch}, "
+              f"prefill of the batch {r['prefill_s']} s ({r['device']}, {r['dtype']})", flush=True)
+    base = runs[0]["decode_step_ms"]
+    print(json.dumps({"bench": "parallel", "batch": args.batch, "runs": runs,
+                      "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],
+                      "machine": f"{platform.machine()} {os.cpu_count()} cpus"}))
+
+
+if __name__ == "__main__":
+    main()
