@@ -29,8 +29,9 @@ from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def measure(model: str, tp: int, args: argparse.Namespace) -> dict:
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, tensor_parallel=tp,
-                                 kv_cache_bytes=256 << 20))
+    engine = Engine(
+        EngineConfig(model=model, dtype=args.dtype, tensor_parallel=tp, kv_cache_bytes=256 << 20)
+    )
     try:
         reqs = mixed(args.batch, engine.vocab_size, seed=2, output_median=100000)
         sp = SamplingParams(max_tokens=args.steps + 50, ignore_eos=True)
@@ -45,15 +46,21 @@ def measure(model: str, tp: int, args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t)
-        return {"tp": tp, "decode_step_ms": round(statistics.median(steps) * 1000, 2),
-                "prefill_s": round(prefill, 3), "device": str(engine.runner.device),
-                "dtype": str(engine.runner.dtype).removeprefix("torch.")}
+        return {
+            "tp": tp,
+            "decode_step_ms": round(statistics.median(steps) * 1000, 2),
+            "prefill_s": round(prefill, 3),
+            "device": str(engine.runner.device),
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        }
     finally:
         engine.close()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="models/bench-llama")
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--batch", type=int, default=16)
@@ -65,12 +72,23 @@ def main() -> None:
     for tp in [int(x) for x in args.tp.split(",")]:
         r = measure(model, tp, args)
         runs.append(r)
-        print(f"TP{tp}: decode step {r['decode_step_ms']} ms at batch {args.batch}, "
-              f"prefill of the batch {r['prefill_s']} s ({r['device']}, {r['dtype']})", flush=True)
+        print(
+            f"TP{tp}: decode step {r['decode_step_ms']} ms at batch {args.batch}, "
+            f"prefill of the batch {r['prefill_s']} s ({r['device']}, {r['dtype']})",
+            flush=True,
+        )
     base = runs[0]["decode_step_ms"]
-    print(json.dumps({"bench": "parallel", "batch": args.batch, "runs": runs,
-                      "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],
-                      "machine": f"{platform.machine()} {os.cpu_count()} cpus"}))
+    print(
+        json.dumps(
+            {
+                "bench": "parallel",
+                "batch": args.batch,
+                "runs": runs,
+                "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],
+                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

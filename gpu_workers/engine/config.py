@@ -32,13 +32,15 @@ class EngineConfig:
     kv_write_through: bool = False  # also send each full block to Redis as soon as it is computed
     threads: int | None = None  # torch CPU threads; None: torch's default (cores / ranks)
     tensor_parallel: int = 1  # ranks the model's heads and MLP are split over (processes)
+    pipeline_parallel: int = 1  # stages the model's layers are split over (processes)
+    pipeline_layers: list[int] | None = None  # layers per stage; None: an even split
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError("tensor_parallel and pipeline_parallel must be >= 1")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

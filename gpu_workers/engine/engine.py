@@ -22,7 +22,7 @@ from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.model_runner import ModelRunner
-from gpu_workers.engine.parallel import TP, Group, encode_step, send_step
+from gpu_workers.engine.parallel import Group, encode_step, send_step
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
@@ -35,8 +35,9 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # with tensor parallelism this process is rank 0; the other ranks are started here
-        self.group = Group(config) if config.tensor_parallel > 1 else None
-        self.runner = ModelRunner(config, TP(0, config.tensor_parallel))
+        parallel = config.tensor_parallel * config.pipeline_parallel > 1
+        self.group = Group(config) if parallel else None
+        self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

@@ -7,9 +7,10 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.parallel import TP
+from gpu_workers.engine.parallel import placement
 from gpu_workers.engine.sequence import Sequence
 from gpu_workers.layers.attention import AttnContext, Prefill, use_flash
 from gpu_workers.models.loader import build_model, load_config, resolve_dtype
@@ -18,24 +19,26 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TP | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
-        self.tp = tp or TP()
+        self.rank = rank
+        self.hf_config = cfg = load_config(config.model)
+        self.tp, self.stage = placement(config, rank, cfg.num_hidden_layers)
+        self.world = config.tensor_parallel * config.pipeline_parallel
         dev = config.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-        if dev == "cuda" and self.tp.size > 1:
-            dev = f"cuda:{self.tp.rank}"
+        if dev == "cuda" and self.world > 1:
+            dev = f"cuda:{rank}"
         self.device = torch.device(dev)
         if config.threads:
             torch.set_num_threads(config.threads)
-        elif self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
-        self.hf_config = cfg = load_config(config.model)
+        elif self.world > 1 and self.device.type == "cpu":  # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.max_model_len = self._max_model_len(cfg)
         self.model = build_model(
-            config.model, cfg, self.dtype, self.device, self.max_model_len, self.tp
+            config.model, cfg, self.dtype, self.device, self.max_model_len, self.tp, self.stage
         )
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
@@ -63,11 +66,11 @@ class ModelRunner:
         return want or limit
 
     def _allocate_cache(self) -> int:
-        cfg = self.hf_config
+        layers = len(self.model.layers)  # this stage's layers only
         attn = self.model.layers[0].self_attn
         per_block = (
             2
-            * cfg.num_hidden_layers
+            * layers
             * self.block_size
             * attn.num_kv_heads
             * attn.head_dim
@@ -81,13 +84,13 @@ class ModelRunner:
             else:
                 budget = self.config.kv_cache_bytes
             n = max(1, budget // per_block)
-        if self.tp.size > 1:  # block ids are shared by the ranks: agree on one count
+        if self.world > 1:  # block ids are shared by the ranks: agree on one count
             agreed = torch.tensor([n])
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             n = int(agreed.item())
         self.kv_cache = torch.zeros(
             2,
-            cfg.num_hidden_layers,
+            layers,
             attn.num_kv_heads,
             n,
             self.block_size,
@@ -186,12 +189,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """One forward; returns logits [S, vocab] for the sequences that sample now, in order."""
+        """One forward; returns logits [S, vocab] for the sequences that sample now, in order
+        (on rank 0; other ranks return what they computed, which nobody uses)."""
         input_ids, positions, ctx, rows = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = None
+        if not self.stage.first:  # the previous stage's output for the same tokens
+            hidden = torch.empty(
+                len(input_ids), self.hf_config.hidden_size, dtype=self.dtype, device=self.device
+            )
+            dist.recv(hidden, src=self.rank - self.tp.size)
+        out = self.model(input_ids, positions, ctx, hidden)
         order = [s for s in seqs if s.num_scheduled == 1] + [s for s in seqs if s.num_scheduled > 1]
         picked = [(r, s) for r, s in zip(rows, order, strict=True) if r >= 0]
-        if not picked:
-            return torch.empty(0, self.vocab_size), []
-        idx = torch.tensor([r for r, _ in picked], device=self.device)
-        return self.model.logits(hidden[idx]), [s for _, s in picked]
+        sampling = [s for _, s in picked]
+        logits = torch.empty(len(picked), self.vocab_size, device=self.device)
+        if not self.stage.last:
+            dist.send(out.contiguous(), dst=self.rank + self.tp.size)
+            if self.rank == 0 and picked:  # the last stage's first rank sends the logits
+                dist.recv(logits, src=(self.stage.count - 1) * self.tp.size)
+            return logits, sampling
+        if picked:
+            logits = self.model.logits(
+                out[torch.tensor([r for r, _ in picked], device=self.device)]
+            )
+            if self.stage.count > 1 and self.tp.rank == 0:
+                dist.send(logits, dst=0)
+        return logits, sampling

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.engine.parallel import TP
+from gpu_workers.engine.parallel import TP, Stage
 from gpu_workers.layers.attention import AttnContext, PagedAttention
 from gpu_workers.layers.norm import RMSNorm
 from gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
@@ -119,23 +119,29 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: Any, max_positions: int, tp: TP | None = None) -> None:
+    def __init__(
+        self, cfg: Any, max_positions: int, tp: TP | None = None, stage: Stage | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TP()
+        self.stage = stage = stage or Stage(layers=(0, cfg.num_hidden_layers))
         # vocab-parallel embedding and lm_head: each rank holds one slice of the rows
         self.vocab = cfg.vocab_size
         self.vocab_local = -(-cfg.vocab_size // tp.size)
         self.vocab_start = tp.rank * self.vocab_local
-        self.embed_tokens = nn.Embedding(self.vocab_local, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        first, end = stage.layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(first, end))
         attn = self.layers[0].self_attn
         self.rotary = Rotary(attn.head_dim, max_positions, rope_params(cfg))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_local, bias=False)
-        if self.tied:
-            self.lm_head.weight = self.embed_tokens.weight
+        if stage.first:
+            self.embed_tokens = nn.Embedding(self.vocab_local, cfg.hidden_size)
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_local, bias=False)
+            if self.tied and stage.first:
+                self.lm_head.weight = self.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -148,13 +154,19 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(x)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttnContext,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
+        """This stage's layers: from the tokens on the first stage, else from `hidden`, the
+        previous stage's output. The last stage returns normed hidden states."""
+        x = self.embed(input_ids) if self.stage.first else hidden
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, ctx)
-        return self.norm(x)
+        return self.norm(x) if self.stage.last else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(self.lm_head(hidden).float())[:, : self.vocab]
@@ -167,8 +179,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in tensors:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+            name = self._local_name(name.removeprefix("model."))
+            if name is None:
                 continue
             w = self._shard(name, w)
             for piece, (packed, idx) in self.packed.items():
@@ -193,6 +205,24 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             )
+
+    def _local_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into on this stage; None: not held here."""
+        if "rotary_emb" in name:
+            return None
+        if name.startswith("layers."):
+            i = int(name.split(".")[1])
+            first, end = self.stage.layers
+            return f"layers.{i - first}.{name.split('.', 2)[2]}" if first <= i < end else None
+        if name == "embed_tokens.weight":
+            if self.stage.first:
+                return name
+            return "lm_head.weight" if self.tied and self.stage.last else None
+        if name == "lm_head.weight":
+            return name if self.stage.last and not self.tied else None
+        if name.startswith("norm."):
+            return name if self.stage.last else None
+        return name
 
     def _shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor."""
@@ -231,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
     def _expected(self, params: dict[str, nn.Parameter]) -> list[str]:
         out = []
         for name in params:
-            if self.tied and name == "lm_head.weight":
+            if self.tied and self.stage.first and name == "lm_head.weight":
                 continue
             if ".qkv_proj." in name:
                 out += [f"{name}#{i}" for i in range(3)]

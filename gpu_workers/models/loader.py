@@ -97,6 +97,7 @@ def build_model(
     device: torch.device,
     max_positions: int,
     tp: Any = None,
+    stage: Any = None,
 ) -> torch.nn.Module:
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     cls = ARCHITECTURES.get(arch)
@@ -108,7 +109,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(cfg, max_positions, tp)
+            model = cls(cfg, max_positions, tp, stage)
     finally:
         torch.set_default_dtype(default)
     model.load_weights(iter_tensors(weight_files(model_dir)))

@@ -1,5 +1,5 @@
-"""Tensor parallelism over processes (gloo on CPU): same tokens as one rank and as
-transformers; a dead rank stops the engine."""
+"""Tensor and pipeline parallelism over processes (gloo on CPU): same tokens as one rank
+and as transformers; a dead rank stops the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpu_workers.engine.parallel import decode_step, encode_step
+from gpu_workers.engine.parallel import decode_step, encode_step, split_layers
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import Sequence
 
@@ -33,14 +33,27 @@ def test_step_encoding_round_trip():
         assert have.token_ids[s:e] == want.token_ids[s:e]
 
 
-# the tiny models have 4 heads and 2 KV heads: TP4 replicates each KV head on two ranks
-@pytest.mark.parametrize(("family", "size"), [("llama", 2), ("qwen2", 2), ("qwen3", 4)])
-def test_tensor_parallel_matches_transformers(
-    family, size, model_factory, engine_factory, reference
+def test_layer_split():
+    assert split_layers(5, 2) == [(0, 3), (3, 5)]
+    assert split_layers(12, 3, [2, 4, 6]) == [(0, 2), (2, 6), (6, 12)]
+    with pytest.raises(ValueError):
+        split_layers(4, 2, [4, 0])
+
+
+# the tiny models have 4 heads, 2 KV heads and 2 layers: TP4 replicates each KV head on two
+# ranks; qwen2 ties its embeddings, so with PP its last stage loads lm_head from them
+@pytest.mark.parametrize(
+    ("family", "tp", "pp"),
+    [("llama", 2, 1), ("qwen2", 2, 1), ("qwen3", 4, 1), ("mistral", 1, 2), ("qwen2", 2, 2)],
+)
+def test_parallel_groups_match_transformers(
+    family, tp, pp, model_factory, engine_factory, reference
 ):
     path = model_factory(family)
     ps = prompts()
-    engine = engine_factory(path, tensor_parallel=size, max_num_batched_tokens=32)
+    engine = engine_factory(
+        path, tensor_parallel=tp, pipeline_parallel=pp, max_num_batched_tokens=32
+    )
     try:
         got = [
             c.token_ids for c in engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
