@@ -1,13 +1,14 @@
-"""Step time of tensor-parallel engine groups against one rank, on the same batch.
+"""Step time of tensor- and pipeline-parallel engine groups against one rank, on the same
+batch.
 
-For each group size, starts an engine (rank 0 here, the other ranks as processes),
+For each group shape (TPxPP), starts an engine (rank 0 here, the other ranks as processes),
 brings --batch requests into steady decoding and reports the median decode step time and
-the prefill time of the batch. On a 2-core CPU the ranks share two cores and every layer
-adds two all-reduces, so TP is slower there; the script is the same on a machine with
+the prefill time of the batch. On a 2-core CPU the ranks share two cores, every layer adds
+two all-reduces (TP) and stages take turns (PP), so groups are slower there; the script is the same on a machine with
 several GPUs (device auto picks cuda:rank for each rank, NCCL for the collectives).
 The last line is one JSON object.
 
-    python bench/parallel.py [--model DIR] [--tp 1,2] [--batch 16] [--steps 20]
+    python bench/parallel.py [--model DIR] [--groups 1x1,2x1,1x2] [--batch 16] [--steps 20]
 """
 
 from __future__ import annotations
@@ -28,11 +29,18 @@ from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 
-def measure(model: str, tp: int, args: argparse.Namespace) -> dict:
+def measure(model: str, tp: int, pp: int, args: argparse.Namespace) -> dict:
     engine = Engine(
-        EngineConfig(model=model, dtype=args.dtype, tensor_parallel=tp, kv_cache_bytes=256 << 20)
+        EngineConfig(
+            model=model,
+            dtype=args.dtype,
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            kv_cache_bytes=256 << 20,
+        )
     )
     try:
+        engine.generate([list(range(16, 600))], SamplingParams(max_tokens=4))  # warm-up
         reqs = mixed(args.batch, engine.vocab_size, seed=2, output_median=100000)
         sp = SamplingParams(max_tokens=args.steps + 50, ignore_eos=True)
         for i, r in enumerate(reqs):
@@ -48,6 +56,7 @@ def measure(model: str, tp: int, args: argparse.Namespace) -> dict:
             steps.append(time.perf_counter() - t)
         return {
             "tp": tp,
+            "pp": pp,
             "decode_step_ms": round(statistics.median(steps) * 1000, 2),
             "prefill_s": round(prefill, 3),
             "device": str(engine.runner.device),
@@ -62,18 +71,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="models/bench-llama")
-    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--groups", default="1x1,2x1,1x2", help="TPxPP shapes, the first is the base")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     model = str(bench_model(args.model))
     runs = []
-    for tp in [int(x) for x in args.tp.split(",")]:
-        r = measure(model, tp, args)
+    for shape in args.groups.split(","):
+        tp, pp = (int(x) for x in shape.split("x"))
+        r = measure(model, tp, pp, args)
         runs.append(r)
         print(
-            f"TP{tp}: decode step {r['decode_step_ms']} ms at batch {args.batch}, "
+            f"TP{tp}xPP{pp}: decode step {r['decode_step_ms']} ms at batch {args.batch}, "
             f"prefill of the batch {r['prefill_s']} s ({r['device']}, {r['dtype']})",
             flush=True,
         )
