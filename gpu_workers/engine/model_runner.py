@@ -190,7 +190,31 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward; returns logits [S, vocab] for the sequences that sample now, in order
-        (on rank 0; other ranks return what they computed, which nobody uses)."""
+        (on rank 0; other ranks return what they computed, which nobody uses).
+
+        With pipeline stages the step is cut into micro-batches (one per stage, at most one
+        per sequence): a stage sends each micro-batch on as soon as it is done and goes on
+        with the next, so the stages work at the same time."""
+        count = min(self.stage.count, len(seqs))
+        batches = [seqs[i::count] for i in range(count)]
+        sends: list = []
+        results = []
+        for batch in batches:
+            logits, sampling, send = self._run_batch(batch)
+            sends += send
+            results.append((logits, sampling))
+        if self.rank == 0 and self.stage.count > 1:  # the last stage's first rank sends the logits
+            for logits, sampling in results:
+                if sampling:
+                    dist.recv(logits, src=(self.stage.count - 1) * self.tp.size)
+        for work, _tensor in sends:
+            work.wait()
+        sampling = [s for _, batch_sampling in results for s in batch_sampling]
+        if len(results) == 1:
+            return results[0]
+        return torch.cat([lg for lg, _ in results]), sampling
+
+    def _run_batch(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence], list]:
         input_ids, positions, ctx, rows = self.prepare(seqs)
         hidden = None
         if not self.stage.first:  # the previous stage's output for the same tokens
@@ -204,14 +228,13 @@ class ModelRunner:
         sampling = [s for _, s in picked]
         logits = torch.empty(len(picked), self.vocab_size, device=self.device)
         if not self.stage.last:
-            dist.send(out.contiguous(), dst=self.rank + self.tp.size)
-            if self.rank == 0 and picked:  # the last stage's first rank sends the logits
-                dist.recv(logits, src=(self.stage.count - 1) * self.tp.size)
-            return logits, sampling
+            out = out.contiguous()  # kept alive with its send until the send completes
+            return logits, sampling, [(dist.isend(out, dst=self.rank + self.tp.size), out)]
+        sends = []
         if picked:
             logits = self.model.logits(
                 out[torch.tensor([r for r, _ in picked], device=self.device)]
             )
             if self.stage.count > 1 and self.tp.rank == 0:
-                dist.send(logits, dst=0)
-        return logits, sampling
+                sends.append((dist.isend(logits, dst=0), logits))
+        return logits, sampling, sends
