@@ -134,9 +134,30 @@ def enqueue(url: str, n: int) -> dict:
         port = re.search(r":(\d+)/", url).group(1)  # type: ignore[union-attr]
         # redis-benchmark has no built-in XADD test; give it the entry itself: the same
         # fields and a body of the same size, 1000 commands per pipeline
-        xadd = ["XADD", stream, "MAXLEN", "~", "1000000", "*", "v", "1", "id", "__rand_int__",
-                "priority", "0", "lane", "batch", "prompt_tokens", "20", "max_tokens", "64",
-                "content_type", protocol.MSGPACK, "body", "x" * len(body)]
+        xadd = [
+            "XADD",
+            stream,
+            "MAXLEN",
+            "~",
+            "1000000",
+            "*",
+            "v",
+            "1",
+            "id",
+            "__rand_int__",
+            "priority",
+            "0",
+            "lane",
+            "batch",
+            "prompt_tokens",
+            "20",
+            "max_tokens",
+            "64",
+            "content_type",
+            protocol.MSGPACK,
+            "body",
+            "x" * len(body),
+        ]
         out = subprocess.run(
             [bench, "-p", port, "-n", str(n), "-P", "1000", "-r", "100000000", "-q", *xadd],
             capture_output=True,

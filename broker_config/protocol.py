@@ -61,6 +61,7 @@ class Code:
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
     # Lifecycle.
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    TOO_MANY_DELIVERIES = "too_many_deliveries"  # delivered over max_deliveries times
     INTERNAL = "internal"
 
 

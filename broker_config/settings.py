@@ -46,6 +46,23 @@ class Settings(BaseSettings):
     grace_period_s: float = 30.0  # SIGTERM: time to finish running jobs before handing back
     heartbeat_interval_s: float = 5.0
 
+    # Reliability (docs/operations.md). A worker renews the idle time of the entries it holds
+    # every heartbeat (XCLAIM to itself, JUSTID), so an entry idle longer than
+    # reclaim_idle_ms belongs to a dead worker and is taken over (XAUTOCLAIM). Keep it well
+    # above heartbeat_interval_s plus the longest engine step.
+    reclaim_idle_ms: int = 60_000
+    reclaim_interval_s: float = 5.0  # how often an idle scan for stranded entries runs
+    max_deliveries: int = 5  # an entry delivered more often is dead-lettered, job failed
+    # Backpressure: most entries waiting (not yet taken by a worker) per lane; 0 = no limit.
+    # Keep it below stream_maxlen so that trimming never drops a waiting entry.
+    max_queued_per_lane: int = 500_000
+    queue_full_retry_s: float = 1.0  # the retry-after hint of QueueFull
+    # Fairness across lanes: every fair_every-th take starts at the next lower lane in turn
+    # instead of the highest, so lower lanes progress under sustained high-lane load.
+    fair_every: int = 8
+    # Sequence slots of a worker's engine that lower lanes leave free for the top lane.
+    top_lane_reserve: int = 4
+
     model_dir: str | None = None
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>
 

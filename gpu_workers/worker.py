@@ -250,17 +250,18 @@ class Worker:
         one from the highest lane that has work (see _lane_order). Invalid entries met on
         the way get their error result here and are skipped.
 
-        While the engine is busy and the lanes were all empty, they are read again only
-        after poll_ms, so an empty queue does not cost round trips on every step."""
+        While the engine is busy and the lanes were all empty, the lanes below the top one
+        are read again only after poll_ms, so an empty queue costs one round trip a step
+        (the top lane's, which keeps interactive arrivals from waiting for the poll)."""
         while True:
             got = self._reclaim()
             if not got:
-                if not block and time.monotonic() < self._next_scan:
+                scan_all = block or time.monotonic() >= self._next_scan
+                got = self._read(block, None if scan_all else self.lanes[:1])
+                if not got:
+                    if scan_all:
+                        self._next_scan = time.monotonic() + self.settings.poll_ms / 1000
                     return []
-                got = self._read(block)
-            if not got:
-                self._next_scan = time.monotonic() + self.settings.poll_ms / 1000
-                return []
             valid = [e for e in (self._check(*g) for g in got) if e is not None]
             if valid:
                 return valid
@@ -287,9 +288,11 @@ class Worker:
         busy = self.engine.num_running + self.engine.num_waiting
         return busy + reserve < self.engine.config.max_num_seqs
 
-    def _read(self, block: bool) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+    def _read(
+        self, block: bool, lanes: list[str] | None = None
+    ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         got: list[tuple[str, bytes, dict[bytes, bytes]]] = []
-        order = self._lane_order()
+        order = lanes or self._lane_order()
         if not self._room_below_top():
             order = self.lanes[:1]
         for lane in order:
@@ -328,7 +331,8 @@ class Worker:
                 )[:2]
                 self._reclaim_from[lane] = cursor
                 for entry_id, fields in claimed:
-                    if entry_id is None or fields is None:  # trimmed away: nothing to run
+                    if entry_id is None or fields is None:
+                        self._ack_deleted(stream)
                         continue
                     pending = self.r.xpending_range(stream, keys.GROUP, entry_id, entry_id, 1)
                     times = pending[0]["times_delivered"] if pending else 1
@@ -341,6 +345,13 @@ class Worker:
                     break
         self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
         return []
+
+    def _ack_deleted(self, stream: str) -> None:
+        """Ack pending entries of this worker that no longer exist (trimmed or deleted by
+        hand): Redis 6.2's XAUTOCLAIM hands them over without their ids."""
+        for p in self.r.xpending_range(stream, keys.GROUP, "-", "+", 1000, self.id):
+            if not self.r.xrange(stream, p["message_id"], p["message_id"]):
+                self.r.xack(stream, keys.GROUP, p["message_id"])
 
     def _too_many_deliveries(
         self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], times: int
@@ -544,7 +555,6 @@ class Worker:
                 delta_args += [out.text_delta, json.dumps(out.new_token_ids, separators=(",", ":"))]
             if out.finished:
                 finished.append((run, out.finish_reason or ""))
-        self._collect()
         commands: list[list[Any]] = []
         if delta_keys:
             commands.append(
@@ -553,14 +563,18 @@ class Worker:
         for run, reason in finished:
             del self.running[run.entry.req.envelope.job_id]
             self._end(_Collector(commands), run, records.COMPLETED, reason)
-        if commands:
-            try:
+        # The engine is done with the finished jobs: from here their results live only in
+        # `commands` until Redis has them.
+        try:
+            self._collect()  # the previous step's replies come first on the connection
+            if commands:
                 if self._pub_conn is None:
                     self._pub_conn = self.r.connection_pool.get_connection()
                 self._pub_conn.send_packed_command([b"".join(fastpipe.pack(c) for c in commands)])
-            except BaseException:
-                self._keep_finals(commands)
-                raise
+        except BaseException:
+            self._keep_finals(commands)
+            raise
+        if commands:
             self._in_flight = commands
 
     def _keep_finals(self, commands: list[list[Any]]) -> None:

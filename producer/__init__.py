@@ -2,6 +2,15 @@
 
 from producer.aio import AsyncClient, AsyncJob
 from producer.client import Client, Job
-from producer.errors import JobCancelled, JobFailed, JobRestarted
+from producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull
 
-__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobCancelled", "JobFailed", "JobRestarted"]
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "Client",
+    "Job",
+    "JobCancelled",
+    "JobFailed",
+    "JobRestarted",
+    "QueueFull",
+]

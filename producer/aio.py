@@ -8,6 +8,7 @@ async with AsyncClient(url) as client:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ from broker_config import keys
 from broker_config.connection import connect_async, resolve_url
 from broker_config.settings import Settings
 from producer.client import _final, _s
+from producer.errors import queue_full
 from producer.request import prepare
 from results import scripts, tokens
 from results.records import JobRecord
@@ -40,19 +42,45 @@ class AsyncClient:
         self._submit = self.redis.register_script(scripts.SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL)
 
-    async def submit(self, prompt: str | None = None, **options: Any) -> AsyncJob:
+    async def submit(
+        self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
+    ) -> AsyncJob:
         _job_id, key_list, args = prepare(self.settings, prompt=prompt, **options)
-        return AsyncJob(self, _s(await self._submit(keys=key_list, args=args)))
+        give_up = time.monotonic() + queue_timeout
+        while True:
+            try:
+                return AsyncJob(self, _s(await self._submit(keys=key_list, args=args)))
+            except redis.ResponseError as e:
+                full = queue_full(e, args[5], self.settings.queue_full_retry_s)
+                if full is None:
+                    raise
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise full from None
+                await asyncio.sleep(min(0.1, left))
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncJob]:
         sha = await self.redis.script_load(scripts.SUBMIT)
         jobs: list[AsyncJob] = []
         for i in range(0, len(requests), 5000):
             pipe = self.redis.pipeline(transaction=False)
+            lanes = []
             for req in requests[i : i + 5000]:
                 _job_id, key_list, args = prepare(self.settings, **req)
                 pipe.execute_command("EVALSHA", sha, len(key_list), *key_list, *args)
-            jobs += [AsyncJob(self, _s(j)) for j in await pipe.execute()]
+                lanes.append(args[5])
+            replies = await pipe.execute(raise_on_error=False)
+            full = None
+            for reply, lane in zip(replies, lanes, strict=True):
+                if isinstance(reply, Exception):
+                    full = queue_full(reply, lane, self.settings.queue_full_retry_s)
+                    if full is None:
+                        raise reply
+                else:
+                    jobs.append(AsyncJob(self, _s(reply)))
+            if full is not None:
+                full.accepted = jobs
+                raise full
         return jobs
 
     def job(self, job_id: str) -> AsyncJob:

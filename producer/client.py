@@ -18,7 +18,7 @@ import redis
 from broker_config import fastpipe, keys
 from broker_config.connection import connect, resolve_url
 from broker_config.settings import Settings
-from producer.errors import JobCancelled, JobFailed
+from producer.errors import JobCancelled, JobFailed, QueueFull, queue_full
 from producer.request import prepare
 from results import records, scripts, tokens, wait
 from results.records import JobRecord
@@ -44,34 +44,62 @@ class Client:
         self._submit = self.redis.register_script(scripts.SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL)
 
-    def submit(self, prompt: str | None = None, **options: Any) -> Job:
+    def submit(
+        self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
+    ) -> Job:
         """Queue one job; options as in producer.request.prepare (max_tokens, temperature,
         ..., priority, lane, metadata, idempotency_key, deadline). With an idempotency key
-        already used, returns the earlier job and queues nothing."""
+        already used, returns the earlier job and queues nothing.
+
+        When the lane is full, raises QueueFull at once, or with `queue_timeout` > 0 keeps
+        trying until there is room or that many seconds have passed."""
         job_id, key_list, args = prepare(self.settings, prompt=prompt, **options)
-        return Job(self, _s(self._submit(keys=key_list, args=args)))
+        give_up = time.monotonic() + queue_timeout
+        while True:
+            try:
+                return Job(self, _s(self._submit(keys=key_list, args=args)))
+            except redis.ResponseError as e:
+                full = queue_full(e, args[5], self.settings.queue_full_retry_s)
+                if full is None:
+                    raise
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise full from None
+                time.sleep(min(0.1, left))
 
     def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[Job]:
-        """Queue many jobs, pipelined: each dict holds submit's arguments."""
+        """Queue many jobs, pipelined: each dict holds submit's arguments. If a lane is full,
+        raises QueueFull after the chunk in flight; its `accepted` lists the jobs queued."""
         sha = self.redis.script_load(scripts.SUBMIT)
         jobs: list[Job] = []
         chunk: list[bytes] = []
+        lanes: list[str] = []
         for req in requests:
             _job_id, key_list, args = prepare(self.settings, **req)
             chunk.append(fastpipe.pack(["EVALSHA", sha, len(key_list), *key_list, *args]))
+            lanes.append(args[5])
             if len(chunk) == _CHUNK:
-                jobs += self._send(chunk)
-                chunk = []
+                jobs += self._send(chunk, lanes, jobs)
+                chunk, lanes = [], []
         if chunk:
-            jobs += self._send(chunk)
+            jobs += self._send(chunk, lanes, jobs)
         return jobs
 
-    def _send(self, chunk: list[bytes]) -> list[Job]:
+    def _send(self, chunk: list[bytes], lanes: list[str], before: list[Job]) -> list[Job]:
         replies = fastpipe.run(self.redis, chunk)
-        for reply in replies:
-            if isinstance(reply, Exception):
+        jobs: list[Job] = []
+        full: QueueFull | None = None
+        for reply, lane in zip(replies, lanes, strict=True):
+            if not isinstance(reply, Exception):
+                jobs.append(Job(self, _s(reply)))
+                continue
+            full = queue_full(reply, lane, self.settings.queue_full_retry_s)
+            if full is None:
                 raise reply
-        return [Job(self, _s(j)) for j in replies]
+        if full is not None:
+            full.accepted = before + jobs
+            raise full
+        return jobs
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

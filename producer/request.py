@@ -106,6 +106,8 @@ def prepare(
         lane,
         priority,
         json.dumps(metadata, separators=(",", ":")) if metadata is not None else "",
+        settings.max_queued_per_lane,
+        keys.GROUP,
         *fields,
     ]
     return job_id, key_list, args

@@ -9,14 +9,26 @@ from __future__ import annotations
 
 # KEYS: request stream, job record[, idempotency key]
 # ARGV: maxlen, record ttl, idempotency ttl, job id, created_ms, lane, priority,
-#       metadata JSON or '', then the entry's field/value pairs.
+#       metadata JSON or '', max queued (0: no limit), group, then the entry's field/value
+#       pairs.
 # Returns the id of the job in the queue: this one, or the earlier job with the same
-# idempotency key (then nothing is added).
+# idempotency key (then nothing is added); or the error 'QUEUEFULL <queued>' when the lane
+# already holds max queued entries not yet taken by a worker. Workers delete an entry once
+# it is acknowledged, so XLEN minus the group's pending count is what waits in the lane.
 SUBMIT = """
-if #KEYS == 3 and not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'EX', ARGV[3]) then
-  return redis.call('GET', KEYS[3])
+if #KEYS == 3 then
+  local owner = redis.call('GET', KEYS[3])
+  if owner then return owner end
 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 9))
+local limit = tonumber(ARGV[9])
+local queued = redis.call('XLEN', KEYS[1])
+if limit > 0 and queued >= limit then
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[10])
+  if type(pending) == 'table' and pending.err == nil then queued = queued - pending[1] end
+  if queued >= limit then return redis.error_reply('QUEUEFULL ' .. queued) end
+end
+if #KEYS == 3 then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[3]) end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 11))
 redis.call('HSET', KEYS[2], 'state', 'queued', 'lane', ARGV[6], 'priority', ARGV[7],
            'created_ms', ARGV[5])
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[2], 'metadata', ARGV[8]) end
@@ -57,7 +69,7 @@ return #KEYS
 # KEYS: job record, token stream[, request stream to XACK]
 # ARGV: group, entry id, ttl, done channel, state, finish_reason, then record field/value pairs
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
-# same job can never overwrite the first result. Acks the entry either way.
+# same job can never overwrite the first result. Acks and deletes the entry either way.
 FINALIZE = """
 local fresh = redis.call('HSETNX', KEYS[1], 'final', '1') == 1
 if fresh then
@@ -67,7 +79,10 @@ if fresh then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   redis.call('PUBLISH', ARGV[4], ARGV[5])
 end
-if #KEYS == 3 then redis.call('XACK', KEYS[3], ARGV[1], ARGV[2]) end
+if #KEYS == 3 then
+  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[3], ARGV[2])
+end
 if fresh then return 1 end
 return 0
 """
@@ -97,16 +112,18 @@ return 'cancelled'
 
 # KEYS: request stream, job record
 # ARGV: group, entry id, maxlen, then the entry's original field/value pairs
-# Hands a job back: re-adds its entry at the tail of its lane and acks the old one, unless
-# a final result exists already. Returns 1 when re-added.
+# Hands a job back: re-adds its entry at the tail of its lane and acks (and deletes) the old
+# one, unless a final result exists already. Returns 1 when re-added.
 REQUEUE = """
 if redis.call('HEXISTS', KEYS[2], 'final') == 0 then
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
   redis.call('HSET', KEYS[2], 'state', 'queued')
   redis.call('HDEL', KEYS[2], 'worker', 'started_ms')
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[1], ARGV[2])
   return 1
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
 return 0
 """

@@ -1,0 +1,155 @@
+"""Interactive time to first token while the batch lane saturates the workers, beside the
+same interactive requests on idle workers.
+
+    python bench/priority.py [--model DIR] [--workers 1] [--requests 100] [--batch 3000]
+
+Each interactive request is submitted alone and timed from submit to its first token-stream
+delta (`plurai:out:<id>`), one after another with a short pause. First on idle workers,
+then again while a backlog of long batch jobs keeps every worker full (the backlog is
+checked to outlast the measurement). The model defaults to the tiny test Llama, made in a
+temporary folder. The last line is one JSON object; the target is loaded p99 <= 2x idle p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from broker_config import keys  # noqa: E402
+from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from producer.client import Client  # noqa: E402
+from results import tokens  # noqa: E402
+
+WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
+
+
+def interactive(n: int) -> list[dict]:
+    return [
+        {
+            "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + i % 24)),
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "lane": "interactive",
+        }
+        for i in range(n)
+    ]
+
+
+def ttfts(client: Client, reqs: list[dict], pause_s: float) -> list[float]:
+    """Seconds from submit to the first delta, one request at a time."""
+    out = []
+    for req in reqs:
+        t = time.perf_counter()
+        job = client.submit(**req)
+        for ev in tokens.events(client.redis, job.id, block_ms=60000):
+            if ev.type == tokens.DELTA:
+                out.append(time.perf_counter() - t)
+                break
+            if ev.type == tokens.END:
+                raise SystemExit(f"job {job.id} ended without a token: {job.record()}")
+        job.result(timeout=120)
+        time.sleep(pause_s)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def summary(xs: list[float]) -> dict:
+    return {"p50_ms": round(1000 * pct(xs, 0.5), 2), "p99_ms": round(1000 * pct(xs, 0.99), 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="local HF model dir; default: the tiny test Llama")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--requests", type=int, default=100, help="interactive requests per phase")
+    p.add_argument("--batch", type=int, default=3000, help="batch jobs in the backlog")
+    p.add_argument("--batch-tokens", type=int, default=256, help="max_tokens of a batch job")
+    p.add_argument("--pause", type=float, default=0.05, help="seconds between requests")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    a = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as d:
+        model = a.model
+        if model is None:
+            from gpu_workers.models.factory import make_model
+
+            model = str(make_model(Path(d) / "tiny-llama", family="llama", size="tiny"))
+        with EmbeddedRedis(Path(d) / "redis") as url:
+            result = run(a, model, url)
+    print(json.dumps(result))
+
+
+def run(a: argparse.Namespace, model: str, url: str) -> dict:
+    cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", model, "--url", url]
+    cmd += ["--grace", "0", "--log-level", "WARNING", "--engine", f"threads={a.threads}"]
+    env = {**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env) for _ in range(a.workers)]
+    try:
+        client = Client(url)
+        while client.redis.scard(keys.WORKERS) < a.workers:
+            if any(proc.poll() is not None for proc in procs):
+                raise SystemExit("a worker exited")
+            time.sleep(0.1)
+        reqs = interactive(a.requests)
+        ttfts(client, reqs[:5], 0.0)  # warm up
+        idle = ttfts(client, reqs, a.pause)
+        print(f"idle:   {summary(idle)}", flush=True)
+
+        batch = client.submit_many(
+            [
+                {
+                    "prompt": f"batch document {i}: " + " ".join(WORDS),
+                    "max_tokens": a.batch_tokens,
+                    "ignore_eos": True,
+                    "lane": "batch",
+                }
+                for i in range(a.batch)
+            ]
+        )
+        time.sleep(2.0)  # the workers fill up with batch work
+        t = time.perf_counter()
+        loaded = ttfts(client, reqs, a.pause)
+        seconds = time.perf_counter() - t
+        stream = keys.request_stream("batch")
+        waiting = client.redis.xlen(stream) - client.redis.xpending(stream, keys.GROUP)["pending"]
+        done = sum(rec.final for rec in client.records([j.id for j in batch]))
+        print(f"loaded: {summary(loaded)}", flush=True)
+        if waiting <= 0:
+            print("warning: the batch backlog ran out; raise --batch", flush=True)
+        result = {
+            "model": Path(model).name,
+            "workers": a.workers,
+            "requests": a.requests,
+            "idle": summary(idle),
+            "loaded": summary(loaded),
+            "p50_ratio": round(pct(loaded, 0.5) / pct(idle, 0.5), 3),
+            "p99_ratio": round(pct(loaded, 0.99) / pct(idle, 0.99), 3),
+            "target_p99_ratio": 2.0,
+            "batch_done_during_loaded_phase": done,
+            "batch_still_waiting": waiting,
+            "loaded_phase_s": round(seconds, 2),
+        }
+        client.close()
+        return result
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

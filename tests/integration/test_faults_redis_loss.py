@@ -1,0 +1,93 @@
+"""Redis lost between a job's last step and the storing of its result: the worker keeps the
+result, backs off, and stores it once Redis is back (in-process, with a stand-in engine)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import redis
+
+from broker_config.connection import connect
+from broker_config.embedded import EmbeddedRedis
+from broker_config.groups import ensure_groups
+from broker_config.settings import Settings
+from gpu_workers.worker import Worker
+from producer.client import Client
+from results import records
+
+from .faults import pending
+
+
+class OneStepEngine:
+    """Finishes every request in one step with the text 'done'; `on_step` runs first."""
+
+    num_running = num_waiting = 0
+    config = SimpleNamespace(max_num_seqs=64)
+
+    def __init__(self, on_step) -> None:
+        self.on_step = on_step
+        self.ids: list[str] = []
+
+    def add(self, request_id: str, **_kw) -> None:
+        self.ids.append(request_id)
+
+    def can_admit(self, *_a) -> bool:
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.ids)
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def step(self) -> list[SimpleNamespace]:
+        self.on_step()
+        ids, self.ids = self.ids, []
+        return [
+            SimpleNamespace(
+                request_id=i,
+                new_token_ids=[5],
+                text_delta="done",
+                num_prompt_tokens=3,
+                num_cached_tokens=0,
+                logprobs=None,
+                finished=True,
+                finish_reason="stop",
+            )
+            for i in ids
+        ]
+
+
+def test_result_kept_across_redis_outage(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    try:
+        redis.Redis.from_url(url).config_set("appendfsync", "always")
+        job = Client(url).submit("hello", max_tokens=4)
+        engine = OneStepEngine(on_step=lambda: server.proc.kill() or server.proc.wait())
+        worker = Worker(engine, connect(url), Settings(redis_url=url), worker_id="w1")
+        ensure_groups(worker.r, worker.lanes)
+        worker._load_scripts()
+        # Takes the job, starts it, steps: Redis dies before the result is stored. Whichever
+        # call meets the dead connection keeps the result.
+        for _ in range(3):
+            try:
+                worker._iterate()
+            except redis.ConnectionError:
+                pass
+        assert engine.ids == [] and worker.running == {}
+        assert len(worker._unsent) == 1
+        server.start()  # same port, same append-only file
+        give_up = time.monotonic() + 30
+        while worker._unsent and time.monotonic() < give_up:
+            try:
+                worker._iterate()
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        rec = job.record()
+        assert rec.state == records.COMPLETED and rec.text == "done" and rec.worker == "w1"
+        assert pending(redis.Redis.from_url(url)) == 0  # acked with the stored result
+        worker._cancels.close()
+    finally:
+        server.stop()
