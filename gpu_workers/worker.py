@@ -754,6 +754,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL); none: an embedded redis-server")
     p.add_argument("--worker-id", help="consumer name; default host-pid-random")
     p.add_argument("--grace", type=float, help="seconds to finish running jobs on SIGTERM")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (processes)")
     p.add_argument(
         "--engine",
         type=_engine_option,
@@ -790,7 +792,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     from gpu_workers.engine.config import EngineConfig
     from gpu_workers.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=settings.model_dir, **dict(args.engine)))
+    options = {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **dict(args.engine)}
+    engine = Engine(EngineConfig(model=settings.model_dir, **options))
     model_dir = Path(settings.model_dir)
     names = {model_dir.name, str(model_dir), str(model_dir.resolve()), engine.model_fingerprint}
 
@@ -813,6 +816,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         signal.signal(signal.SIGINT, on_signal)
         worker.run()
     finally:
+        engine.close()  # the group's other ranks, the KV tier's writer
         if embedded is not None:
             embedded.stop()
     return 0
