@@ -19,3 +19,23 @@ def ensure_groups(r: redis.Redis, lanes: list[str]) -> None:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+
+def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) -> list[str]:
+    """Remove group consumers that hold no entries, have no live heartbeat and have been
+    idle at least `min_idle_ms`: what dead workers leave behind. Their entries were already
+    reclaimed by live workers (XAUTOCLAIM), so nothing pending is dropped; a worker that
+    comes back under the same name is re-added by its next read."""
+    removed = []
+    for lane in lanes:
+        stream = keys.request_stream(lane)
+        try:
+            consumers = r.xinfo_consumers(stream, keys.GROUP)
+        except redis.ResponseError:  # no stream or group yet
+            continue
+        for c in consumers:
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if c["pending"] == 0 and c["idle"] >= min_idle_ms and not r.exists(keys.worker(name)):
+                r.xgroup_delconsumer(stream, keys.GROUP, name)
+                removed.append(f"{lane}/{name}")
+    return removed

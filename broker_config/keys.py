@@ -43,3 +43,63 @@ def worker(worker_id: str) -> str:
 def kv_block(fingerprint: str, block_hash: str) -> str:
     """A KV block in the shared Redis tier: model fingerprint + chained block hash (hex)."""
     return f"{PREFIX}:kv:{fingerprint}:{block_hash}"
+
+
+# -- bulk batches (producer/bulk) -----------------------------------------------------
+
+BATCHES = f"{PREFIX}:batches"  # sorted set: batch id -> created unix ms
+CELERY_PREFIX = f"{PREFIX}:celery:"  # every key Celery's broker and result backend write
+
+
+def batch(batch_id: str) -> str:
+    """The batch record (hash): status, counts, options."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_input(batch_id: str) -> str:
+    """The uploaded input lines (list), one JSON line each."""
+    return f"{PREFIX}:batch:{batch_id}:input"
+
+
+def batch_requests(batch_id: str) -> str:
+    """Validated requests (hash): input line index -> request JSON."""
+    return f"{PREFIX}:batch:{batch_id}:req"
+
+
+def batch_state(batch_id: str) -> str:
+    """Progress of each started line (hash): index -> {level, jobs, usage} JSON."""
+    return f"{PREFIX}:batch:{batch_id}:state"
+
+
+def batch_active(batch_id: str) -> str:
+    """Indexes of lines with requests in flight (set)."""
+    return f"{PREFIX}:batch:{batch_id}:active"
+
+
+def batch_lines(batch_id: str) -> str:
+    """The one final output or error line per input line (hash): index -> JSON line."""
+    return f"{PREFIX}:batch:{batch_id}:lines"
+
+
+def batch_output(batch_id: str) -> str:
+    """The finished output JSONL (string)."""
+    return f"{PREFIX}:batch:{batch_id}:output"
+
+
+def batch_errors(batch_id: str) -> str:
+    """The finished error JSONL (string)."""
+    return f"{PREFIX}:batch:{batch_id}:errors"
+
+
+def batch_all(batch_id: str) -> list[str]:
+    """Every key of one batch, for expiry."""
+    return [
+        batch(batch_id),
+        batch_input(batch_id),
+        batch_requests(batch_id),
+        batch_state(batch_id),
+        batch_active(batch_id),
+        batch_lines(batch_id),
+        batch_output(batch_id),
+        batch_errors(batch_id),
+    ]

@@ -5,6 +5,8 @@ plurai submit "Summarize: ..." --stream      queue a job; print its id, or strea
 plurai get JOB_ID [--wait 30]                print a job record as JSON
 plurai watch JOB_ID                          stream a job's text as it is generated
 plurai make-model models/tiny-llama          write a random-weight test model
+plurai batch submit FILE|DIR [--task ...]    run an OpenAI Batch JSONL, or documents, in bulk
+plurai batch status|cancel|results ID        watch, stop, or fetch the output of a batch
 """
 
 from __future__ import annotations
@@ -86,6 +88,137 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_client(args: argparse.Namespace) -> Any:
+    from broker_config.celery_app import app, configure
+    from broker_config.connection import resolve_url
+
+    url = resolve_url(args.url)
+    configure(app, url)
+    return _client(argparse.Namespace(url=url))
+
+
+def cmd_batch_submit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from producer.bulk import manage, progress
+    from producer.bulk.plan import Task, schema_text
+
+    task = None
+    if args.task:
+        schema = args.schema
+        if schema and schema.startswith("@"):
+            schema = Path(schema[1:]).read_text()
+        task = Task(
+            name=args.task,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            schema=schema_text(json.loads(schema)) if schema else None,
+            labels=tuple(x.strip() for x in args.labels.split(",") if x.strip())
+            if args.labels
+            else (),
+            template=args.template,
+            reduce_template=args.reduce_template,
+        )
+    model = args.model
+    if task is not None and not model:
+        from broker_config.settings import Settings
+
+        model = Settings().model_dir
+    with _batch_client(args) as client:
+        batch_id = manage.create(
+            client, Path(args.input), task=task, model_dir=model, max_model_len=args.max_model_len
+        )
+        print(batch_id)
+        if args.watch:
+            progress.watch(client, batch_id)
+    return 0
+
+
+def cmd_batch_status(args: argparse.Namespace) -> int:
+    from producer.bulk import manage, progress
+
+    with _batch_client(args) as client:
+        try:
+            if args.json:
+                print(json.dumps(manage.info(client, args.batch_id), indent=2))
+            else:
+                progress.watch(client, args.batch_id)
+        except KeyError as e:
+            print(f"plurai: {e.args[0]}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_batch_cancel(args: argparse.Namespace) -> int:
+    from producer.bulk import manage
+
+    with _batch_client(args) as client:
+        try:
+            print(manage.cancel(client, args.batch_id))
+        except KeyError as e:
+            print(f"plurai: {e.args[0]}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_batch_results(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from producer.bulk import manage
+
+    with _batch_client(args) as client:
+        try:
+            out, err = manage.results(client, args.batch_id)
+        except (KeyError, ValueError) as e:
+            print(f"plurai: {e.args[0]}", file=sys.stderr)
+            return 1
+    if args.print:
+        sys.stdout.write(out)
+        sys.stderr.write(err)
+        return 0
+    folder = Path(args.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (("output", out), ("errors", err)):
+        path = folder / f"{args.batch_id}_{name}.jsonl"
+        path.write_text(text, encoding="utf-8")
+        print(f"{path}  {text.count(chr(10))} lines")
+    return 0
+
+
+def add_batch_parser(sub: Any) -> None:
+    b = sub.add_parser("batch", help="bulk offline processing (plurai batch -h)")
+    bsub = b.add_subparsers(dest="batch_command", required=True)
+    s = bsub.add_parser(
+        "submit", help="submit an OpenAI Batch JSONL, or documents (a folder or JSONL) with --task"
+    )
+    s.add_argument("input", help="JSONL file, or a folder of documents")
+    s.add_argument("--task", choices=["summarize", "extract", "classify", "custom"])
+    s.add_argument("--schema", help="extract: a JSON schema, or @FILE")
+    s.add_argument("--labels", help="classify: comma-separated labels")
+    s.add_argument("--template", help="custom: a prompt template containing {text}")
+    s.add_argument("--reduce-template", help="custom: template that merges chunk outputs")
+    s.add_argument("--max-tokens", type=int, default=64, help="per request of a task")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--model", help="model directory, for its tokenizer (PLURAI_MODEL_DIR)")
+    s.add_argument("--max-model-len", type=int, help="the workers' context (default: the model's)")
+    s.add_argument("--watch", action="store_true", help="show progress until it ends")
+    s.set_defaults(func=cmd_batch_submit)
+    st = bsub.add_parser("status", help="live progress (done/total, tokens/s, ETA)")
+    st.add_argument("batch_id")
+    st.add_argument("--json", action="store_true", help="print the batch record once, as JSON")
+    st.set_defaults(func=cmd_batch_status)
+    c = bsub.add_parser("cancel", help="cancel a batch; finished lines are kept")
+    c.add_argument("batch_id")
+    c.set_defaults(func=cmd_batch_cancel)
+    r = bsub.add_parser("results", help="write ID_output.jsonl and ID_errors.jsonl")
+    r.add_argument("batch_id")
+    r.add_argument("--dir", default=".", help="folder for the two files (default: here)")
+    r.add_argument("--print", action="store_true", help="output lines to stdout, errors to stderr")
+    r.set_defaults(func=cmd_batch_results)
+    for p in (s, st, c, r):
+        p.add_argument("--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)")
+
+
 def cmd_worker(rest: list[str]) -> int:
     from gpu_workers import worker
 
@@ -136,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.choices[name].add_argument(
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )
+    add_batch_parser(sub)
     # These two parse their own arguments, so their heavy imports happen only when used.
     sub.add_parser(
         "worker", help="serve the queue with an engine (plurai worker --help)", add_help=False

@@ -1,0 +1,194 @@
+"""Bulk batches: documents/s and tokens/s of a corpus through the batch pipeline (Celery
+worker + one GPU worker + Redis), beside the same map-reduce plan run offline through
+Engine.generate, level by level, in this process.
+
+    python bench/bulk.py [--model DIR] [--docs 300] [--max-tokens 32] [--context 256]
+
+Without --model a tiny random-weight model is made in a temporary folder. A third of the
+documents are longer than the context, so they are split and reduced. The last line is one
+JSON object of measured figures and the ratio pipeline / offline (target >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from broker_config import keys  # noqa: E402
+from broker_config.celery_app import app, configure  # noqa: E402
+from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from producer.bulk import manage, plan, store  # noqa: E402
+from producer.client import Client  # noqa: E402
+
+WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
+
+
+def corpus(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    sizes = [rng.randint(120, 500) if rng.random() < 0.33 else rng.randint(5, 80) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(k)) for k in sizes]
+
+
+def engine_args(a: argparse.Namespace) -> dict:
+    return {"max_model_len": a.context, "threads": a.threads, "dtype": a.dtype}
+
+
+def offline(a: argparse.Namespace, task: plan.Task, docs: list[str]) -> dict:
+    from gpu_workers.engine.config import EngineConfig
+    from gpu_workers.engine.engine import Engine
+    from gpu_workers.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=a.model, **engine_args(a)))
+    params = SamplingParams(max_tokens=task.max_tokens, temperature=0.0)
+    engine.generate(["warm up the engine"], params)
+    tokens = 0
+
+    def generate(prompts: list[str]) -> list[str]:
+        nonlocal tokens
+        out = engine.generate(prompts, params)
+        tokens += sum(len(c.token_ids) for c in out)
+        return [c.text for c in out]
+
+    t = time.perf_counter()
+    texts = plan.run_offline(task, docs, engine.tokenizer, a.context, generate)
+    dt = time.perf_counter() - t
+    engine.close()
+    gc.collect()
+    return {"seconds": dt, "tokens": tokens, "texts": texts}
+
+
+def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], tmp: Path) -> dict:
+    env = {**os.environ, "PLURAI_REDIS_URL": url, "PLURAI_HEARTBEAT_INTERVAL_S": "1"}
+    gpu_cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", a.model, "--url", url]
+    gpu_cmd += ["--log-level", "WARNING"]
+    for k, v in engine_args(a).items():
+        gpu_cmd += ["--engine", f"{k}={v}"]
+    celery_cmd = [sys.executable, "-m", "celery", "-A", "broker_config.celery_app", "worker"]
+    celery_cmd += ["--pool", "solo", "-c", "1", "--loglevel", "WARNING", "-n", "bench@127.0.0.1"]
+    procs = [
+        subprocess.Popen(gpu_cmd, cwd=ROOT, env=env),
+        subprocess.Popen(celery_cmd, cwd=ROOT, env=env),
+    ]
+    try:
+        client = Client(url)
+        while not client.redis.scard(keys.WORKERS):
+            if procs[0].poll() is not None:
+                raise SystemExit("GPU worker exited")
+            time.sleep(0.1)
+        client.submit("warm up the engine", max_tokens=8).result(timeout=120)
+        # warm-up batch: the Celery worker loads the tokenizer once
+        (tmp / "warm.jsonl").write_text(json.dumps({"id": "w", "text": "warm up"}) + "\n")
+        warm = manage.create(
+            client, tmp / "warm.jsonl", task=task, model_dir=a.model, max_model_len=a.context
+        )
+        while manage.info(client, warm)["status"] not in store.TERMINAL:
+            time.sleep(0.05)
+        cpu0 = {
+            name: _cpu_s(p.pid) for name, p in zip(("gpu_worker", "celery"), procs, strict=True)
+        }
+        path = tmp / "docs.jsonl"
+        path.write_text(
+            "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(docs))
+        )
+        t = time.perf_counter()
+        batch_id = manage.create(
+            client, path, task=task, model_dir=a.model, max_model_len=a.context
+        )
+        while manage.info(client, batch_id)["status"] not in store.TERMINAL:
+            time.sleep(0.05)
+        dt = time.perf_counter() - t
+        info = manage.info(client, batch_id)
+        cpu = {
+            name: round(_cpu_s(p.pid) - cpu0[name], 2)
+            for name, p in zip(("gpu_worker", "celery"), procs, strict=True)
+        }
+        out, err = manage.results(client, batch_id)
+        texts = [json.loads(x)["response"]["body"]["choices"][0]["text"] for x in out.splitlines()]
+        return {
+            "seconds": dt,
+            "tokens": info["usage"]["completion_tokens"],
+            "texts": texts,
+            "status": info["status"],
+            "errors": err.count("\n"),
+            "cpu_s": cpu,
+        }
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model")
+    p.add_argument("--docs", type=int, default=300)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="fp32")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        if not a.model:
+            from gpu_workers.models.factory import make_model
+
+            a.model = str(make_model(tmp / "tiny-llama", family="llama", size="tiny"))
+        task = plan.Task("summarize", max_tokens=a.max_tokens)
+        docs = corpus(a.docs)
+        off = offline(a, task, docs)
+        with EmbeddedRedis(tmp / "redis") as url:
+            configure(app, url)
+            pipe = pipeline(a, url, task, docs, tmp)
+    n = len(docs)
+    same = sum(x == y for x, y in zip(off["texts"], pipe["texts"], strict=False))
+    rows = [("offline Engine.generate", off), ("batch pipeline", pipe)]
+    for name, r in rows:
+        print(
+            f"{name:24s} {n / r['seconds']:8.2f} docs/s {r['tokens'] / r['seconds']:9.1f} tokens/s"
+            f"  ({r['tokens']} tokens in {r['seconds']:.2f}s)"
+        )
+    ratio = (pipe["tokens"] / pipe["seconds"]) / (off["tokens"] / off["seconds"])
+    print(f"pipeline / offline tokens/s: {ratio:.2f}x (target >= 0.9); {same}/{n} outputs equal")
+    print(
+        json.dumps(
+            {
+                "docs": n,
+                "max_tokens": a.max_tokens,
+                "context": a.context,
+                "offline_docs_per_s": round(n / off["seconds"], 2),
+                "offline_tokens_per_s": round(off["tokens"] / off["seconds"], 1),
+                "pipeline_docs_per_s": round(n / pipe["seconds"], 2),
+                "pipeline_tokens_per_s": round(pipe["tokens"] / pipe["seconds"], 1),
+                "ratio_tokens_per_s": round(ratio, 3),
+                "outputs_equal": same,
+                "pipeline_status": pipe["status"],
+                "pipeline_errors": pipe["errors"],
+                "pipeline_cpu_s": pipe["cpu_s"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

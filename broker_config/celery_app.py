@@ -1,0 +1,61 @@
+"""The Celery app of bulk batches (producer/bulk/tasks.py).
+
+    celery -A broker_config.celery_app worker --pool solo -c 1     the batch driver
+    celery -A broker_config.celery_app beat                        periodic maintenance
+
+Broker and result backend are the Plurai Redis (PLURAI_REDIS_URL), under the key prefix
+keys.CELERY_PREFIX. JSON only: no pickle is accepted anywhere, and beat keeps its schedule
+in memory (the default scheduler stores it with shelve, which pickles).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from broker_config import keys
+from broker_config.connection import resolve_url
+from producer.bulk.settings import BulkSettings
+
+app = Celery("plurai", include=["producer.bulk.tasks"])
+
+
+def configure(celery: Celery, url: str | None = None) -> Celery:
+    """Point `celery` at the Redis of `url` (else PLURAI_REDIS_URL / the embedded one)."""
+    bs = BulkSettings()
+    try:
+        url = resolve_url(url)
+    except ValueError:
+        url = None  # no Redis known yet: configure() again before sending or consuming
+    transport = {
+        "global_keyprefix": keys.CELERY_PREFIX,
+        "visibility_timeout": bs.visibility_timeout_s,
+    }
+    celery.conf.update(
+        broker_url=url,
+        result_backend=url,
+        broker_transport_options=transport,
+        result_backend_transport_options={"global_keyprefix": keys.CELERY_PREFIX},
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        result_expires=bs.ttl_s,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        beat_scheduler="celery.beat:Scheduler",
+        beat_schedule={
+            "plurai-bulk-maintain": {
+                "task": "plurai.bulk.maintain",
+                "schedule": bs.maintain_interval_s,
+            }
+        },
+    )
+    return celery
+
+
+configure(app)

@@ -1,0 +1,375 @@
+"""One pass of a batch, by its status: validate, drive the requests, or finalize.
+
+Every action can be repeated after a crash with the same effect: requests are submitted
+with idempotency keys `bulk:<batch>:<custom_id hash>:<level>:<chunk>` (a repeat returns the
+same job), each line's result is written once (store.record_line), and the progress of a
+line (its level and jobs) is saved after its requests are submitted, so a pass that died
+in between submits the same requests again and gets the same jobs back.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from typing import Any
+
+import redis
+
+from broker_config import keys
+from broker_config.settings import Settings
+from producer.bulk import finalize, plan, store
+from producer.bulk.inputs import LineError, parse_line
+from producer.bulk.settings import BulkSettings
+from producer.client import Client
+from producer.errors import QueueFull
+from results import records
+from results.records import JobRecord
+
+LANE = "batch"
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def step(client: Client, batch_id: str, bs: BulkSettings) -> str:
+    """Do the work the batch's status calls for (at most bs.pass_s of driving); returns the
+    status after it."""
+    r = client.redis
+    meta = store.get(r, batch_id)
+    status = meta.get("status")
+    if status is None or status in store.TERMINAL:
+        return status or store.FAILED
+    if status == store.VALIDATING or (status == store.CANCELLING and "valid" not in meta):
+        return validate(r, batch_id, meta, bs)  # cancelled lines get error lines too
+    if status in (store.IN_PROGRESS, store.CANCELLING):
+        return Driver(client, batch_id, meta, bs).run()
+    return finish(r, batch_id, meta, bs)
+
+
+def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings) -> str:
+    documents = bool(meta.get("task"))
+    limit = Settings().max_tokens_limit
+    raw = [_s(x) for x in r.lrange(keys.batch_input(batch_id), 0, -1)]
+    seen: dict[str, int] = {}
+    valid = 0
+    pipe = r.pipeline(transaction=True)
+    for i, line in enumerate(raw):
+        try:
+            try:
+                req = parse_line(
+                    line,
+                    i + 1,
+                    documents=documents,
+                    max_line_bytes=bs.max_line_bytes,
+                    max_tokens_limit=limit,
+                    default_max_tokens=bs.default_max_tokens,
+                )
+            except LineError as e:
+                if e.custom_id is not None:
+                    seen.setdefault(e.custom_id, i + 1)
+                raise
+            first = seen.setdefault(req["custom_id"], i + 1)
+            if first != i + 1:
+                raise LineError(
+                    "duplicate_custom_id",
+                    f"line {i + 1}: custom_id {req['custom_id']!r} already used on line {first}",
+                    req["custom_id"],
+                )
+        except LineError as e:
+            line_out = finalize.error_line(batch_id, i, e.custom_id, e.code, e.message)
+            store.record_line(r, batch_id, i, line_out, False, (0, 0))
+            continue
+        pipe.hset(keys.batch_requests(batch_id), str(i), json.dumps(req))
+        valid += 1
+    pipe.hset(
+        keys.batch(batch_id),
+        mapping={"total": len(raw), "valid": valid, "started_ms": store.now_ms()},
+    )
+    pipe.delete(keys.batch_input(batch_id))  # parsed; the requests hash replaces it
+    pipe.execute()
+    if valid == 0:
+        r.hset(keys.batch(batch_id), mapping={"end_status": store.FAILED})
+        return store.move(r, batch_id, store.FINALIZING, store.VALIDATING) or store.FAILED
+    return store.move(r, batch_id, store.IN_PROGRESS, store.VALIDATING) or store.FAILED
+
+
+def finish(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings) -> str:
+    total = int(meta.get("total", 0) or 0)
+    finalize.finalize(r, batch_id, total, bs.ttl_s)
+    end = meta.get("end_status") or store.COMPLETED
+    r.hset(keys.batch(batch_id), mapping={"finished_ms": store.now_ms()})
+    return store.move(r, batch_id, end, store.FINALIZING) or end
+
+
+class Driver:
+    """Submits the lines' requests (at most bs.window lines at a time), gathers finished
+    jobs, reduces chunk outputs level by level, and records each line's result."""
+
+    def __init__(self, client: Client, batch_id: str, meta: dict[str, str], bs: BulkSettings):
+        self.client, self.r, self.id, self.bs = client, client.redis, batch_id, bs
+        self.total = int(meta.get("total", 0) or 0)
+        self.next = int(meta.get("next", 0) or 0)
+        self.task = plan.Task.from_dict(json.loads(meta["task"])) if meta.get("task") else None
+        self.model_dir = meta.get("model_dir", "")
+        self.model_name = self.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.max_model_len = int(meta.get("max_model_len", 0) or 0)
+        active = sorted(int(_s(i)) for i in self.r.smembers(keys.batch_active(batch_id)))
+        self.state: dict[int, dict[str, Any]] = {}
+        self.finished: set[str] = set()
+        self.pubsub: Any = None
+        self.reqs: dict[int, dict[str, Any]] = {}
+        if active:
+            st = self.r.hmget(keys.batch_state(batch_id), active)
+            rq = self.r.hmget(keys.batch_requests(batch_id), active)
+            for i, s, q in zip(active, st, rq, strict=True):
+                self.reqs[i] = json.loads(q)
+                if s is None:  # died between marking it active and saving its jobs
+                    self._start([i])
+                else:
+                    self.state[i] = json.loads(s)
+
+    def run(self) -> str:
+        end = time.monotonic() + self.bs.pass_s
+        self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        try:
+            self._watch([j for st in self.state.values() for j in st["jobs"]])
+            next_look = 0.0
+            while True:
+                now = time.monotonic()
+                if now >= next_look:  # the status, a heartbeat, and any missed message
+                    status = _s(self.r.hget(keys.batch(self.id), "status") or b"")
+                    if status == store.CANCELLING:
+                        return self._cancel()
+                    if status != store.IN_PROGRESS:
+                        return status
+                    self.r.hset(keys.batch(self.id), "beat_ms", store.now_ms())
+                    self._look(self._in_flight())
+                    next_look = now + self.bs.look_s
+                busy = self._fill() + self._gather()
+                if not self.state and self.next >= self.total:
+                    return store.move(self.r, self.id, store.FINALIZING, store.IN_PROGRESS) or ""
+                if time.monotonic() >= end:
+                    return status
+                if not busy:
+                    self._listen(self.bs.poll_s)
+        finally:
+            self.pubsub.close()
+
+    def _cancel(self) -> str:
+        if self.r.hget(keys.batch(self.id), "stop_reason") in (b"expired", "expired"):
+            msg = "the batch did not finish within its completion window"
+            return self._stop(store.EXPIRED, "batch_expired", msg)
+        return self._stop(store.CANCELLED, "batch_cancelled", "the batch was cancelled")
+
+    # -- knowing which jobs finished -------------------------------------------------
+    # Each job publishes its final state on its done channel: the driver subscribes to the
+    # channels of the jobs in flight and reads the records of finished jobs only. Pub/sub is
+    # not durable, so the finals are also looked up after subscribing and every look_s.
+
+    def _in_flight(self) -> list[str]:
+        return [j for st in self.state.values() for j in st["jobs"] if j not in self.finished]
+
+    def _watch(self, job_ids: list[str]) -> None:
+        for start in range(0, len(job_ids), 1000):
+            self.pubsub.subscribe(*[keys.done_channel(j) for j in job_ids[start : start + 1000]])
+        self._look(job_ids)
+
+    def _look(self, job_ids: list[str]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for j in job_ids:
+            pipe.hmget(keys.job(j), ["final", "state"])
+        for j, (final, state) in zip(job_ids, pipe.execute(), strict=True):
+            if final is not None or state is None:  # final, or the record is gone
+                self.finished.add(j)
+
+    def _listen(self, timeout: float) -> None:
+        if not self.pubsub.subscribed:
+            time.sleep(timeout)
+            return
+        msg = self.pubsub.get_message(timeout=timeout)
+        prefix = len(keys.done_channel(""))
+        while msg is not None:
+            self.finished.add(_s(msg["channel"])[prefix:])
+            msg = self.pubsub.get_message(timeout=0)
+
+    # -- starting lines ------------------------------------------------------------
+
+    def _fill(self) -> int:
+        # a few lines at a time, so that the first requests are queued while later lines
+        # are still being split
+        room = min(self.bs.window - len(self.state), 32)
+        if room <= 0 or self.next >= self.total:
+            return 0
+        idx = list(range(self.next, min(self.total, self.next + room)))
+        reqs = self.r.hmget(keys.batch_requests(self.id), idx)
+        done = self.r.hmget(keys.batch_lines(self.id), idx)
+        start = []
+        for i, q, d in zip(idx, reqs, done, strict=True):
+            # else invalid (already an error line), done, or started already
+            if q is not None and d is None and i not in self.state:
+                self.reqs[i] = json.loads(q)
+                start.append(i)
+        self.next = idx[-1] + 1
+        self._start(start)
+        self.r.hset(keys.batch(self.id), "next", self.next)
+        return len(idx)
+
+    def _start(self, lines: list[int]) -> None:
+        plans: dict[int, tuple[int, list[dict[str, Any]]]] = {}
+        for i in lines:
+            req = self.reqs[i]
+            if req["kind"] != "doc":
+                plans[i] = (0, [req["options"]])
+                continue
+            try:
+                prompts = self._split(req["text"], 0)
+            except ValueError as e:
+                self._error(i, "context_too_small", str(e), (0, 0))
+                continue
+            plans[i] = (0, [{"prompt": p, **self._sampling()} for p in prompts])
+        self._submit(plans, {i: (0, 0) for i in plans})
+
+    def _split(self, text: str, level: int) -> list[str]:
+        assert self.task is not None
+        return plan.split(self.task, text, level, tokenizer(self.model_dir), self.max_model_len)
+
+    def _sampling(self) -> dict[str, Any]:
+        assert self.task is not None
+        return self.task.sampling()
+
+    def _submit(
+        self, plans: dict[int, tuple[int, list[dict[str, Any]]]], usage: dict[int, tuple[int, int]]
+    ) -> None:
+        """Submit each line's requests of its level, then save its progress."""
+        if not plans:
+            return
+        order: list[tuple[int, dict[str, Any]]] = []
+        for i, (level, opts) in plans.items():
+            cid = hashlib.blake2b(self.reqs[i]["custom_id"].encode(), digest_size=8).hexdigest()
+            for c, o in enumerate(opts):
+                key = f"bulk:{self.id}:{cid}:{level}:{c}"
+                order.append((i, {**o, "lane": LANE, "stream": False, "idempotency_key": key}))
+        while True:
+            try:
+                jobs = self.client.submit_many([o for _, o in order])
+                break
+            except QueueFull as e:  # the lane is full: wait, then submit again (same keys)
+                time.sleep(e.retry_after)
+        by_line: dict[int, list[str]] = {}
+        for (i, _), job in zip(order, jobs, strict=True):
+            by_line.setdefault(i, []).append(job.id)
+        pipe = self.r.pipeline(transaction=True)
+        for i, (level, _) in plans.items():
+            st = {"level": level, "jobs": by_line[i], "p": usage[i][0], "o": usage[i][1]}
+            self.state[i] = st
+            pipe.hset(keys.batch_state(self.id), str(i), json.dumps(st))
+            pipe.sadd(keys.batch_active(self.id), i)
+        pipe.execute()
+        if self.pubsub is not None:
+            self._watch([job.id for job in jobs])
+
+    # -- gathering -----------------------------------------------------------------
+
+    def _gather(self) -> int:
+        """Advance every line whose current jobs are all final; returns how many moved."""
+        ready = [i for i, st in self.state.items() if all(j in self.finished for j in st["jobs"])]
+        if not ready:
+            return 0
+        done = [j for i in ready for j in self.state[i]["jobs"]]
+        recs = records.get_many(self.r, done)
+        self.finished.difference_update(done)
+        if self.pubsub.subscribed:
+            self.pubsub.unsubscribe(*[keys.done_channel(j) for j in done])
+        at = 0
+        nxt: dict[int, tuple[int, list[dict[str, Any]]]] = {}
+        usage: dict[int, tuple[int, int]] = {}
+        for i in ready:
+            n = len(self.state[i]["jobs"])
+            got, at = recs[at : at + n], at + n
+            step = self._advance(i, got)
+            if step is not None:
+                nxt[i], usage[i] = step
+        self._submit(nxt, usage)
+        return len(ready)
+
+    def _advance(
+        self, i: int, recs: list[JobRecord]
+    ) -> tuple[tuple[int, list[dict[str, Any]]], tuple[int, int]] | None:
+        st = self.state[i]
+        use = (
+            st["p"] + sum(x.prompt_tokens or 0 for x in recs),
+            st["o"] + sum(x.output_tokens or 0 for x in recs),
+        )
+        bad = next((x for x in recs if x.state != records.COMPLETED), None)
+        if bad is not None:
+            if bad.state == "unknown":
+                code, msg = "job_expired", f"job {bad.id} has no record (expired)"
+            else:
+                code = bad.error_code or bad.state
+                msg = bad.error_message or f"job {bad.id} was {bad.state}"
+            self._error(i, code, msg, use)
+            return None
+        if len(recs) == 1:
+            last = recs[0]
+            line = finalize.ok_line(
+                self.id,
+                i,
+                {**self.reqs[i], "model": self.reqs[i].get("model") or self.model_name},
+                text=last.text or "",
+                finish_reason=last.finish_reason or "stop",
+                usage=use,
+                request_id=last.id,
+                created_s=(last.finished_ms or store.now_ms()) // 1000,
+            )
+            self._record(i, line, True, use)
+            return None
+        level = st["level"] + 1
+        if level > plan.MAX_LEVELS:
+            self._error(i, "reduce_failed", f"no single result after {plan.MAX_LEVELS} levels", use)
+            return None
+        prompts = self._split(plan.combine([x.text or "" for x in recs]), level)
+        return (level, [{"prompt": p, **self._sampling()} for p in prompts]), use
+
+    def _error(self, i: int, code: str, message: str, usage: tuple[int, int]) -> None:
+        line = finalize.error_line(self.id, i, self.reqs[i]["custom_id"], code, message)
+        self._record(i, line, False, usage)
+
+    def _record(self, i: int, line: str, ok: bool, usage: tuple[int, int]) -> None:
+        store.record_line(self.r, self.id, i, line, ok, usage)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.srem(keys.batch_active(self.id), i)
+        pipe.hdel(keys.batch_state(self.id), str(i))
+        pipe.execute()
+        self.state.pop(i, None)
+
+    # -- cancel and expiry ---------------------------------------------------------
+
+    def _stop(self, end_status: str, code: str, message: str) -> str:
+        """Keep lines already finished, cancel the jobs in flight, and give every other
+        valid line an error line."""
+        self._gather()
+        for st in self.state.values():
+            for j in st["jobs"]:
+                self.client.job(j).cancel()
+        for i in list(self.state):
+            self._error(i, code, message, (self.state[i]["p"], self.state[i]["o"]))
+        rest = list(range(self.next, self.total))
+        for start in range(0, len(rest), 5000):
+            part = rest[start : start + 5000]
+            reqs = self.r.hmget(keys.batch_requests(self.id), part)
+            for i, q in zip(part, reqs, strict=True):
+                if q is not None:
+                    self.reqs[i] = json.loads(q)
+                    self._error(i, code, message, (0, 0))
+        self.r.hset(keys.batch(self.id), mapping={"end_status": end_status, "next": self.total})
+        return store.move(self.r, self.id, store.FINALIZING, store.CANCELLING) or ""
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,126 @@
+"""Parse and validate input lines.
+
+An OpenAI Batch line: {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}. A document line (with a task): {"custom_id" or "id",
+"text"}. Each line becomes a request dict or an error (code, message); a bad line never
+stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+URLS = (CHAT, COMPLETIONS)
+
+# OpenAI body fields passed to the engine under the same name.
+_PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+# Accepted and not passed on: `model` is echoed in the output, the others change nothing here.
+_IGNORED = ("model", "user", "n", "stream", "metadata", "store")
+
+
+class LineError(ValueError):
+    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.custom_id = custom_id
+
+
+def parse_line(
+    raw: str,
+    number: int,
+    *,
+    documents: bool,
+    max_line_bytes: int,
+    max_tokens_limit: int,
+    default_max_tokens: int,
+) -> dict[str, Any]:
+    """The request of input line `number` (1-based), or raises LineError."""
+    where = f"line {number}"
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise LineError("invalid_json", f"{where}: not valid JSON ({e})") from None
+    cid = (
+        obj.get("custom_id", obj.get("id") if documents else None)
+        if isinstance(obj, dict)
+        else None
+    )
+    cid = cid if isinstance(cid, str) and cid else None
+    size = len(raw.encode("utf-8"))
+    if size > max_line_bytes:
+        raise LineError(
+            "line_too_large", f"{where}: {size} bytes, over the limit of {max_line_bytes}", cid
+        )
+    if not isinstance(obj, dict):
+        raise LineError("invalid_request", f"{where}: expected a JSON object")
+    if cid is None:
+        want = "custom_id (or id)" if documents else "custom_id"
+        raise LineError("missing_custom_id", f"{where}: {want} must be a non-empty string")
+    if documents:
+        text = obj.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise LineError("invalid_request", f"{where}: text must be a non-empty string", cid)
+        return {"custom_id": cid, "kind": "doc", "text": text}
+    return _openai(obj, cid, where, max_tokens_limit, default_max_tokens)
+
+
+def _openai(
+    obj: dict[str, Any], cid: str, where: str, limit: int, default_max_tokens: int
+) -> dict[str, Any]:
+    def bad(code: str, message: str) -> LineError:
+        return LineError(code, f"{where}: {message}", cid)
+
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise bad("invalid_method", f"method {method!r}: only POST is supported")
+    url = obj.get("url")
+    if url not in URLS:
+        raise bad("invalid_url", f"url {url!r} is not supported; use one of {', '.join(URLS)}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise bad("invalid_body", "body must be a JSON object")
+    known = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop"}
+    unknown = set(body) - known - set(_PASSED) - set(_IGNORED)
+    if unknown:
+        raise bad("invalid_body", f"unsupported body field(s) {sorted(unknown)}")
+    if body.get("n", 1) != 1:
+        raise bad("invalid_body", "n must be 1")
+    options: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    if url == CHAT:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(_message(m) for m in msgs):
+            raise bad(
+                "invalid_body", "messages must be a non-empty list of {role, content} strings"
+            )
+        options["messages"] = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise bad("invalid_body", "prompt must be a non-empty string")
+        options["prompt"] = prompt
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = default_max_tokens if url == CHAT else 16
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise bad("invalid_body", f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if max_tokens > limit:
+        raise bad("max_tokens_over_limit", f"max_tokens {max_tokens} is over the limit {limit}")
+    options["max_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("invalid_body", "stop must be a string or a list of strings")
+        options["stop"] = stops
+    kind = "chat" if url == CHAT else "completion"
+    return {"custom_id": cid, "kind": kind, "options": options, "model": body.get("model")}
+
+
+def _message(m: Any) -> bool:
+    return (
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    )

@@ -1,0 +1,140 @@
+"""What `plurai batch` does: create a batch from a file or folder, cancel it, read it."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from broker_config import keys
+from producer.bulk import store
+from producer.bulk.plan import Task
+from producer.bulk.settings import BulkSettings
+from producer.client import Client
+
+
+def read_input(path: Path, documents: bool) -> list[str]:
+    """Input lines: a JSONL file's non-empty lines, or (documents) one line per file of a
+    folder, custom_id = the file's path inside the folder."""
+    if path.is_dir():
+        if not documents:
+            raise ValueError(f"{path} is a folder: give --task to process its files as documents")
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        return [
+            json.dumps(
+                {"custom_id": str(p.relative_to(path)), "text": p.read_text(errors="replace")}
+            )
+            for p in files
+        ]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def model_context(model_dir: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 2048)
+
+
+def create(
+    client: Client,
+    path: Path,
+    *,
+    task: Task | None = None,
+    model_dir: str | None = None,
+    max_model_len: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> str:
+    """Upload the input, create the batch record (validating) and start it; returns its id.
+    Documents (a task given) need the model directory, for its tokenizer."""
+    from producer.bulk.tasks import kick
+
+    bs = BulkSettings()
+    lines = read_input(path, task is not None)
+    batch_id = "batch_" + secrets.token_hex(12)
+    now = store.now_ms()
+    meta: dict[str, Any] = {
+        "status": store.VALIDATING,
+        "input": str(path),
+        "created_ms": now,
+        "expires_ms": now + bs.completion_window_s * 1000,
+        "total": len(lines),
+        "completed": 0,
+        "failed": 0,
+        "gen": 0,
+    }
+    if task is not None:
+        if not model_dir:
+            raise ValueError("documents need the model directory: --model DIR (PLURAI_MODEL_DIR)")
+        meta["task"] = json.dumps(task.to_dict())
+        meta["model_dir"] = str(Path(model_dir).resolve())
+        meta["max_model_len"] = max_model_len or model_context(model_dir)
+    if metadata:
+        meta["metadata"] = json.dumps(metadata)
+    r = client.redis
+    pipe = r.pipeline(transaction=False)
+    for start in range(0, len(lines), 1000):
+        pipe.rpush(keys.batch_input(batch_id), *lines[start : start + 1000])
+    pipe.hset(keys.batch(batch_id), mapping=meta)
+    pipe.zadd(keys.BATCHES, {batch_id: now})
+    pipe.execute()
+    kick(client, batch_id)
+    return batch_id
+
+
+def cancel(client: Client, batch_id: str) -> str:
+    """Ask the driver to stop; returns the status now."""
+    status = store.move(
+        client.redis, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS
+    )
+    if status is None:
+        raise KeyError(f"no batch {batch_id}")
+    return status
+
+
+def info(client: Client, batch_id: str) -> dict[str, Any]:
+    """The batch as OpenAI shows one, plus progress: done, tokens/s, ETA seconds."""
+    meta = store.get(client.redis, batch_id)
+    if not meta:
+        raise KeyError(f"no batch {batch_id} (unknown or expired)")
+    c = store.counts(meta)
+    done = c["completed"] + c["failed"]
+    out_tokens = int(meta.get("output_tokens", 0) or 0)
+    started = int(meta.get("started_ms", 0) or 0)
+    end = int(meta.get("finished_ms", 0) or 0) or store.now_ms()
+    elapsed = max(1e-3, (end - started) / 1000) if started else 0.0
+    rate = done / elapsed if elapsed else 0.0
+    left = c["total"] - done
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "status": meta.get("status"),
+        "input": meta.get("input"),
+        "request_counts": c,
+        "created_at": int(meta.get("created_ms", 0) or 0) // 1000,
+        "expires_at": int(meta.get("expires_ms", 0) or 0) // 1000,
+        "completed_at": int(meta["finished_ms"]) // 1000 if meta.get("finished_ms") else None,
+        "usage": {
+            "prompt_tokens": int(meta.get("prompt_tokens", 0) or 0),
+            "completion_tokens": out_tokens,
+        },
+        "elapsed_s": round(elapsed, 3),
+        "lines_per_s": round(rate, 3),
+        "tokens_per_s": round(out_tokens / elapsed, 3) if elapsed else 0.0,
+        "eta_s": round(left / rate, 1) if rate > 0 and left else (0.0 if not left else None),
+    }
+
+
+def results(client: Client, batch_id: str) -> tuple[str, str]:
+    """The finished output and error JSONL texts; raises if the batch has not finished."""
+    meta = store.get(client.redis, batch_id)
+    if not meta:
+        raise KeyError(f"no batch {batch_id} (unknown or expired)")
+    if meta.get("status") not in store.TERMINAL:
+        raise ValueError(f"batch {batch_id} is {meta.get('status')}; results come when it ends")
+    out, err = client.redis.mget(keys.batch_output(batch_id), keys.batch_errors(batch_id))
+    return _s(out or ""), _s(err or "")
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

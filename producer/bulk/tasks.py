@@ -1,0 +1,100 @@
+"""Celery tasks of bulk batches.
+
+`plurai.bulk.step(batch_id, gen)` does one pass of the batch (drive.step) and queues
+itself again until the batch is terminal. `gen` is the batch's generation: kicking a batch
+(submit, worker start, maintenance) bumps it and sends a new step, and a step of an older
+generation ends at once, so one chain of steps drives a batch however often it is kicked.
+Steps are idempotent, so a step that runs twice (redelivered after a crash) is harmless.
+
+`plurai.bulk.maintain` (celery beat): re-kicks running batches whose driver went silent,
+expires batches past their completion window, forgets batches whose keys expired.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from celery import signals
+
+from broker_config import keys
+from broker_config.celery_app import app
+from broker_config.connection import resolve_url
+from broker_config.groups import forget_dead_consumers
+from broker_config.settings import Settings
+from producer.bulk import drive, store
+from producer.bulk.settings import BulkSettings
+from producer.client import Client
+
+log = logging.getLogger(__name__)
+STEP = "plurai.bulk.step"
+
+
+def _client() -> Client:
+    return _client_for(resolve_url(app.conf.broker_url))
+
+
+@functools.lru_cache(maxsize=4)
+def _client_for(url: str) -> Client:
+    return Client(url)
+
+
+def kick(client: Client, batch_id: str) -> int:
+    """Start a new chain of steps for the batch; returns its generation. The Celery app
+    must point at the client's Redis (broker_config.celery_app.configure)."""
+    if not app.conf.broker_url:
+        raise ValueError("the Celery app has no broker: call celery_app.configure(app, url)")
+    gen = int(client.redis.hincrby(keys.batch(batch_id), "gen", 1))
+    app.send_task(STEP, args=[batch_id, gen])
+    return gen
+
+
+@app.task(name=STEP, acks_late=True)
+def step(batch_id: str, gen: int) -> str:
+    client = _client()
+    current = client.redis.hget(keys.batch(batch_id), "gen")
+    if current is None or int(current) != gen:
+        return "superseded"
+    status = drive.step(client, batch_id, BulkSettings())
+    if status not in store.TERMINAL:
+        app.send_task(STEP, args=[batch_id, gen])
+    return status
+
+
+@app.task(name="plurai.bulk.maintain", acks_late=True)
+def maintain() -> dict[str, Any]:
+    client = _client()
+    r = client.redis
+    bs = BulkSettings()
+    now = store.now_ms()
+    kicked, expired = [], []
+    for batch_id in store.unfinished(r):
+        meta = store.get(r, batch_id)
+        created = int(meta.get("created_ms", now) or now)
+        if now - created > bs.completion_window_s * 1000 and meta.get("status") in (
+            store.VALIDATING,
+            store.IN_PROGRESS,
+        ):
+            r.hset(keys.batch(batch_id), "stop_reason", "expired")
+            store.move(r, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS)
+            expired.append(batch_id)
+        beat = int(meta.get("beat_ms", created) or created)
+        if batch_id in expired or now - beat > bs.stale_s * 1000:
+            kick(client, batch_id)
+            kicked.append(batch_id)
+    # stranded entries are reclaimed by the live GPU workers themselves (XAUTOCLAIM); what
+    # the dead ones leave behind is their name in the consumer group
+    settings = Settings()
+    forgotten = forget_dead_consumers(r, settings.lanes, 10 * settings.reclaim_idle_ms)
+    return {"kicked": kicked, "expired": expired, "forgotten_consumers": forgotten}
+
+
+@signals.worker_ready.connect
+def _resume(**_: Any) -> None:
+    """A (re)started Celery worker picks up every unfinished batch at once, rather than
+    waiting for the broker's visibility timeout to redeliver a step lost in a crash."""
+    client = _client()
+    for batch_id in store.unfinished(client.redis):
+        log.info("resuming batch %s", batch_id)
+        kick(client, batch_id)

@@ -1,0 +1,31 @@
+"""Beat's consumer-group maintenance: dead, empty consumers are forgotten; live ones and
+ones that still hold entries are kept."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from broker_config import keys
+from broker_config.groups import ensure_groups, forget_dead_consumers
+
+
+def test_forget_dead_consumers(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    ensure_groups(r, ["standard"])
+    stream = keys.request_stream("standard")
+    first = r.xadd(stream, {"v": "1"})
+    r.xadd(stream, {"v": "1"})
+    r.xreadgroup(keys.GROUP, "dead", {stream: ">"}, count=1)
+    r.xack(stream, keys.GROUP, first)  # "dead" finished its entry, then died
+    r.xreadgroup(keys.GROUP, "holder", {stream: ">"}, count=1)  # keeps one entry pending
+    third = r.xadd(stream, {"v": "1"})
+    r.xreadgroup(keys.GROUP, "alive", {stream: ">"}, count=1)
+    r.xack(stream, keys.GROUP, third)  # idle and empty too, but with a live heartbeat
+    r.hset(keys.worker("alive"), "beat_ms", 1)
+    time.sleep(0.05)
+    assert forget_dead_consumers(r, ["standard", "batch"], min_idle_ms=10) == ["standard/dead"]
+    names = {c["name"].decode() for c in r.xinfo_consumers(stream, keys.GROUP)}
+    assert names == {"holder", "alive"}
+    assert forget_dead_consumers(r, ["standard"], min_idle_ms=60_000) == []
