@@ -1,0 +1,73 @@
+"""docker-compose.yml: it parses, every Plurai service runs a real entry point of the
+package, and every PLURAI_* variable it sets is a real setting."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import yaml
+
+from broker_config.settings import Settings
+from producer.bulk.settings import BulkSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def services() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+def image_entrypoint() -> list[str]:
+    line = next(
+        x for x in (ROOT / "Dockerfile").read_text().splitlines() if x.startswith("ENTRYPOINT")
+    )
+    return yaml.safe_load(line.removeprefix("ENTRYPOINT").strip())
+
+
+def argv(service: dict) -> list[str]:
+    entry = service.get("entrypoint") or image_entrypoint()
+    command = service.get("command") or []
+    if isinstance(command, str):
+        command = shlex.split(command)
+    # compose variables with defaults, as docker compose would fill them with no .env
+    return [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in [*entry, *command]]
+
+
+def test_every_plurai_service_runs_a_real_entry_point():
+    ours = {n: s for n, s in services().items() if s.get("image") == "plurai" or "build" in s}
+    assert set(ours) == {"worker", "celery-worker", "celery-beat"}
+    for name, service in ours.items():
+        args = argv(service)
+        if args[0] == "plurai":
+            (script,) = entry_points(group="console_scripts", name="plurai")
+            assert script.value == "producer.cli:main"
+            # the same arguments, asking for help: exits 0 only for a real subcommand
+            run = subprocess.run(
+                [sys.executable, "-m", "producer.cli", *args[1:2], "--help"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
+            assert run.returncode == 0 and "--model" in run.stdout, (name, run.stderr[-500:])
+        else:
+            assert args[:2] == ["celery", "-A"], name
+            app = importlib.import_module(args[2]).app
+            assert app.conf.accept_content == ["json"], name
+            assert args[3] in ("worker", "beat"), name
+
+
+def test_environment_names_real_settings():
+    known = {f"PLURAI_{f.upper()}" for f in Settings.model_fields}
+    known |= {f"PLURAI_BATCH_{f.upper()}" for f in BulkSettings.model_fields}
+    for name, service in services().items():
+        for var in service.get("environment") or {}:
+            if var.startswith("PLURAI_"):
+                assert var in known, f"{name}: {var} is no Plurai setting"
+    redis = services()["redis"]["command"]
+    assert "--appendonly" in redis and redis[redis.index("--appendonly") + 1] == "yes"
