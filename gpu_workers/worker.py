@@ -368,20 +368,7 @@ class Worker:
         log.warning("job %s: %s; moved to %s", job_id, error, keys.DEAD_LETTER)
         pipe = self.r.pipeline(transaction=False)
         self._dead_letter_entry(pipe, lane, entry_id, fields, error)
-        self._final(
-            pipe,
-            job_id,
-            lane,
-            entry_id,
-            records.FAILED,
-            "",
-            records.final_fields(
-                worker=self.id,
-                finished_ms=_ms(),
-                error_code=Code.TOO_MANY_DELIVERIES,
-                error_message=error,
-            ),
-        )
+        self._failed(pipe, lane, entry_id, job_id, Code.TOO_MANY_DELIVERIES, error)
         self._execute(pipe)
 
     def _entries(self, reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
@@ -450,18 +437,17 @@ class Worker:
     def _fail_entry(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
         log.info("job %s refused: %s: %s", job_id, code, message)
         pipe = self.r.pipeline(transaction=False)
-        self._final(
-            pipe,
-            job_id,
-            lane,
-            entry_id,
-            records.FAILED,
-            "",
-            records.final_fields(
-                worker=self.id, finished_ms=_ms(), error_code=code, error_message=message
-            ),
-        )
+        self._failed(pipe, lane, entry_id, job_id, code, message)
         self._execute(pipe)
+
+    def _failed(
+        self, pipe: Any, lane: str, entry_id: bytes, job_id: str, code: str, message: str
+    ) -> None:
+        """Queue on `pipe` a terminal error result for a job that never ran."""
+        fields = records.final_fields(
+            worker=self.id, finished_ms=_ms(), error_code=code, error_message=message
+        )
+        self._final(pipe, job_id, lane, entry_id, records.FAILED, "", fields)
 
     def _start(self, entry: Entry) -> None:
         req, env = entry.req, entry.req.envelope

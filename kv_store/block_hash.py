@@ -21,11 +21,14 @@ def block_hash(parent: bytes, token_ids: list[int], fingerprint: bytes) -> bytes
     return h.digest()
 
 
-def chain_hashes(token_ids: list[int], block_size: int, fingerprint: bytes) -> list[bytes]:
-    """Hashes of every full block of `token_ids`, in order."""
-    out: list[bytes] = []
-    parent = EMPTY
-    for i in range(len(token_ids) // block_size):
+def chain_hashes(
+    token_ids: list[int], block_size: int, fingerprint: bytes, known: list[bytes] | None = None
+) -> list[bytes]:
+    """Hashes of every full block of `token_ids`, in order; `known` holds the leading ones
+    already computed, which are kept rather than hashed again."""
+    out = list(known or [])
+    parent = out[-1] if out else EMPTY
+    for i in range(len(out), len(token_ids) // block_size):
         parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], fingerprint)
         out.append(parent)
     return out

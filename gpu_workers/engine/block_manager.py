@@ -15,7 +15,7 @@ import torch
 
 from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.sequence import Sequence
-from kv_store.block_hash import EMPTY, block_hash
+from kv_store.block_hash import chain_hashes
 
 
 @dataclass(eq=False)
@@ -55,12 +55,10 @@ class BlockManager:
 
     def _hash_full_blocks(self, seq: Sequence) -> None:
         """Extend seq.block_hashes to cover every full block of its tokens."""
-        bs = self.block_size
-        hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else EMPTY
-        for i in range(len(hashes), len(seq.token_ids) // bs):
-            parent = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], self.fingerprint)
-            hashes.append(parent)
+        if len(seq.block_hashes) < len(seq.token_ids) // self.block_size:
+            seq.block_hashes = chain_hashes(
+                seq.token_ids, self.block_size, self.fingerprint, seq.block_hashes
+            )
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Ids of cached blocks holding the longest prefix of seq's tokens.
