@@ -39,3 +39,13 @@ def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) ->
                 r.xgroup_delconsumer(stream, keys.GROUP, name)
                 removed.append(f"{lane}/{name}")
     return removed
+
+
+def forget_dead_workers(r: redis.Redis) -> list[str]:
+    """Drop from `plurai:workers` the ids whose heartbeat hash has expired (workers killed
+    before they could remove themselves), so `plurai status` lists only live ones."""
+    ids = [i.decode() if isinstance(i, bytes) else i for i in r.smembers(keys.WORKERS)]
+    dead = [i for i in ids if not r.exists(keys.worker(i))]
+    if dead:
+        r.srem(keys.WORKERS, *dead)
+    return sorted(dead)

@@ -9,6 +9,7 @@ file named by `PLURAI_CONFIG`, the defaults below.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -19,6 +20,7 @@ from pydantic_settings import (
 )
 
 CONFIG_ENV = "PLURAI_CONFIG"
+DEFAULT_METRICS_PORT = 9400
 
 
 class Settings(BaseSettings):
@@ -65,6 +67,16 @@ class Settings(BaseSettings):
 
     model_dir: str | None = None
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>
+
+    # Each worker serves Prometheus metrics on http://<metrics_host>:<metrics_port>/metrics.
+    # -1: no endpoint; 0: any free port. If the default port is taken (several workers on one
+    # host) a free one is used and logged; a port set explicitly must be free.
+    metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_host: str = "0.0.0.0"
+    log_level: str = "INFO"
+    log_format: Literal["text", "json"] = (
+        "text"  # json: one object per line (broker_config/logs.py)
+    )
 
     @field_validator("lanes")
     @classmethod

@@ -37,11 +37,12 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe, keys, protocol
+from broker_config import fastpipe, keys, logs, protocol
 from broker_config.connection import connect
 from broker_config.groups import ensure_groups
 from broker_config.protocol import Code, WireError
-from broker_config.settings import Settings
+from broker_config.settings import DEFAULT_METRICS_PORT, Settings
+from gpu_workers.metrics import Metrics
 from results import records, scripts, tokens
 
 log = logging.getLogger("plurai.worker")
@@ -64,10 +65,17 @@ class Running:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    started_s: float = 0.0  # wall clock, for the latency histograms
+    first_token_s: float = 0.0
 
 
 def _ms() -> int:
     return int(time.time() * 1000)
+
+
+def _entry_s(entry_id: bytes) -> float:
+    """When the entry entered its lane: stream ids carry Redis's clock in milliseconds."""
+    return int(entry_id.split(b"-", 1)[0]) / 1000
 
 
 class Worker:
@@ -107,6 +115,11 @@ class Worker:
         self._pulls = 0  # entries taken from the lanes, for the fair_every turn
         self._unsent: list[list[Any]] = []  # FINALIZE calls not yet known to be stored
         self.jobs_done = 0
+        self.metrics = Metrics(self.id, self.lanes)
+        self.metrics_port = 0  # where /metrics is served (main() sets it), 0: nowhere
+        self._generated = 0  # tokens generated, for tokens/s between heartbeats
+        self._rate_from = (time.monotonic(), 0)
+        self._next_stats = 0.0
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -139,6 +152,7 @@ class Worker:
                     log.warning("consumer groups are gone (Redis lost its data?); recreating")
                     ensure_groups(self.r, self.lanes)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
+                    self.metrics.redis_errors.inc()
                     log.warning(
                         "redis unavailable (%s); %d result(s) kept; retrying in %.1fs",
                         e,
@@ -188,19 +202,39 @@ class Worker:
                 raise rep
 
     def _iterate(self) -> None:
-        if self._unsent:
+        if self._unsent:  # results kept through a Redis outage
+            n = len(self._unsent)
             self._flush_unsent()
+            log.info("stored %d kept result(s)", n)
         if not self.stopping:
             self._fill()
         self._poll_cancels()
         self._expire_deadlines()
         if self.engine.has_unfinished():
             self._publish(self.engine.step())
-        if time.monotonic() >= self._next_beat:
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self._refresh_stats()
+            self._next_stats = now + 1.0
+        if now >= self._next_beat:
             self._heartbeat()
+
+    def _refresh_stats(self) -> dict[str, Any]:
+        """Copy the engine's figures for the metrics endpoint (read by its own thread)."""
+        s = self.engine.stats() if self.engine is not None else {}
+        self.metrics.engine.stats = s
+        return s
 
     def _heartbeat(self) -> None:
         interval = self.settings.heartbeat_interval_s
+        s = self._refresh_stats()
+        now = time.monotonic()
+        since, count = self._rate_from
+        rate = (self._generated - count) / (now - since) if now > since else 0.0
+        self._rate_from = (now, self._generated)
+        self.metrics.tokens_per_s.set(rate)
+        hits = s.get("prefix_hit_blocks", 0) + s.get("kv_host_hits", 0) + s.get("kv_redis_hits", 0)
+        lookups = s.get("prefix_lookup_blocks", 0)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(
             keys.worker(self.id),
@@ -210,9 +244,18 @@ class Worker:
                 "beat_ms": _ms(),
                 "model": ",".join(sorted(self.model_names)),
                 "running": len(self.running),
+                "waiting": s.get("waiting", 0),
                 "held": len(self.held),
                 "jobs_done": self.jobs_done,
                 "state": "stopping" if self.stopping else "serving",
+                "kv_blocks_total": s.get("blocks_total", 0),
+                "kv_blocks_used": s.get("blocks_used", 0),
+                "kv_blocks_free": s.get("blocks_free", 0),
+                "kv_blocks_cached": s.get("blocks_cached", 0),
+                "generation_tokens": self._generated,
+                "tokens_per_s": round(rate, 2),
+                "prefix_hit_rate": round(hits / lookups, 4) if lookups else 0.0,
+                "metrics_port": self.metrics_port,
             },
         )
         pipe.expire(keys.worker(self.id), max(1, int(3 * interval)))
@@ -225,6 +268,8 @@ class Worker:
         for lane, ids in held.items():
             pipe.xclaim(keys.request_stream(lane), keys.GROUP, self.id, 0, ids, justid=True)
         pipe.execute()
+        self.metrics.heartbeats.inc()
+        self.metrics.last_heartbeat.set(time.time())
         self._next_beat = time.monotonic() + interval
 
     # -- taking work ----------------------------------------------------------------
@@ -339,7 +384,14 @@ class Worker:
                     if times > self.settings.max_deliveries:
                         self._too_many_deliveries(lane, entry_id, fields, times)
                         continue
-                    log.info("reclaimed entry %s on %s (delivery %d)", entry_id, lane, times)
+                    log.info(
+                        "reclaimed entry %s on %s (delivery %d)",
+                        entry_id,
+                        lane,
+                        times,
+                        extra={"lane": lane, "delivery": times},
+                    )
+                    self.metrics.reclaimed.labels(lane).inc()
                     return [(lane, entry_id, fields)]
                 if cursor in (b"0-0", "0-0"):
                     break
@@ -365,7 +417,13 @@ class Worker:
         except protocol.NoJobId:
             self._dead_letter(lane, entry_id, fields, ValueError(error))
             return
-        log.warning("job %s: %s; moved to %s", job_id, error, keys.DEAD_LETTER)
+        log.warning(
+            "job dead-lettered: %s; moved to %s",
+            error,
+            keys.DEAD_LETTER,
+            extra={"job_id": job_id, "lane": lane, "code": Code.TOO_MANY_DELIVERIES},
+        )
+        self.metrics.dead_lettered.labels("too_many_deliveries").inc()
         pipe = self.r.pipeline(transaction=False)
         self._dead_letter_entry(pipe, lane, entry_id, fields, error)
         self._failed(pipe, lane, entry_id, job_id, Code.TOO_MANY_DELIVERIES, error)
@@ -407,6 +465,7 @@ class Worker:
         self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], e: Exception
     ) -> None:
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
+        self.metrics.dead_lettered.labels("no_job_id").inc()
         pipe = self.r.pipeline(transaction=True)
         self._dead_letter_entry(pipe, lane, entry_id, fields, str(e))
         pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
@@ -435,7 +494,12 @@ class Worker:
         )
 
     def _fail_entry(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
-        log.info("job %s refused: %s: %s", job_id, code, message)
+        log.info(
+            "job refused: %s: %s",
+            code,
+            message,
+            extra={"job_id": job_id, "lane": lane, "code": code},
+        )
         pipe = self.r.pipeline(transaction=False)
         self._failed(pipe, lane, entry_id, job_id, code, message)
         self._execute(pipe)
@@ -448,6 +512,8 @@ class Worker:
             worker=self.id, finished_ms=_ms(), error_code=code, error_message=message
         )
         self._final(pipe, job_id, lane, entry_id, records.FAILED, "", fields)
+        self.metrics.jobs_finished.labels(lane, records.FAILED).inc()
+        self.metrics.errors.labels(code).inc()
 
     def _start(self, entry: Entry) -> None:
         req, env = entry.req, entry.req.envelope
@@ -496,7 +562,7 @@ class Worker:
         except Exception as e:
             code = getattr(e, "code", None)
             if code is None:
-                log.exception("job %s: engine.add failed", job_id)
+                log.exception("engine.add failed", extra={"job_id": job_id})
             self._end_now(
                 Running(entry),
                 records.FAILED,
@@ -505,7 +571,11 @@ class Worker:
                 getattr(e, "message", None) or f"{type(e).__name__}: {e}",
             )
             return
-        self.running[job_id] = Running(entry)
+        now = time.time()
+        self.running[job_id] = Running(entry, started_s=now)
+        self.metrics.jobs_started.labels(entry.lane).inc()
+        self.metrics.queue_wait.labels(entry.lane).observe(max(0.0, now - _entry_s(entry.entry_id)))
+        log.debug("job started", extra={"job_id": job_id, "lane": entry.lane})
 
     def _ack(self, entry: Entry) -> None:
         """Ack and delete an entry that needs no result from here (workers delete acked
@@ -525,10 +595,19 @@ class Worker:
         delta_keys: list[str] = []
         delta_args: list[str] = []
         finished: list[tuple[Running, str]] = []
+        now = time.time()
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
                 continue
+            if out.new_token_ids:
+                if not run.token_ids:
+                    run.first_token_s = now
+                    lane = run.entry.lane
+                    ttft = max(0.0, now - _entry_s(run.entry.entry_id))
+                    self.metrics.ttft.labels(lane).observe(ttft)
+                self._generated += len(out.new_token_ids)
+                self.metrics.generation_tokens.inc(len(out.new_token_ids))
             run.token_ids += out.new_token_ids
             run.prompt_tokens = out.num_prompt_tokens
             run.cached_tokens = out.num_cached_tokens
@@ -574,7 +653,6 @@ class Worker:
         for command in self._unsent:
             pipe.execute_command(*command)
         self._execute(pipe)
-        log.info("stored %d kept result(s)", len(self._unsent))
         self._unsent = []
 
     def _collect(self) -> None:
@@ -621,8 +699,28 @@ class Worker:
             error_message=message,
             logprobs=lp,
         )
-        self._final(
-            pipe, env.job_id, run.entry.lane, run.entry.entry_id, state, finish_reason, fields
+        lane = run.entry.lane
+        self._final(pipe, env.job_id, lane, run.entry.entry_id, state, finish_reason, fields)
+        m, now = self.metrics, time.time()
+        m.jobs_finished.labels(lane, state).inc()
+        if code:
+            m.errors.labels(code).inc()
+        m.prompt_tokens.inc(run.prompt_tokens)
+        m.cached_tokens.inc(run.cached_tokens)
+        m.e2e.labels(lane).observe(max(0.0, now - _entry_s(run.entry.entry_id)))
+        n = len(run.token_ids)
+        if n > 1:
+            m.tpot.labels(lane).observe((now - run.first_token_s) / (n - 1))
+        log.debug(
+            "job finished",
+            extra={
+                "job_id": env.job_id,
+                "lane": lane,
+                "state": state,
+                "finish_reason": finish_reason,
+                "code": code,
+                "output_tokens": n,
+            },
         )
 
     def _end_now(
@@ -703,7 +801,8 @@ class Worker:
                 )
             except redis.RedisError:
                 log.exception(
-                    "could not hand back job %s; it stays pending", entry.req.envelope.job_id
+                    "could not hand back a job; it stays pending",
+                    extra={"job_id": entry.req.envelope.job_id},
                 )
         if entries:
             log.info("handed %d unfinished job(s) back to the queue", len(entries))
@@ -719,6 +818,29 @@ class _Collector:
 
     def evalsha(self, *args: Any) -> None:
         self.commands.append(["EVALSHA", *args])
+
+
+def serve_metrics(worker: Worker, url: str, settings: Settings) -> int:
+    """Start the worker's /metrics endpoint; returns its port (0: none was asked for)."""
+    port = settings.metrics_port
+    if port < 0:
+        return 0
+    # Its own connection with short timeouts: a scrape must not hang on a slow Redis.
+    worker.metrics.watch_queue(
+        redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2), worker.lanes
+    )
+    try:
+        bound = worker.metrics.serve(port, settings.metrics_host)
+    except OSError as e:
+        if "metrics_port" in settings.model_fields_set:
+            raise SystemExit(
+                f"plurai worker: cannot serve metrics on {settings.metrics_host}:{port} ({e}); "
+                "choose another --metrics-port (0: any free port, -1: none)"
+            ) from e
+        bound = worker.metrics.serve(0, settings.metrics_host)
+        log.warning("metrics port %d is taken (another worker?); serving on %d", port, bound)
+    log.info("metrics on http://%s:%d/metrics", settings.metrics_host, bound)
+    return bound
 
 
 def new_worker_id() -> str:
@@ -750,7 +872,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="an EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help=f"Prometheus /metrics port (PLURAI_METRICS_PORT, default {DEFAULT_METRICS_PORT}; "
+        "0: any free port; -1: none)",
+    )
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (PLURAI_LOG_LEVEL)")
+    p.add_argument(
+        "--log-format", choices=logs.FORMATS, help="text or json lines (PLURAI_LOG_FORMAT)"
+    )
 
 
 def main(argv: list[str] | argparse.Namespace | None = None) -> int:
@@ -760,8 +891,10 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         p = argparse.ArgumentParser(prog="plurai worker", description=__doc__.split("\n\n")[0])
         add_arguments(p)
         args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     overrides: dict[str, Any] = {}
+    for name in ("log_level", "log_format", "metrics_port"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
     if args.url:
         overrides["redis_url"] = args.url
     if args.grace is not None:
@@ -771,6 +904,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     if args.model:
         overrides["model_dir"] = args.model
     settings = Settings(**overrides)
+    logs.setup(settings.log_level, settings.log_format)
     if not settings.model_dir:
         raise SystemExit("plurai worker: give --model DIR (or set PLURAI_MODEL_DIR)")
 
@@ -791,6 +925,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         log.info("started embedded redis-server at %s (data in %s)", url, embedded.data_dir)
     try:
         worker = Worker(engine, connect(url), settings, model_names=names)
+        worker.metrics_port = serve_metrics(worker, url, settings)
 
         def on_signal(signum: int, _frame: Any) -> None:
             if worker.stopping and signum == signal.SIGINT:

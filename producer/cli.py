@@ -4,6 +4,7 @@ plurai worker --model models/tiny-llama      serve the queue (embedded Redis if 
 plurai submit "Summarize: ..." --stream      queue a job; print its id, or stream it
 plurai get JOB_ID [--wait 30]                print a job record as JSON
 plurai watch JOB_ID                          stream a job's text as it is generated
+plurai status [--json]                       lanes, workers, KV use and throughput (live)
 plurai make-model models/tiny-llama          write a random-weight test model
 plurai batch submit FILE|DIR [--task ...]    run an OpenAI Batch JSONL, or documents, in bulk
 plurai batch status|cancel|results ID        watch, stop, or fetch the output of a batch
@@ -86,6 +87,26 @@ def cmd_watch(args: argparse.Namespace) -> int:
             return 1
     sys.stdout.write("\n")
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import redis
+
+    from broker_config.connection import connect, resolve_url
+    from broker_config.settings import Settings
+    from producer import status
+
+    url = resolve_url(args.url)
+    r = connect(url)
+    try:
+        return status.show(
+            r, Settings().lanes, as_json=args.json, once=args.once, every=args.interval
+        )
+    except redis.RedisError as e:
+        print(f"plurai: cannot read Redis at {url}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        r.close()
 
 
 def _batch_client(args: argparse.Namespace) -> Any:
@@ -265,7 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("job_id")
     w.set_defaults(func=cmd_watch)
 
-    for name in ("submit", "get", "watch"):
+    st = sub.add_parser("status", help="lanes, workers, KV use and throughput (live view)")
+    st.add_argument("--json", action="store_true", help="print one reading as JSON")
+    st.add_argument("--once", action="store_true", help="print one view and exit")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    st.set_defaults(func=cmd_status)
+
+    for name in ("submit", "get", "watch", "status"):
         sub.choices[name].add_argument(
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )

@@ -21,7 +21,7 @@ from celery import signals
 from broker_config import keys
 from broker_config.celery_app import app
 from broker_config.connection import resolve_url
-from broker_config.groups import forget_dead_consumers
+from broker_config.groups import forget_dead_consumers, forget_dead_workers
 from broker_config.settings import Settings
 from producer.bulk import drive, store
 from producer.bulk.settings import BulkSettings
@@ -87,7 +87,12 @@ def maintain() -> dict[str, Any]:
     # the dead ones leave behind is their name in the consumer group
     settings = Settings()
     forgotten = forget_dead_consumers(r, settings.lanes, 10 * settings.reclaim_idle_ms)
-    return {"kicked": kicked, "expired": expired, "forgotten_consumers": forgotten}
+    return {
+        "kicked": kicked,
+        "expired": expired,
+        "forgotten_consumers": forgotten,
+        "forgotten_workers": forget_dead_workers(r),
+    }
 
 
 @signals.worker_ready.connect

@@ -41,6 +41,9 @@ class OneStepEngine:
     def abort(self, request_id: str) -> bool:
         return False
 
+    def stats(self) -> dict:
+        return {}
+
     def step(self) -> list[SimpleNamespace]:
         self.on_step()
         ids, self.ids = self.ids, []

@@ -1,5 +1,5 @@
 """Beat's consumer-group maintenance: dead, empty consumers are forgotten; live ones and
-ones that still hold entries are kept."""
+ones that still hold entries are kept. Worker ids without a heartbeat leave plurai:workers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import redis
 
 from broker_config import keys
-from broker_config.groups import ensure_groups, forget_dead_consumers
+from broker_config.groups import ensure_groups, forget_dead_consumers, forget_dead_workers
 
 
 def test_forget_dead_consumers(redis_url):
@@ -29,3 +29,6 @@ def test_forget_dead_consumers(redis_url):
     names = {c["name"].decode() for c in r.xinfo_consumers(stream, keys.GROUP)}
     assert names == {"holder", "alive"}
     assert forget_dead_consumers(r, ["standard"], min_idle_ms=60_000) == []
+    r.sadd(keys.WORKERS, "alive", "dead")
+    assert forget_dead_workers(r) == ["dead"]
+    assert r.smembers(keys.WORKERS) == {b"alive"}

@@ -19,8 +19,12 @@ from producer.bulk.settings import BulkSettings
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
 def services() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    return compose()["services"]
 
 
 def image_entrypoint() -> list[str]:
@@ -71,3 +75,15 @@ def test_environment_names_real_settings():
                 assert var in known, f"{name}: {var} is no Plurai setting"
     redis = services()["redis"]["command"]
     assert "--appendonly" in redis and redis[redis.index("--appendonly") + 1] == "yes"
+
+
+def test_prometheus_scrapes_every_worker_on_its_metrics_port():
+    worker = services()["worker"]
+    port = int(worker["environment"]["PLURAI_METRICS_PORT"])
+    assert str(port) in worker["expose"]
+    prom = services()["prometheus"]
+    (cfg,) = prom["configs"]
+    scrape = yaml.safe_load(compose()["configs"][cfg["source"]]["content"])
+    (job,) = scrape["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["worker"] and sd["port"] == port

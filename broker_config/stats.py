@@ -1,0 +1,166 @@
+"""What the queue holds and what the workers report, read from Redis.
+
+One reading serves `plurai status` (terminal and --json) and the queue gauges of every
+worker's /metrics endpoint, so both always agree.
+
+A lane's entries are either waiting (not yet delivered to any worker) or pending (taken
+by a worker, not yet acknowledged). Workers delete the entries they acknowledge, so the
+stream's length is waiting + pending.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from broker_config import keys
+
+# Fields of the heartbeat hash that are numbers (the worker writes them; see gpu_workers/worker.py).
+_INT_FIELDS = (
+    "pid",
+    "beat_ms",
+    "running",
+    "waiting",
+    "held",
+    "jobs_done",
+    "kv_blocks_total",
+    "kv_blocks_used",
+    "kv_blocks_free",
+    "kv_blocks_cached",
+    "generation_tokens",
+    "metrics_port",
+)
+_FLOAT_FIELDS = ("tokens_per_s", "prefix_hit_rate")
+
+
+@dataclass
+class Lane:
+    name: str
+    waiting: int = 0  # entries no worker has taken yet (the queue depth)
+    pending: int = 0  # entries taken by a worker and not yet acknowledged
+    oldest_waiting_age_s: float | None = None  # since the oldest waiting entry was added
+    consumers: int = 0  # group consumers known to Redis (live or not yet forgotten)
+
+
+@dataclass
+class WorkerInfo:
+    id: str
+    host: str = ""
+    pid: int = 0
+    state: str = ""
+    model: str = ""
+    beat_age_s: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    held: int = 0
+    jobs_done: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    generation_tokens: int = 0
+    tokens_per_s: float = 0.0
+    prefix_hit_rate: float = 0.0
+    metrics_port: int = 0  # 0: no /metrics endpoint
+
+
+@dataclass
+class Snapshot:
+    time_s: float
+    lanes: list[Lane]
+    workers: list[WorkerInfo]
+    dead_letters: int
+    stale_workers: int = 0  # ids in plurai:workers whose heartbeat has expired
+    totals: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _s(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _ms_of(entry_id: Any) -> int:
+    return int(_s(entry_id).split("-", 1)[0])
+
+
+def lane(r: redis.Redis, name: str, now_ms: int) -> Lane:
+    stream = keys.request_stream(name)
+    out = Lane(name)
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream yet
+        return out
+    length = r.xlen(stream)
+    group = next((g for g in groups if _s(g["name"]) == keys.GROUP), None)
+    if group is None:  # entries added before any worker created the group: all waiting
+        first = r.xrange(stream, count=1)
+        out.waiting = length
+    else:
+        out.pending = int(group["pending"])
+        out.consumers = int(group["consumers"])
+        out.waiting = max(0, length - out.pending)
+        last = _s(group["last-delivered-id"])
+        first = r.xrange(stream, "-" if last == "0-0" else f"({last}", count=1)
+    if first and out.waiting:
+        out.oldest_waiting_age_s = max(0.0, (now_ms - _ms_of(first[0][0])) / 1000)
+    return out
+
+
+def workers(r: redis.Redis, now_ms: int) -> tuple[list[WorkerInfo], int]:
+    """Live workers (those whose heartbeat hash has not expired), and how many listed ids
+    have none."""
+    ids = sorted(_s(i) for i in r.smembers(keys.WORKERS))
+    pipe = r.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hgetall(keys.worker(worker_id))
+    live, stale = [], 0
+    for worker_id, raw in zip(ids, pipe.execute(), strict=True):
+        if not raw:
+            stale += 1
+            continue
+        h = {_s(k): _s(v) for k, v in raw.items()}
+        info = WorkerInfo(worker_id, host=h.get("host", ""), state=h.get("state", ""))
+        info.model = h.get("model", "")
+        for name in _INT_FIELDS:
+            if h.get(name):
+                setattr(info, name, int(float(h[name])))
+        for name in _FLOAT_FIELDS:
+            if h.get(name):
+                setattr(info, name, float(h[name]))
+        info.beat_age_s = max(0.0, (now_ms - int(h.get("beat_ms", now_ms))) / 1000)
+        live.append(info)
+    return live, stale
+
+
+def redis_now_ms(r: redis.Redis) -> int:
+    """Redis's clock: stream ids carry it, so entry ages are right whatever this host's is."""
+    sec, usec = r.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def snapshot(r: redis.Redis, lanes: list[str]) -> Snapshot:
+    now_ms = redis_now_ms(r)
+    ws, stale = workers(r, now_ms)
+    snap = Snapshot(
+        time_s=time.time(),
+        lanes=[lane(r, name, now_ms) for name in lanes],
+        workers=ws,
+        dead_letters=int(r.xlen(keys.DEAD_LETTER)),
+        stale_workers=stale,
+    )
+    snap.totals = {
+        "waiting": sum(x.waiting for x in snap.lanes),
+        "pending": sum(x.pending for x in snap.lanes),
+        "workers": len(ws),
+        "running": sum(w.running for w in ws),
+        "kv_blocks_total": sum(w.kv_blocks_total for w in ws),
+        "kv_blocks_used": sum(w.kv_blocks_used for w in ws),
+        "tokens_per_s": round(sum(w.tokens_per_s for w in ws), 1),
+        "jobs_done": sum(w.jobs_done for w in ws),
+    }
+    return snap

@@ -1,0 +1,84 @@
+"""`plurai status`: lanes, workers, KV use and throughput, read from Redis.
+
+    plurai status              live view, refreshed every second (Ctrl-C to leave)
+    plurai status --once       one view, then exit
+    plurai status --json       one reading as JSON (broker_config.stats.Snapshot)
+
+Workers report through their heartbeat hash, so their figures are at most one heartbeat
+interval (PLURAI_HEARTBEAT_INTERVAL_S) old; lane figures are read live.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from broker_config import stats
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+def render(snap: stats.Snapshot) -> Group:
+    lanes = Table(title="lanes", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("lane", "waiting", "pending", "oldest waiting"):
+        lanes.add_column(col, justify="left" if col == "lane" else "right")
+    for lane in snap.lanes:
+        lanes.add_row(
+            lane.name, str(lane.waiting), str(lane.pending), _age(lane.oldest_waiting_age_s)
+        )
+    workers = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD)
+    workers.add_column("worker", no_wrap=True)
+    workers.add_column("state")
+    for col in ("run", "wait", "KV used", "cached", "hits", "tok/s", "jobs", "beat"):
+        workers.add_column(col, justify="right", no_wrap=True)
+    for w in snap.workers:
+        pct = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.0f}%" if w.kv_blocks_total else "-"
+        workers.add_row(
+            w.id,
+            w.state,
+            str(w.running),
+            str(w.waiting),
+            f"{w.kv_blocks_used}/{w.kv_blocks_total} {pct}",
+            str(w.kv_blocks_cached),
+            f"{100 * w.prefix_hit_rate:.0f}%",
+            f"{w.tokens_per_s:.1f}",
+            str(w.jobs_done),
+            _age(w.beat_age_s),
+        )
+    t = snap.totals
+    summary = (
+        f"{t['workers']} worker(s), {t['running']} running, {t['waiting']} waiting, "
+        f"{t['pending']} pending, {t['tokens_per_s']:.1f} tok/s, "
+        f"dead letters {snap.dead_letters}"
+    )
+    if snap.stale_workers:
+        summary += f", {snap.stale_workers} worker id(s) without a heartbeat"
+    return Group(lanes, workers, summary)
+
+
+def show(r: redis.Redis, lanes: list[str], *, as_json: bool, once: bool, every: float) -> int:
+    if as_json:
+        print(json.dumps(stats.snapshot(r, lanes).to_dict(), indent=2))
+        return 0
+    console = Console()
+    if once:
+        console.print(render(stats.snapshot(r, lanes)))
+        return 0
+    with Live(render(stats.snapshot(r, lanes)), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(every)
+                live.update(render(stats.snapshot(r, lanes)), refresh=True)
+        except KeyboardInterrupt:
+            pass
+    return 0
