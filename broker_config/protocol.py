@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 VERSION = "1"
+MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 CONTENT_TYPES = (JSON, MSGPACK)
@@ -217,13 +218,28 @@ def parse_envelope(fields: dict[bytes, bytes], max_tokens_limit: int) -> Envelop
         job_id=job_id,
         max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
-        priority=_int(fields, "priority") or 0,
+        priority=_priority(_int(fields, "priority") or 0),
         lane=_text(fields, "lane"),
         content_type=content_type,
         body=body,
         deadline_ms=_int(fields, "deadline"),
         idem=_text(fields, "idem"),
     )
+
+
+def _priority(p: int) -> int:
+    if abs(p) > MAX_PRIORITY:
+        raise WireError(
+            Code.BAD_FIELD, f"priority must be from -{MAX_PRIORITY} to {MAX_PRIORITY}, got {p}"
+        )
+    return p
+
+
+def engine_priority(lane_rank: int, priority: int) -> int:
+    """The priority a worker gives its engine: every request of a higher lane (rank 0 is the
+    top) before any of a lower one, then the job's own priority. Aging inside the engine
+    moves a request by one unit per priority_aging_steps, so it never crosses a lane."""
+    return lane_rank * (2 * MAX_PRIORITY + 1) + priority
 
 
 def decode_body(env: Envelope) -> dict[str, Any]:

@@ -64,6 +64,8 @@ class Settings(BaseSettings):
     fair_every: int = 8
     # Sequence slots of a worker's engine that lower lanes leave free for the top lane.
     top_lane_reserve: int = 4
+    # Most entries a worker moves into its engine between two engine steps.
+    takes_per_step: int = Field(default=4, ge=1)
 
     model_dir: str | None = None
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>

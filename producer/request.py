@@ -56,6 +56,11 @@ def prepare(
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     lane = settings.lane_or_default(lane)
+    if not isinstance(priority, int) or abs(priority) > protocol.MAX_PRIORITY:
+        raise ValueError(
+            f"priority must be an integer from -{protocol.MAX_PRIORITY} to "
+            f"{protocol.MAX_PRIORITY}, got {priority!r}"
+        )
     body: dict[str, Any] = dict(sampling)
     if prompt is not None:
         body["prompt"] = prompt

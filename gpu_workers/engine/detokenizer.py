@@ -16,6 +16,10 @@ _CONTEXT = 6
 class Detokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        # The Rust tokenizer itself when transformers' decode would add nothing to it (no
+        # clean-up of spaces): the Python wrapper costs ~10x the decode, twice per token.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
         self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
@@ -23,6 +27,8 @@ class Detokenizer:
         self.text = ""  # all output text decoded so far
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token_id: int) -> str:

@@ -347,7 +347,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         bm = self.blocks
-        used = [b for b in bm.blocks if b.ref_count > 0]
+        used = bm.num_blocks - bm.num_free  # every block with no reference is in the free queue
         stored = sum(
             min(bm.block_size, max(0, s.num_computed_tokens - i * bm.block_size))
             for s in self.seqs.values()
@@ -356,10 +356,10 @@ class Engine:
         return {
             "blocks_total": bm.num_blocks,
             "blocks_free": bm.num_free,
-            "blocks_used": len(used),
+            "blocks_used": used,
             "blocks_cached": len(bm.cached),
             "tokens_stored": stored,
-            "slots_allocated": len(used) * bm.block_size,
+            "slots_allocated": used * bm.block_size,
             "prefix_hit_blocks": bm.hits,
             "prefix_lookup_blocks": bm.lookups,
             "running": self.num_running,

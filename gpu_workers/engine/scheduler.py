@@ -9,6 +9,10 @@ When a running sequence needs a block and none is free, the worst running sequen
 (highest priority value, newest) is preempted: its blocks are released (its full blocks
 stay in the prefix cache) and it is recomputed when readmitted. A waiting sequence that
 does not fit may likewise preempt running sequences of a strictly lower priority.
+
+A waiting sequence of strictly better priority than every running one gets a step of its
+own: its (first chunk of) prefill runs without the running decodes, so its first token is
+not slowed by the batch it overtakes; the decodes continue at the next step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ class Scheduler:
         bm = self.blocks
         scheduled: list[Sequence] = []
         self.running.sort(key=self.rank)
+        self.waiting.sort(key=self.rank)
+        if self.waiting and self.running:
+            best_running = self.rank(self.running[0])[0]
+            if self.rank(self.waiting[0])[0] < best_running:
+                self._admit(budget, scheduled, better_than=best_running)
+                if scheduled:
+                    self._aging()
+                    return scheduled
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -61,17 +73,21 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit(budget, scheduled)
-        for seq in self.waiting:
-            seq.waited_steps += 1
+        self._aging()
         return scheduled
 
-    def _admit(self, budget: int, scheduled: list[Sequence]) -> int:
+    def _aging(self) -> None:
+        for seq in self.waiting:
+            seq.waited_steps += 1
+
+    def _admit(self, budget: int, scheduled: list[Sequence], better_than: int | None = None) -> int:
+        """Admit waiting sequences in rank order (only those ranked strictly better than
+        `better_than` when given) while budget, slots and blocks last."""
         bm = self.blocks
         chunked = self.config.chunked_prefill
-        self.waiting.sort(key=self.rank)
         admitted: set[int] = set()
         for seq in list(self.waiting):
-            if budget <= 0:
+            if budget <= 0 or (better_than is not None and self.rank(seq)[0] >= better_than):
                 break
             hit = bm.match_prefix(seq)
             loaded = bm.match_tiers(seq, len(hit))

@@ -87,6 +87,8 @@ def test_valid_request() -> None:
         (fields(priority=b"\xff"), Code.INVALID_UTF8),
         (fields(content_type="text/csv"), Code.BAD_FIELD),
         (fields({"prompt": "a", "stream": "yes"}), Code.BAD_FIELD),
+        (fields(priority=1_000_001), Code.BAD_FIELD),
+        (fields(priority=-1_000_001), Code.BAD_FIELD),
     ],
 )
 def test_refusals(f: dict[bytes, bytes], code: str) -> None:
@@ -132,6 +134,16 @@ def test_sdk_refuses_unknown_options() -> None:
         prepare(Settings(), prompt="a", temprature=1.0)
     with pytest.raises(ValueError, match="exactly one"):
         prepare(Settings(), prompt="a", token_ids=[1])
+    with pytest.raises(ValueError, match="priority must be an integer from -1000000"):
+        prepare(Settings(), prompt="a", priority=10**7)
+
+
+def test_a_higher_lane_always_ranks_before_a_lower_one() -> None:
+    worst_top = protocol.engine_priority(0, protocol.MAX_PRIORITY)
+    best_next = protocol.engine_priority(1, -protocol.MAX_PRIORITY)
+    assert worst_top < best_next
+    assert protocol.engine_priority(2, 3) < protocol.engine_priority(2, 4)
+    assert protocol.parse_request(fields(priority=-1_000_000), 100).envelope.priority == -1_000_000
 
 
 def test_job_ids_are_unguessable() -> None:

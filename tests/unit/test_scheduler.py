@@ -71,16 +71,16 @@ def test_a_high_priority_arrival_preempts_low_priority_work(path, engine_factory
         for o in engine.step():
             tokens[o.request_id] += o.new_token_ids
     seqs = dict(engine.seqs)
-    urgent = [63, 64, 65] * 12
+    urgent = [63, 64, 65] * 22
     engine.add(
         "urgent",
         token_ids=urgent,
-        params=SamplingParams(max_tokens=20, ignore_eos=True),
+        params=SamplingParams(max_tokens=10, ignore_eos=True),
         priority=0,
     )
     out = engine.step()
-    # it needed 3 blocks, only 2 were free: the newest low-priority request made room
-    assert [o.request_id for o in out if o.request_id == "urgent"] == ["urgent"]
+    # it needed 5 blocks, only 4 were free: the newest low-priority request made room
+    assert [o.request_id for o in out] == ["urgent"]
     assert seqs["bulk-2"].num_preemptions == 1 and seqs["bulk-1"].num_preemptions == 0
     for o in out:
         tokens[o.request_id] += o.new_token_ids
@@ -91,7 +91,8 @@ def test_a_high_priority_arrival_preempts_low_priority_work(path, engine_factory
             if o.finished:
                 order.append(o.request_id)
     assert order.index("urgent") < order.index("bulk-2")
-    assert tokens["urgent"] == reference(path, [urgent], 20)[0]
+    assert seqs["bulk-1"].num_preemptions == 0
+    assert tokens["urgent"] == reference(path, [urgent], 10)[0]
     assert tokens["bulk-2"] == reference(path, [[62] * 30], 40)[0]  # resumed exactly
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
@@ -107,3 +108,19 @@ def test_equal_priority_never_preempts_to_get_in(path, engine_factory):
     engine.step()
     assert engine.scheduler.num_preemptions == 0
     assert [s.request_id for s in engine.scheduler.waiting] == ["c"]
+
+
+def test_a_higher_priority_arrival_gets_a_step_of_its_own(path, engine_factory):
+    engine = engine_factory(path)
+    bulk = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        engine.add(f"bulk{i}", token_ids=[60 + i] * 10, params=bulk, priority=5)
+    for _ in range(3):
+        engine.step()
+    vip = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add("vip", token_ids=[70] * 12, params=vip, priority=0)
+    assert [o.request_id for o in engine.step()] == ["vip"]  # its first token, alone
+    assert {o.request_id for o in engine.step()} == {"vip", "bulk0", "bulk1", "bulk2", "bulk3"}
+    # an arrival of the same priority as running work joins the batch at once
+    engine.add("peer", token_ids=[71] * 12, params=bulk, priority=5)
+    assert {o.request_id for o in engine.step()} == {"vip", "peer", *(f"bulk{i}" for i in range(4))}
