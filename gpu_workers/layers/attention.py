@@ -97,16 +97,21 @@ class PagedAttention(nn.Module):
 
     def _gather(self, ctx: AttnContext, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks` [B, nb] as [Hkv, B, nb * block_size, D] each."""
-        idx = blocks.flatten()
+        hkv, num_blocks, bs, d = self.k_cache.shape
+        # One row per (kv head, block) of the cache seen as [Hkv * num_blocks, bs * D]:
+        # selecting whole rows of a 2-D tensor is about twice as fast on CPU as selecting
+        # along dim 1 of the 4-D cache (and far faster than cache[:, idx]).
+        heads = torch.arange(0, hkv * num_blocks, num_blocks, device=blocks.device)
+        rows = (heads[:, None] + blocks.flatten()[None, :]).flatten()
         out = []
         for i, cache in enumerate((self.k_cache, self.v_cache)):
-            shape = (cache.shape[0], idx.numel(), *cache.shape[2:])
+            flat = cache.view(hkv * num_blocks, bs * d)
             if ctx.scratch is not None:
-                buf = ctx.scratch[i][: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
-                torch.index_select(cache, 1, idx, out=buf)  # far faster than cache[:, idx] on CPU
+                buf = ctx.scratch[i][: rows.numel() * bs * d].view(rows.numel(), bs * d)
+                torch.index_select(flat, 0, rows, out=buf)
             else:
-                buf = torch.index_select(cache, 1, idx)
-            out.append(buf.view(shape[0], blocks.shape[0], -1, self.head_dim))
+                buf = torch.index_select(flat, 0, rows)
+            out.append(buf.view(hkv, blocks.shape[0], -1, d))
         return out[0], out[1]
 
     def _decode(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
