@@ -66,8 +66,7 @@ class Running:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    started_s: float = 0.0  # wall clock, for the latency histograms
-    first_token_s: float = 0.0
+    first_token_s: float = 0.0  # wall clock, for the time-per-output-token histogram
 
 
 def _ms() -> int:
@@ -578,7 +577,7 @@ class Worker:
             )
             return
         now = time.time()
-        self.running[job_id] = Running(entry, started_s=now)
+        self.running[job_id] = Running(entry)
         self.metrics.jobs_started.labels(entry.lane).inc()
         self.metrics.queue_wait.labels(entry.lane).observe(max(0.0, now - _entry_s(entry.entry_id)))
         log.debug("job started", extra={"job_id": job_id, "lane": entry.lane})
