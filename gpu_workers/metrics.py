@@ -27,7 +27,8 @@ from broker_config import stats
 
 log = logging.getLogger("plurai.metrics")
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# TTFT and queue wait reach hours on a backlogged batch lane
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -41,7 +42,8 @@ class Metrics:
         )
         self.jobs_finished = Counter(
             "plurai_jobs_finished",
-            "Jobs whose final result this worker stored, by lane and final state.",
+            "Jobs this worker ended, by lane and final state (a job rerun after a reclaim "
+            "counts on each worker that ran it; only the first result is stored).",
             ["lane", "state"],
             registry=reg,
         )

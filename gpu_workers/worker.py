@@ -278,10 +278,10 @@ class Worker:
         """Move entries into the engine while it has room for the next one, at most
         takes_per_step of them between two steps: a wave of finished jobs is refilled over
         a few steps instead of stalling the running ones (and a top-lane arrival) for a
-        round trip per entry."""
-        for _ in range(self.settings.takes_per_step):
-            if self.stopping:
-                return
+        round trip per entry. Entries that end at once (cancelled, expired, refused) do not
+        count."""
+        added = 0
+        while added < self.settings.takes_per_step and not self.stopping:
             if not self.held:
                 self.held = self._take(block=not self.engine.has_unfinished() and not self.running)
                 if not self.held:
@@ -293,7 +293,7 @@ class Worker:
             ):
                 return
             self.held.pop(0)
-            self._start(entry)
+            added += self._start(entry)
 
     def _take(self, block: bool) -> list[Entry]:
         """The next valid entries: an entry stranded by a dead worker if there is one, else
@@ -420,7 +420,7 @@ class Worker:
         try:
             job_id = protocol.job_id_of(fields)
         except protocol.NoJobId:
-            self._dead_letter(lane, entry_id, fields, ValueError(error))
+            self._dead_letter(lane, entry_id, fields, ValueError(error), "too_many_deliveries")
             return
         log.warning(
             "job dead-lettered: %s; moved to %s",
@@ -467,10 +467,16 @@ class Worker:
         return None
 
     def _dead_letter(
-        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], e: Exception
+        self,
+        lane: str,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+        e: Exception,
+        reason: str = "no_job_id",
     ) -> None:
+        """Move an entry that carries no usable job id (so no result can be written)."""
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
-        self.metrics.dead_lettered.labels("no_job_id").inc()
+        self.metrics.dead_lettered.labels(reason).inc()
         pipe = self.r.pipeline(transaction=True)
         self._dead_letter_entry(pipe, lane, entry_id, fields, str(e))
         pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
@@ -520,13 +526,14 @@ class Worker:
         self.metrics.jobs_finished.labels(lane, records.FAILED).inc()
         self.metrics.errors.labels(code).inc()
 
-    def _start(self, entry: Entry) -> None:
+    def _start(self, entry: Entry) -> bool:
+        """Begin the entry's job; True when it went into the engine."""
         req, env = entry.req, entry.req.envelope
         job_id = env.job_id
         if job_id in self.running:
             if self.running[job_id].entry.entry_id != entry.entry_id:
                 self._ack(entry)  # a second entry for a job already running here
-            return  # else this worker's own entry, reclaimed after a stall: it runs already
+            return False  # else this worker's own entry, reclaimed after a stall: it runs
         verdict = self._begin(
             keys=[keys.job(job_id), keys.output(job_id)],
             args=[
@@ -542,10 +549,10 @@ class Worker:
         verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
         if verdict == "done":
             self._ack(entry)
-            return
+            return False
         if verdict == "cancelled":
             self._end_now(Running(entry), records.CANCELLED, "abort")
-            return
+            return False
         if verdict == "expired":
             self._end_now(
                 Running(entry),
@@ -554,7 +561,7 @@ class Worker:
                 Code.DEADLINE_EXCEEDED,
                 "the job's deadline passed before a worker could start it",
             )
-            return
+            return False
         try:
             self.engine.add(
                 job_id,
@@ -566,21 +573,24 @@ class Worker:
             )
         except Exception as e:
             code = getattr(e, "code", None)
+            message = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
             if code is None:
                 log.exception("engine.add failed", extra={"job_id": job_id})
-            self._end_now(
-                Running(entry),
-                records.FAILED,
-                "",
-                code or Code.INTERNAL,
-                getattr(e, "message", None) or f"{type(e).__name__}: {e}",
-            )
-            return
+            else:
+                log.info(
+                    "job refused: %s: %s",
+                    code,
+                    message,
+                    extra={"job_id": job_id, "lane": entry.lane, "code": code},
+                )
+            self._end_now(Running(entry), records.FAILED, "", code or Code.INTERNAL, message)
+            return False
         now = time.time()
         self.running[job_id] = Running(entry)
         self.metrics.jobs_started.labels(entry.lane).inc()
         self.metrics.queue_wait.labels(entry.lane).observe(max(0.0, now - _entry_s(entry.entry_id)))
         log.debug("job started", extra={"job_id": job_id, "lane": entry.lane})
+        return True
 
     def _ack(self, entry: Entry) -> None:
         """Ack and delete an entry that needs no result from here (workers delete acked

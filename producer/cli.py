@@ -254,6 +254,16 @@ def cmd_make_model(rest: list[str]) -> int:
     return factory.cli(p.parse_args(rest))
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plurai", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -289,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="lanes, workers, KV use and throughput (live view)")
     st.add_argument("--json", action="store_true", help="print one reading as JSON")
     st.add_argument("--once", action="store_true", help="print one view and exit")
-    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    st.add_argument(
+        "--interval", type=_positive, default=1.0, help="seconds between refreshes (default 1)"
+    )
     st.set_defaults(func=cmd_status)
 
     for name in ("submit", "get", "watch", "status"):

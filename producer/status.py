@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import redis
 from rich import box
@@ -78,7 +79,11 @@ def show(r: redis.Redis, lanes: list[str], *, as_json: bool, once: bool, every: 
         try:
             while True:
                 time.sleep(every)
-                live.update(render(stats.snapshot(r, lanes)), refresh=True)
+                try:
+                    view: Any = render(stats.snapshot(r, lanes))
+                except redis.RedisError as e:  # keep watching: Redis may come back
+                    view = f"cannot read Redis ({e}); retrying every {every:g}s"
+                live.update(view, refresh=True)
         except KeyboardInterrupt:
             pass
     return 0

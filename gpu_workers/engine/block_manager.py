@@ -87,8 +87,8 @@ class BlockManager:
             return []
         if seq.tier_blocks is None or seq.tier_start != start:
             limit = (len(seq.token_ids) - 1) // self.block_size
-            seq.tier_blocks = (
-                self.tiers.lookup(seq.block_hashes[start:limit]) if start < limit else []
+            seq.tier_blocks, seq.tier_from_host = (
+                self.tiers.lookup(seq.block_hashes[start:limit]) if start < limit else ([], 0)
             )
             seq.tier_start = start
         return seq.tier_blocks
@@ -121,9 +121,15 @@ class BlockManager:
             seq.block_table.append(block.id)
         seq.tier_blocks = None
         seq.num_committed_blocks = len(seq.block_table)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
-        self.lookups += max(1, (len(seq.token_ids) - 1) // bs)
-        self.hits += len(hit)  # device hits; tier loads are counted by the tiers
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        if seq.num_preemptions == 0:  # the prompt's first admission: what the cache served
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.lookups += max(1, (len(seq.token_ids) - 1) // bs)
+            self.hits += len(hit)
+            if loaded:
+                c = self.tiers.counters  # type: ignore[union-attr]
+                c.host_hits += min(len(loaded), seq.tier_from_host)
+                c.redis_hits += len(loaded) - min(len(loaded), seq.tier_from_host)
 
     # -- allocation ---------------------------------------------------------------
 

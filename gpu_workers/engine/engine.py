@@ -348,10 +348,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         bm = self.blocks
         used = bm.num_blocks - bm.num_free  # every block with no reference is in the free queue
+        # per sequence, not per block: stats() runs every second in a serving worker
         stored = sum(
-            min(bm.block_size, max(0, s.num_computed_tokens - i * bm.block_size))
+            min(s.num_computed_tokens, len(s.block_table) * bm.block_size)
             for s in self.seqs.values()
-            for i in range(len(s.block_table))
         )
         return {
             "blocks_total": bm.num_blocks,

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TierCounters:
-    host_hits: int = 0  # blocks loaded from each tier
+    host_hits: int = 0  # blocks loaded into the device from each tier, at admission
     redis_hits: int = 0
     bad_entries: int = 0  # entries refused by block_format checks
     spilled: int = 0  # device blocks saved to host on eviction
@@ -71,8 +71,9 @@ class KVTiers:
             self.remote.put(h, self._copy(block_id))  # type: ignore[union-attr]
             self.counters.written_through += 1
 
-    def lookup(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        """Blocks for the longest leading run of `hashes` held by a tier, decoded."""
+    def lookup(self, hashes: list[bytes]) -> tuple[list[torch.Tensor], int]:
+        """Blocks for the longest leading run of `hashes` held by a tier, decoded, and how
+        many of them (the first ones) came from the host tier; the rest came from Redis."""
         out: list[torch.Tensor] = []
         i = 0
         while i < len(hashes) and self.host is not None:
@@ -80,7 +81,6 @@ class KVTiers:
             if block is None:
                 break
             out.append(block)
-            self.counters.host_hits += 1
             i += 1
         if (
             i < len(hashes)
@@ -90,7 +90,7 @@ class KVTiers:
             for h, data in zip(hashes[i:], self.remote.get_many(hashes[i:]), strict=True):
                 if data is None or not self._take(h, data, out):
                     break
-        return out
+        return out, i
 
     def _take(self, h: bytes, data: bytes, out: list[torch.Tensor]) -> bool:
         try:
@@ -99,7 +99,6 @@ class KVTiers:
             self.counters.bad_entries += 1
             log.warning("KV block %s from Redis refused (%s); recomputing it", h.hex(), e)
             return False
-        self.counters.redis_hits += 1
         return True
 
     def load(self, block_id: int, block: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already published to the prefix cache
     tier_blocks: list[torch.Tensor] | None = None  # prefix blocks found in a KV tier, to load
     tier_start: int = 0  # the block index tier_blocks starts at
+    tier_from_host: int = 0  # how many of tier_blocks (the first ones) the host tier held
     arrival: int = field(default_factory=lambda: next(_arrival))
     waited_steps: int = 0
     num_preemptions: int = 0

@@ -94,6 +94,8 @@ def test_a_high_priority_arrival_preempts_low_priority_work(path, engine_factory
     assert seqs["bulk-1"].num_preemptions == 0
     assert tokens["urgent"] == reference(path, [urgent], 10)[0]
     assert tokens["bulk-2"] == reference(path, [[62] * 30], 40)[0]  # resumed exactly
+    # its readmission reused its own blocks: not a prefix-cache hit of its prompt
+    assert seqs["bulk-2"].num_cached_tokens == 0 and engine.stats()["prefix_hit_blocks"] == 0
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
