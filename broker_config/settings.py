@@ -90,6 +90,13 @@ class Settings(BaseSettings):
                 raise ValueError(f"lane name {lane!r}: use letters, digits, '-' or '_'")
         return v
 
+    @field_validator("log_level")
+    @classmethod
+    def _level_known(cls, v: str) -> str:
+        if v.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log level {v!r}: use DEBUG, INFO, WARNING or ERROR")
+        return v.upper()
+
     @classmethod
     def settings_customise_sources(
         cls,

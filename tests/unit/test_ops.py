@@ -50,6 +50,9 @@ def test_setup_refuses_unknown_level_or_format():
         logs.setup("INFO", "xml")
     with pytest.raises(ValueError):
         Settings(log_format="xml")
+    with pytest.raises(ValueError, match="log level"):
+        Settings(log_level="LOUD")
+    assert Settings(log_level="debug").log_level == "DEBUG"
 
 
 def _worker(**settings: object) -> Worker:
