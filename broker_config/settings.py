@@ -64,8 +64,9 @@ class Settings(BaseSettings):
     fair_every: int = 8
     # Sequence slots of a worker's engine that lower lanes leave free for the top lane.
     top_lane_reserve: int = 4
-    # Most entries a worker moves into its engine between two engine steps.
-    takes_per_step: int = Field(default=4, ge=1)
+    # Most entries a worker moves into its engine between two engine steps; None: one per
+    # 16 of the engine's sequence slots, at least 4.
+    takes_per_step: int | None = Field(default=None, ge=1)
 
     model_dir: str | None = None
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>

@@ -281,7 +281,8 @@ class Worker:
         round trip per entry. Entries that end at once (cancelled, expired, refused) do not
         count."""
         added = 0
-        while added < self.settings.takes_per_step and not self.stopping:
+        limit = self.settings.takes_per_step or max(4, self.engine.config.max_num_seqs // 16)
+        while added < limit and not self.stopping:
             if not self.held:
                 self.held = self._take(block=not self.engine.has_unfinished() and not self.running)
                 if not self.held:

@@ -3,6 +3,8 @@ the job's own priority second."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from broker_config import keys
 from broker_config.connection import connect
 from broker_config.groups import ensure_groups
@@ -47,3 +49,14 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
         w._fill()
         assert [rid for rid, _ in engine.added] == [top, *batch]
         assert client.job(top).status() == "running"
+
+
+def test_default_takes_scale_with_the_engine(redis_url):
+    engine = Recorder()
+    engine.config = SimpleNamespace(max_num_seqs=128)  # type: ignore[attr-defined]
+    w = Worker(engine, connect(redis_url), Settings(redis_url=redis_url), worker_id="w1")
+    ensure_groups(w.r, w.lanes)
+    with Client(redis_url) as client:
+        client.submit_many([{"prompt": "x", "lane": "interactive"} for _ in range(10)])
+        w._fill()
+        assert len(engine.added) == 8  # 128 slots / 16
