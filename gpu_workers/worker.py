@@ -612,18 +612,16 @@ class Worker:
         delta_args: list[str] = []
         finished: list[tuple[Running, str]] = []
         now = time.time()
+        generated = 0
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
                 continue
-            if out.new_token_ids:
-                if not run.token_ids:
-                    run.first_token_s = now
-                    lane = run.entry.lane
-                    ttft = max(0.0, now - _entry_s(run.entry.entry_id))
-                    self.metrics.ttft.labels(lane).observe(ttft)
-                self._generated += len(out.new_token_ids)
-                self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if out.new_token_ids and not run.token_ids:
+                run.first_token_s = now
+                ttft = max(0.0, now - _entry_s(run.entry.entry_id))
+                self.metrics.ttft.labels(run.entry.lane).observe(ttft)
+            generated += len(out.new_token_ids)
             run.token_ids += out.new_token_ids
             run.prompt_tokens = out.num_prompt_tokens
             run.cached_tokens = out.num_cached_tokens
@@ -641,6 +639,8 @@ class Worker:
             commands.append(
                 ["EVALSHA", self._sha["DELTAS"], len(delta_keys), *delta_keys, *delta_args]
             )
+        self._generated += generated
+        self.metrics.generation_tokens.inc(generated)
         for run, reason in finished:
             del self.running[run.entry.req.envelope.job_id]
             self._end(_Collector(commands), run, records.COMPLETED, reason)
