@@ -15,6 +15,8 @@ from typing import Any
 
 import msgpack
 
+from gpu_workers.engine.errors import valid_messages
+
 VERSION = "1"
 MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
 JSON = "application/json"
@@ -288,16 +290,7 @@ def parse_request(fields: dict[bytes, bytes], max_tokens_limit: int) -> Request:
         req.prompt = body["prompt"]
     elif "messages" in given:
         msgs = body["messages"]
-        if (
-            not isinstance(msgs, list)
-            or not msgs
-            or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
+        if not valid_messages(msgs):
             raise WireError(
                 Code.INVALID_PROMPT,
                 "'messages' must be a non-empty list of {role: str, content: str}",

@@ -11,29 +11,12 @@ stream's length is waiting + pending.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import redis
 
 from broker_config import keys
-
-# Fields of the heartbeat hash that are numbers (the worker writes them; see gpu_workers/worker.py).
-_INT_FIELDS = (
-    "pid",
-    "beat_ms",
-    "running",
-    "waiting",
-    "held",
-    "jobs_done",
-    "kv_blocks_total",
-    "kv_blocks_used",
-    "kv_blocks_free",
-    "kv_blocks_cached",
-    "generation_tokens",
-    "metrics_port",
-)
-_FLOAT_FIELDS = ("tokens_per_s", "prefix_hit_rate")
 
 
 @dataclass
@@ -124,14 +107,11 @@ def workers(r: redis.Redis, now_ms: int) -> tuple[list[WorkerInfo], int]:
             stale += 1
             continue
         h = {_s(k): _s(v) for k, v in raw.items()}
-        info = WorkerInfo(worker_id, host=h.get("host", ""), state=h.get("state", ""))
-        info.model = h.get("model", "")
-        for name in _INT_FIELDS:
-            if h.get(name):
-                setattr(info, name, int(float(h[name])))
-        for name in _FLOAT_FIELDS:
-            if h.get(name):
-                setattr(info, name, float(h[name]))
+        info = WorkerInfo(worker_id)
+        for f in fields(WorkerInfo):  # the heartbeat hash uses the same names
+            if h.get(f.name) and f.name != "id":
+                kind = type(f.default)
+                setattr(info, f.name, int(float(h[f.name])) if kind is int else kind(h[f.name]))
         info.beat_age_s = max(0.0, (now_ms - int(h.get("beat_ms", now_ms))) / 1000)
         live.append(info)
     return live, stale

@@ -159,14 +159,10 @@ def cmd_batch_status(args: argparse.Namespace) -> int:
     from producer.bulk import manage, progress
 
     with _batch_client(args) as client:
-        try:
-            if args.json:
-                print(json.dumps(manage.info(client, args.batch_id), indent=2))
-            else:
-                progress.watch(client, args.batch_id)
-        except KeyError as e:
-            print(f"plurai: {e.args[0]}", file=sys.stderr)
-            return 1
+        if args.json:
+            print(json.dumps(manage.info(client, args.batch_id), indent=2))
+        else:
+            progress.watch(client, args.batch_id)
     return 0
 
 
@@ -174,11 +170,7 @@ def cmd_batch_cancel(args: argparse.Namespace) -> int:
     from producer.bulk import manage
 
     with _batch_client(args) as client:
-        try:
-            print(manage.cancel(client, args.batch_id))
-        except KeyError as e:
-            print(f"plurai: {e.args[0]}", file=sys.stderr)
-            return 1
+        print(manage.cancel(client, args.batch_id))
     return 0
 
 
@@ -190,7 +182,7 @@ def cmd_batch_results(args: argparse.Namespace) -> int:
     with _batch_client(args) as client:
         try:
             out, err = manage.results(client, args.batch_id)
-        except (KeyError, ValueError) as e:
+        except ValueError as e:  # not finished yet
             print(f"plurai: {e.args[0]}", file=sys.stderr)
             return 1
     if args.print:
@@ -326,8 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-model":
         return cmd_make_model(argv[1:])
     args = build_parser().parse_args(argv)
+    from producer.bulk.manage import UnknownBatch
+
     try:
         return int(args.func(args))
+    except UnknownBatch as e:
+        print(f"plurai: {e.args[0]}", file=sys.stderr)
+        return 1
     except ValueError as e:  # no URL, unknown lane, bad JSON in an option
         print(f"plurai: {e}", file=sys.stderr)
         return 2

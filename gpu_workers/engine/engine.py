@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
-from gpu_workers.engine.errors import ErrorCode, RequestError
+from gpu_workers.engine.errors import ErrorCode, RequestError, valid_messages
 from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.model_runner import ModelRunner
 from gpu_workers.engine.parallel import Group, encode_step, send_step
@@ -129,16 +129,7 @@ class Engine:
                 raise RequestError(ErrorCode.INVALID_PROMPT, "prompt must be a non-empty string")
             ids = self.tokenizer(prompt).input_ids
         elif messages is not None:
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in messages
-                )
-            ):
+            if not valid_messages(messages):
                 raise RequestError(
                     ErrorCode.INVALID_PROMPT,
                     "messages must be a non-empty list of {role: str, content: str} objects",

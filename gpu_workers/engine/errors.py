@@ -23,3 +23,18 @@ class RequestError(ValueError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+def valid_messages(messages: object) -> bool:
+    """A non-empty list of {role: str, content: str}: what chat templates are given. The wire
+    parser and the engine refuse anything else with INVALID_PROMPT."""
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )

@@ -14,6 +14,10 @@ from producer.bulk.settings import BulkSettings
 from producer.client import Client
 
 
+class UnknownBatch(KeyError):
+    """No batch has that id (never created, or expired)."""
+
+
 def read_input(path: Path, documents: bool) -> list[str]:
     """Input lines: a JSONL file's non-empty lines, or (documents) one line per file of a
     folder, custom_id = the file's path inside the folder."""
@@ -88,7 +92,7 @@ def cancel(client: Client, batch_id: str) -> str:
         client.redis, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS
     )
     if status is None:
-        raise KeyError(f"no batch {batch_id}")
+        raise UnknownBatch(f"no batch {batch_id}")
     return status
 
 
@@ -96,7 +100,7 @@ def info(client: Client, batch_id: str) -> dict[str, Any]:
     """The batch as OpenAI shows one, plus progress: done, tokens/s, ETA seconds."""
     meta = store.get(client.redis, batch_id)
     if not meta:
-        raise KeyError(f"no batch {batch_id} (unknown or expired)")
+        raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
     c = store.counts(meta)
     done = c["completed"] + c["failed"]
     out_tokens = int(meta.get("output_tokens", 0) or 0)
@@ -129,7 +133,7 @@ def results(client: Client, batch_id: str) -> tuple[str, str]:
     """The finished output and error JSONL texts; raises if the batch has not finished."""
     meta = store.get(client.redis, batch_id)
     if not meta:
-        raise KeyError(f"no batch {batch_id} (unknown or expired)")
+        raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
     if meta.get("status") not in store.TERMINAL:
         raise ValueError(f"batch {batch_id} is {meta.get('status')}; results come when it ends")
     out, err = client.redis.mget(keys.batch_output(batch_id), keys.batch_errors(batch_id))

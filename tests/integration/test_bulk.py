@@ -283,6 +283,9 @@ def test_cli_submit_status_cancel_results(celery, tmp_path, tiny_model, capsys):
     err = lines((tmp_path / "out" / f"{batch_id}_errors.jsonl").read_text())
     ids = [x["custom_id"] for x in ok + err]
     assert sorted(ids) == [f"{i:03d}.txt" for i in range(200)]  # each once, none missing
+    for command in ("status", "cancel", "results"):
+        assert cli.main(["batch", command, "batch_nosuch", *url]) == 1
+        assert "no batch batch_nosuch" in capsys.readouterr().err
     assert {x["error"]["code"] for x in err} == {"batch_cancelled"}
     assert len(err) > 0
     assert b["request_counts"] == {"total": 200, "completed": len(ok), "failed": len(err)}
