@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     model: str  # local Hugging Face model directory
-    dtype: str = "auto"  # auto (fp32 on CPU, the checkpoint's dtype on CUDA) | fp32 | bf16 | fp16
+    # auto: bf16 on CPUs with native bf16 (else fp32), the checkpoint's dtype on CUDA
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes / gpu_memory_utilization

@@ -18,6 +18,7 @@ from torch import nn
 
 from gpu_workers.engine.parallel import TP, Stage
 from gpu_workers.layers.attention import AttnContext, PagedAttention
+from gpu_workers.layers.linear import Linear
 from gpu_workers.layers.norm import RMSNorm
 from gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
 
@@ -50,10 +51,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = bias or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(
-            self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2"
-        )
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -89,8 +88,8 @@ class MLP(nn.Module):
                 f"intermediate_size {cfg.intermediate_size} does not split over {tp.size} ranks"
             )
         self.inter = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=bias)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
@@ -142,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(self.vocab_local, cfg.hidden_size)
         if stage.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_local, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, self.vocab_local, bias=False)
             if self.tied and stage.first:
                 self.lm_head.weight = self.embed_tokens.weight
 

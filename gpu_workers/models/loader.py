@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from gpu_workers.layers.linear import can_pack, pack_linears
 from gpu_workers.models.llama import ARCHITECTURES
 
 DTYPES = {
@@ -113,4 +114,6 @@ def build_model(
     finally:
         torch.set_default_dtype(default)
     model.load_weights(iter_tensors(weight_files(model_dir)))
+    if can_pack(device, dtype):
+        pack_linears(model)
     return model.eval()

@@ -6,8 +6,10 @@ import json
 import random
 
 import pytest
+import torch
 
 from gpu_workers.engine.sampling_params import SamplingParams
+from gpu_workers.layers.linear import Linear, can_pack
 from tests.conftest import FAMILIES
 
 MAX_TOKENS = 24
@@ -26,6 +28,10 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def test_mixed_batch_matches_transformers(family, model_factory, engine_factory, reference):
     path = model_factory(family)
     engine = engine_factory(path)
+    # on CPU every projection runs on weights packed for oneDNN; the tied lm_head keeps
+    # the embedding it shares
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
     ps = prompts(engine.vocab_size, [1, 3, 17, 40, 95, 150])
     got = [c.token_ids for c in engine.generate(ps, greedy())]
     assert got == reference(path, ps, MAX_TOKENS)
@@ -139,3 +145,15 @@ def test_text_prompt_and_chat_messages(model_factory, engine_factory, reference)
     assert tokens == reference(path, [ids], MAX_TOKENS)[0]
     # the streamed deltas add up to the decoded answer
     assert "".join(text_parts) == tok.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_plain(dtype):
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=True, dtype=dtype)
+    x = torch.randn(5, 96, dtype=dtype)
+    want = layer(x)
+    assert can_pack(torch.device("cpu"), dtype)
+    layer.pack(keep_weight=False)
+    assert layer.weight.numel() == 0  # the plain copy is freed
+    torch.testing.assert_close(layer(x), want, rtol=1e-2, atol=1e-2)
