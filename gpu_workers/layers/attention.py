@@ -132,7 +132,8 @@ class PagedAttention(nn.Module):
         k, v = self._gather(ctx, ctx.decode_blocks, ctx.decode_rows)  # [Hkv, B, L, D]
         b, hkv = q.shape[0], self.num_kv_heads
         qg = q.view(b, hkv, -1, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale + ctx.decode_bias
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float()
+        scores = torch.add(ctx.decode_bias, scores, alpha=self.scale)  # bias + scale * scores
         o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
         return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 

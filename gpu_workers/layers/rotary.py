@@ -52,21 +52,22 @@ class Rotary(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        sin = emb.sin() * scale
+        sin[:, : inv.numel()] *= -1
+        self.register_buffer("signed_sin", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions`, shaped [T, 1, D] to broadcast over heads."""
+        """cos and sin for `positions`, shaped [T, 1, D] to broadcast over heads; the first
+        half of sin negated, for `apply_rotary`."""
         cos = torch.index_select(self.cos, 0, positions).unsqueeze(1).to(dtype)
-        sin = torch.index_select(self.sin, 0, positions).unsqueeze(1).to(dtype)
+        sin = torch.index_select(self.signed_sin, 0, positions).unsqueeze(1).to(dtype)
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] computed as the
+    swapped halves [x2, x1] times the sign folded into sin: the same values, fewer ops."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
