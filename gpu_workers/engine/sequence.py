@@ -44,6 +44,8 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     output_counts: dict[int, int] = field(default_factory=dict)
+    seen: torch.Tensor | None = None  # [vocab] token ids held, for the repetition penalty
+    seen_len: int = 0  # tokens already marked in `seen`
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     emitted: int = 0  # characters of output text already reported in a text delta

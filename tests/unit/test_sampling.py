@@ -175,9 +175,12 @@ def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
     from gpu_workers.engine.sampler import _nucleus
 
     torch.manual_seed(0)
-    probs = torch.randn(8, 500).mul(2).softmax(-1)
     top_p = torch.tensor([0.05, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 0.999])
-    sp, order = probs.sort(-1, descending=True)
-    keep = (sp.cumsum(-1) - sp) < top_p[:, None]
-    expected = torch.zeros_like(probs).scatter_(1, order, keep.float()).bool()
-    assert torch.equal(_nucleus(probs, top_p) > 0, expected)
+    # a small vocabulary (one sort), peaked rows whose nucleus lies among the first
+    # candidates, and flat ones where some row's nucleus is wider than them
+    for vocab, spread in ((500, 2.0), (6000, 6.0), (6000, 0.5)):
+        probs = torch.randn(8, vocab).mul(spread).softmax(-1)
+        sp, order = probs.sort(-1, descending=True)
+        keep = (sp.cumsum(-1) - sp) < top_p[:, None]
+        expected = torch.zeros_like(probs).scatter_(1, order, keep.float()).bool()
+        assert torch.equal(_nucleus(probs, top_p) > 0, expected)
