@@ -38,6 +38,7 @@ class AttnContext:
     decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
     decode_bias: torch.Tensor | None = None  # [1, B, 1, max_blocks*block_size]: 0 or -inf (padding)
     decode_rows: torch.Tensor | None = None  # cache rows of decode_blocks (first layer sets it)
+    decode_tokens: torch.Tensor | None = None  # [Hkv*B*G, L] their token rows (likewise)
     prefills: list[Prefill] = field(default_factory=list)
     # flash-attn varlen inputs (built only when that kernel is used)
     cu_q: torch.Tensor | None = None
@@ -107,35 +108,59 @@ class PagedAttention(nn.Module):
         heads = torch.arange(0, hkv * num_blocks, num_blocks, device=blocks.device)
         return (heads[:, None] + blocks.flatten()[None, :]).flatten()
 
-    def _gather(
-        self, ctx: AttnContext, blocks: torch.Tensor, rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, ctx: AttnContext, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks` [B, nb] as [Hkv, B, nb * block_size, D] each."""
-        hkv, num_blocks, bs, d = self.k_cache.shape
-        rows = self._rows(blocks) if rows is None else rows
-        out = []
-        for i, cache in enumerate((self.k_cache, self.v_cache)):
-            flat = cache.view(hkv * num_blocks, bs * d)
-            if ctx.scratch is not None:
-                buf = ctx.scratch[i][: rows.numel() * bs * d].view(rows.numel(), bs * d)
-                torch.index_select(flat, 0, rows, out=buf)
-            else:
-                buf = torch.index_select(flat, 0, rows)
-            out.append(buf.view(hkv, blocks.shape[0], -1, d))
-        return out[0], out[1]
+        rows = self._rows(blocks)
+        k, v = (self._select(c, i, rows, ctx) for i, c in enumerate((self.k_cache, self.v_cache)))
+        return (
+            k.view(self.num_kv_heads, blocks.shape[0], -1, self.head_dim),
+            v.view(self.num_kv_heads, blocks.shape[0], -1, self.head_dim),
+        )
+
+    def _select(
+        self, cache: torch.Tensor, i: int, rows: torch.Tensor, ctx: AttnContext
+    ) -> torch.Tensor:
+        """Cache rows [len(rows), bs * D], into scratch buffer i when the step has one."""
+        hkv, num_blocks, bs, d = cache.shape
+        flat = cache.view(hkv * num_blocks, bs * d)
+        if ctx.scratch is None:
+            return torch.index_select(flat, 0, rows)
+        buf = ctx.scratch[i][: rows.numel() * bs * d].view(rows.numel(), bs * d)
+        return torch.index_select(flat, 0, rows, out=buf)
 
     def _decode(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        # One query per sequence: two batched matmuls over (kv head, sequence), with the
-        # query heads that share a kv head stacked as rows.
+        # One query per sequence. Scores: a batched matmul over (kv head, sequence) against
+        # the gathered K blocks, with the query heads that share a kv head stacked as rows.
+        # Output: each query head's probability-weighted sum of V rows, read straight from
+        # the cache by embedding_bag, so V is never copied (2-8x faster than gather + matmul
+        # on CPU). Padding reads block 0 with weight 0.
+        b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         if ctx.decode_rows is None:
             ctx.decode_rows = self._rows(ctx.decode_blocks)
-        k, v = self._gather(ctx, ctx.decode_blocks, ctx.decode_rows)  # [Hkv, B, L, D]
-        b, hkv = q.shape[0], self.num_kv_heads
-        qg = q.view(b, hkv, -1, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+            ctx.decode_tokens = self._token_rows(ctx.decode_rows, b)
+        k = self._select(self.k_cache, 0, ctx.decode_rows, ctx).view(hkv, b, -1, d)
+        qg = q.view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(qg, k.transpose(-1, -2)).float()
         scores = torch.add(ctx.decode_bias, scores, alpha=self.scale)  # bias + scale * scores
-        o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)  # [Hkv, B, G, D]
-        return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+        probs = scores.softmax(dim=-1).to(q.dtype)  # [Hkv, B, G, L]
+        o = F.embedding_bag(
+            ctx.decode_tokens,
+            self.v_cache.view(-1, d),
+            mode="sum",
+            per_sample_weights=probs.view(ctx.decode_tokens.shape),
+        )
+        return o.view(hkv, b, -1, d).transpose(0, 1).reshape(b, self.num_heads, d)
+
+    def _token_rows(self, rows: torch.Tensor, b: int) -> torch.Tensor:
+        """Per (kv head, sequence, query head of the group): the rows of the cache seen as
+        [Hkv * num_blocks * bs, D] that hold the tokens of the blocks at `rows`."""
+        bs = self.k_cache.shape[2]
+        group = self.num_heads // self.num_kv_heads
+        offsets = torch.arange(bs, device=rows.device)
+        tokens = (rows.view(self.num_kv_heads, b, -1, 1) * bs + offsets).view(
+            self.num_kv_heads, b, 1, -1
+        )
+        return tokens.expand(-1, -1, group, -1).reshape(-1, tokens.shape[-1])
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill, ctx: AttnContext
