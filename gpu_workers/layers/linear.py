@@ -57,15 +57,14 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Packs every `Linear` of a loaded CPU model; returns how many."""
+def pack_linears(model: nn.Module) -> None:
+    """Packs every `Linear` of a loaded CPU model."""
     shared = {
         id(p)
-        for name, m in model.named_modules()
+        for m in model.modules()
         if not isinstance(m, Linear)
         for p in m.parameters(recurse=False)
     }
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for m in layers:
-        m.pack(keep_weight=id(m.weight) in shared)
-    return len(layers)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.pack(keep_weight=id(m.weight) in shared)
