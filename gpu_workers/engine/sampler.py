@@ -123,7 +123,7 @@ def _seen(s: Sequence, vocab: int) -> torch.Tensor:
 
 
 # top-p looks for its cutoff among this many most probable tokens first, and sorts the
-# whole vocabulary only for rows whose nucleus is wider
+# whole vocabulary when some row's nucleus is wider
 NUCLEUS_CANDIDATES = 2048
 
 
@@ -131,16 +131,17 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero all but the most probable tokens whose mass first reaches top_p, per row
     (tokens tied with the last one kept are kept too)."""
     p = probs.numpy()
-    want = top_p.numpy()[:, None]
+    want = top_p.numpy().astype(np.float64)[:, None]
     vocab = p.shape[1]
     if vocab > NUCLEUS_CANDIDATES:  # selecting the top candidates is O(vocab); sorting is not
         top = np.partition(p, vocab - NUCLEUS_CANDIDATES, axis=-1)[:, -NUCLEUS_CANDIDATES:]
         if (top.sum(axis=-1, keepdims=True) >= want).all():
             p = top
     # numpy's value-only sort is about twice as fast as torch.sort on CPU; ascending, so
-    # the mass ranked above a token is the total minus the running sum up to it
+    # the mass ranked above a token is the total minus the running sum up to it (summed in
+    # float64: over a 150k vocabulary float32 sums move the cutoff by a token or two)
     p = np.sort(p, axis=-1)
-    csum = np.cumsum(p, axis=-1)
-    kept = (csum[:, -1:] - csum < want).sum(axis=-1)
+    csum = np.cumsum(p, axis=-1, dtype=np.float64)
+    kept = np.maximum((csum[:, -1:] - csum < want).sum(axis=-1), 1)  # the top token at least
     cutoff = np.take_along_axis(p, (p.shape[1] - kept)[:, None], axis=-1)
     return probs.masked_fill(probs < torch.from_numpy(cutoff), 0.0)

@@ -28,10 +28,10 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def test_mixed_batch_matches_transformers(family, model_factory, engine_factory, reference):
     path = model_factory(family)
     engine = engine_factory(path)
-    # on CPU every projection runs on weights packed for oneDNN; the tied lm_head keeps
-    # the embedding it shares
+    # where oneDNN can (CPU), every projection runs on packed weights, the tied lm_head too
+    packed = can_pack(engine.runner.device, engine.runner.dtype)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    assert linears and all((m.packed is not None) == packed for m in linears)
     ps = prompts(engine.vocab_size, [1, 3, 17, 40, 95, 150])
     got = [c.token_ids for c in engine.generate(ps, greedy())]
     assert got == reference(path, ps, MAX_TOKENS)
@@ -153,7 +153,8 @@ def test_packed_linear_matches_plain(dtype):
     layer = Linear(96, 40, bias=True, dtype=dtype)
     x = torch.randn(5, 96, dtype=dtype)
     want = layer(x)
-    assert can_pack(torch.device("cpu"), dtype)
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"this CPU's oneDNN has no packed {dtype} linear")
     layer.pack(keep_weight=False)
     assert layer.weight.numel() == 0  # the plain copy is freed
     torch.testing.assert_close(layer(x), want, rtol=1e-2, atol=1e-2)

@@ -184,3 +184,6 @@ def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
         keep = (sp.cumsum(-1) - sp) < top_p[:, None]
         expected = torch.zeros_like(probs).scatter_(1, order, keep.float()).bool()
         assert torch.equal(_nucleus(probs, top_p) > 0, expected)
+    # a top_p that rounds to 0 in float32 still keeps the most probable token
+    probs = torch.tensor([[0.1, 0.7, 0.2]])
+    assert torch.equal(_nucleus(probs, torch.tensor([1e-46])) > 0, torch.tensor([[0, 1, 0]]) > 0)
