@@ -140,8 +140,9 @@ class PagedAttention(nn.Module):
             ctx.decode_tokens = self._token_rows(ctx.decode_rows, b)
         k = self._select(self.k_cache, 0, ctx.decode_rows, ctx).view(hkv, b, -1, d)
         qg = q.view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float()
-        scores = torch.add(ctx.decode_bias, scores, alpha=self.scale)  # bias + scale * scores
+        scores = torch.matmul(qg, k.transpose(-1, -2))
+        # bias + scale * scores, in fp32: the fp32 bias promotes it
+        scores = torch.add(ctx.decode_bias, scores, alpha=self.scale)
         probs = scores.softmax(dim=-1).to(q.dtype)  # [Hkv, B, G, L]
         o = F.embedding_bag(
             ctx.decode_tokens,
