@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import bench_model, mixed  # noqa: E402
+from bench.workload import add_workload_args, bench_model, mixed  # noqa: E402
 
 PREFILL = 1 << 30  # group key of steps that carry a prefill chunk
 
@@ -45,9 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="models/bench-llama")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     args = ap.parse_args()
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import Request, bench_model, mixed  # noqa: E402
+from bench.workload import Request, add_workload_args, bench_model, mixed  # noqa: E402
 
 
 def run_plurai(model: Path, reqs: list[Request], dtype: str) -> tuple[float, dict]:
@@ -121,9 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="models/bench-llama")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--skip-hf-static", action="store_true")

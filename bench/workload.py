@@ -3,6 +3,7 @@ lengths, as token ids, so every peer sees exactly the same requests."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from dataclasses import dataclass
@@ -44,3 +45,10 @@ def bench_model(path: str | Path = "models/bench-llama") -> Path:
     if not (path / "config.json").is_file():
         make_model(path, family="llama", size="bench")
     return path
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The options that pick the mixed workload, shared by the benches that run it."""
+    ap.add_argument("--model", default="models/bench-llama")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
