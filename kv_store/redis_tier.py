@@ -6,11 +6,20 @@ of them at any time, which is only a miss. Writes go through a background thread
 pipelined batches, so the engine step never waits on them; reads are one pipelined round
 trip per lookup; the caller decodes and checks what it reads. Redis being down or full degrades to misses and dropped writes, never
 to an error for a request.
+
+Authentication: with a secret (`PLURAI_KV_SECRET` unless given), every block written
+carries an HMAC-SHA256 of the secret over its header and payload, and every block read is
+checked before it is handed out; one with a missing or wrong MAC is a miss (counted in
+`refused`, and recomputed by the engine), never used. Workers share blocks only with
+workers that have the same secret. Without a secret, anyone who can write this Redis can
+change what the engines read, and so their outputs. The secret is never logged.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,6 +33,21 @@ from kv_store import block_format
 
 log = logging.getLogger(__name__)
 
+SECRET_ENV = "PLURAI_KV_SECRET"
+
+
+class _Env(enum.Enum):
+    SECRET = SECRET_ENV
+
+
+FROM_ENV = _Env.SECRET  # RedisTier's default: the secret comes from the environment
+
+
+def secret_from_env() -> bytes | None:
+    """PLURAI_KV_SECRET as bytes; None when it is unset or empty."""
+    value = os.environ.get(SECRET_ENV, "")
+    return value.encode() if value else None
+
 
 class RedisTier:
     def __init__(
@@ -33,8 +57,10 @@ class RedisTier:
         ttl_s: int = 3600,
         max_pending: int = 1024,
         retry_after_s: float = 5.0,
+        secret: bytes | None | _Env = FROM_ENV,
     ) -> None:
         self.r = r
+        self.secret = (secret_from_env() if isinstance(secret, _Env) else secret) or None
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
@@ -42,6 +68,7 @@ class RedisTier:
         self.down_until = 0.0  # after an error, skip Redis for a while instead of stalling
         self.dropped = 0  # writes not made: queue full, or Redis down or full
         self.errors = 0
+        self.refused = 0  # entries read whose MAC was missing or wrong (with a secret)
         self.writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
         self.writer.start()
 
@@ -59,13 +86,32 @@ class RedisTier:
         self.down_until = time.monotonic() + self.retry_after_s
 
     def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        """The stored entries of `hashes` (None: missing). With a secret, only the leading
+        run of authentic entries: from the first missing or refused one on, all None."""
         if not hashes or time.monotonic() < self.down_until:
             return [None] * len(hashes)
         try:
-            return list(self.r.mget([self.key(h) for h in hashes]))
+            found: list[bytes | None] = list(self.r.mget([self.key(h) for h in hashes]))
         except redis.RedisError as e:
             self._failed(e)
             return [None] * len(hashes)
+        if self.secret is None:
+            return found
+        # the caller uses only the leading run: stop at the first miss or refused entry
+        for i, (h, data) in enumerate(zip(hashes, found, strict=True)):
+            if data is None or not self._authentic(h, data):
+                return found[:i] + [None] * (len(found) - i)
+        return found
+
+    def _authentic(self, h: bytes, data: bytes) -> bool:
+        assert self.secret is not None
+        try:
+            block_format.verify(data, self.secret)
+        except block_format.BadBlock as e:
+            self.refused += 1
+            log.warning("KV block %s from Redis refused (%s); recomputing it", h.hex(), e)
+            return False
+        return True
 
     def put(self, h: bytes, block: torch.Tensor) -> None:
         """Queue a write of a block (a CPU tensor the caller no longer changes); dropped
@@ -90,7 +136,8 @@ class RedisTier:
                     fp = bytes.fromhex(self.fingerprint)
                     pipe = self.r.pipeline(transaction=False)
                     for h, block in items:
-                        pipe.set(self.key(h), block_format.encode(block, h, fp), ex=self.ttl_s)
+                        data = block_format.encode(block, h, fp, self.secret)
+                        pipe.set(self.key(h), data, ex=self.ttl_s)
                     pipe.execute()
                 except redis.RedisError as e:  # down, or full (OOM with noeviction)
                     self._failed(e)
