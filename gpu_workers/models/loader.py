@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import re
+import tempfile
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -14,6 +18,27 @@ from transformers import AutoConfig
 
 from gpu_workers.layers.linear import can_pack, pack_linears
 from gpu_workers.models.llama import ARCHITECTURES
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+# Besides the weights, the fingerprint covers these files of the model folder if present.
+FINGERPRINTED = (
+    "config.json",
+    INDEX,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+CACHE_NAME = ".plurai-fingerprint.json"
+CACHE_VERSION = 1
 
 DTYPES = {
     "float32": torch.float32,
@@ -33,15 +58,38 @@ def load_config(model_dir: str | Path) -> Any:
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of the model: those its index names, else model.safetensors.
+    Every file the index names must lie inside the model folder (no absolute path, no
+    `..`, no symlink leading out): anything else raises ValueError."""
     path = Path(model_dir)
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must be an object")
+        files = {_inside(path, index, n) for n in weight_map.values()}
+        return sorted(files)
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
     raise FileNotFoundError(f"no safetensors weights in {path} (model.safetensors or its index)")
+
+
+def _inside(root: Path, index: Path, name: object) -> Path:
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"{index}: weight_map names {name!r}, {why}; refusing to load it")
+
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        raise refuse("which is not a plain file name")
+    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+        raise refuse("a path outside the model folder")
+    f = root / name
+    if not f.resolve().is_relative_to(root.resolve()):
+        raise refuse("a link that leads outside the model folder")
+    return f
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -52,19 +100,114 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def fingerprint(model_dir: str | Path) -> str:
-    """A content fingerprint of the model: config plus the head and tail bytes of every
-    weight file (cheap for big checkpoints, distinct for different weights)."""
+    """A content fingerprint of the model: the SHA-256 of every weight file, whole, and of
+    its config, index and tokenizer files. The digests are cached (fingerprint_cache) and
+    reused while each file keeps its size and mtime_ns, so a restart does not reread the
+    weights."""
     path = Path(model_dir)
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in weight_files(path):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(size - (1 << 20))
-                h.update(fh.read())
+    files = sorted({*fingerprinted_files(path), *weight_files(path)})
+    caches = _read_caches(path)
+    entries: dict[str, dict[str, Any]] = {}
+    hashed = False
+    for f in files:
+        name = f.relative_to(path).as_posix()
+        st = f.stat()
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        entry = next((c[name] for c in caches if _stamp(c.get(name)) == stamp), None)
+        if entry is None:
+            hashed = True
+            entry = {**stamp, "sha256": _file_digest(f)}
+        entries[name] = entry
+    if hashed:
+        # a file that changed while it was hashed is left out, to be hashed again next time
+        _write_cache(path, {n: e for n, e in entries.items() if _stamp(e) == _now(path / n)})
+    h = hashlib.sha256()
+    for name, entry in entries.items():
+        h.update(f"{name}\0{entry['size']}\0{entry['sha256']}\n".encode())
     return h.hexdigest()[:32]
+
+
+def _stamp(entry: dict[str, Any] | None) -> dict[str, int] | None:
+    return None if entry is None else {"size": entry["size"], "mtime_ns": entry["mtime_ns"]}
+
+
+def _now(f: Path) -> dict[str, int] | None:
+    try:
+        st = f.stat()
+    except OSError:
+        return None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def fingerprinted_files(model_dir: Path) -> list[Path]:
+    """The files besides the weights that the fingerprint covers: config.json, and the
+    index, generation config and tokenizer files that exist."""
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
+    return [model_dir / n for n in FINGERPRINTED if (model_dir / n).is_file()]
+
+
+def _file_digest(f: Path) -> str:
+    with f.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def fingerprint_cache(model_dir: Path) -> list[Path]:
+    """Where the digests are cached, in order of preference: beside the model, else (a
+    read-only model folder) under PLURAI_DATA_DIR, named after the folder's path."""
+    key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:32]
+    data = Path(os.environ.get("PLURAI_DATA_DIR") or "data")
+    return [model_dir / CACHE_NAME, data / "fingerprints" / f"{key}.json"]
+
+
+def _read_caches(model_dir: Path) -> list[dict[str, dict[str, Any]]]:
+    """The digests of every readable, well-formed cache (a bad one is ignored)."""
+    found = []
+    for where in fingerprint_cache(model_dir):
+        try:
+            doc = json.loads(where.read_text())
+        except (OSError, ValueError):
+            continue
+        if (
+            isinstance(doc, dict)
+            and doc.get("version") == CACHE_VERSION
+            and isinstance(doc.get("files"), dict)
+            and all(_good_entry(n, e) for n, e in doc["files"].items())
+        ):
+            found.append(doc["files"])
+    return found
+
+
+def _good_entry(name: object, e: object) -> bool:
+    return (
+        isinstance(name, str)
+        and isinstance(e, dict)
+        and set(e) == {"size", "mtime_ns", "sha256"}
+        and all(type(e[k]) is int and e[k] >= 0 for k in ("size", "mtime_ns"))
+        and isinstance(e["sha256"], str)
+        and re.fullmatch(r"[0-9a-f]{64}", e["sha256"]) is not None
+    )
+
+
+def _write_cache(model_dir: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Write the cache atomically (a temporary file renamed over it) where it can be."""
+    doc = {"version": CACHE_VERSION, "model_dir": str(model_dir.resolve()), "files": files}
+    text = json.dumps(doc, indent=1)
+    for where in fingerprint_cache(model_dir):
+        tmp = None
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                "w", dir=where.parent, prefix=where.name, suffix=".tmp", delete=False
+            ) as out:
+                tmp = Path(out.name)
+                out.write(text)
+            os.replace(tmp, where)
+            return
+        except OSError as e:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+            log.debug("cannot cache the model fingerprint in %s (%s)", where, e)
 
 
 def cpu_has_bf16() -> bool:
