@@ -42,9 +42,36 @@ SAMPLING_FIELDS = (
     "skip_special_tokens",
 )
 PROMPT_FIELDS = ("prompt", "messages", "token_ids")
-BODY_FIELDS = frozenset(PROMPT_FIELDS + SAMPLING_FIELDS + ("model", "metadata", "stream"))
+BODY_FIELDS = frozenset(
+    PROMPT_FIELDS
+    + SAMPLING_FIELDS
+    + ("model", "metadata", "stream", "cache_salt", "special_tokens")
+)
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+_INT = re.compile(rb"-?[0-9]{1,19}")  # ASCII digits only: no '1_000', ' 5', '١٢'
+INT64 = 2**63
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes a request may have on the wire, each refused before any tokenization
+    (docs/protocol.md, "Limits"). Settings carries the deployment's values."""
+
+    max_tokens: int = 4096
+    body_bytes: int = 4 << 20  # the entry's body field
+    prompt_chars: int = 1 << 20  # `prompt`, or all of `messages` (roles and contents)
+    messages: int = 1024  # entries of `messages`
+    stop: int = 16  # strings in `stop`
+    stop_chars: int = 256  # characters of one stop string
+    stop_token_ids: int = 256
+    metadata_bytes: int = 16 << 10  # `metadata` as compact JSON
+    depth: int = 16  # nesting of lists and maps in the body
+    logprobs: int = 20
+    cache_salt_chars: int = 256
+    # Tokens a prompt may have: the engine's max_model_len less one (the worker sets it);
+    # a `prompt_tokens` claim or `token_ids` list over it is refused at once.
+    prompt_tokens: int | None = None
 
 
 class Code:
@@ -53,6 +80,7 @@ class Code:
     # Wire level: the entry itself.
     BAD_BODY = "bad_body"  # body is not valid JSON / msgpack, or not an object
     BAD_FIELD = "bad_field"  # a flat field or body field is missing, unknown or mistyped
+    TOO_LARGE = "too_large"  # a size over one of the Limits
     UNSUPPORTED_VERSION = "unsupported_version"
     INVALID_UTF8 = "invalid_utf8"
     UNKNOWN_MODEL = "unknown_model"
@@ -64,7 +92,8 @@ class Code:
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
     # Lifecycle.
     DEADLINE_EXCEEDED = "deadline_exceeded"
-    TOO_MANY_DELIVERIES = "too_many_deliveries"  # delivered over max_deliveries times
+    TOO_MANY_DELIVERIES = "too_many_deliveries"  # its processing failed max_deliveries times
+    BAD_RECORD = "bad_record"  # the job's record or token stream in Redis has the wrong type
     INTERNAL = "internal"
 
 
@@ -125,6 +154,7 @@ class Envelope:
     body: bytes = b""
     deadline_ms: int | None = None
     idem: str | None = None
+    attempts: int = 0  # processings of this job that failed (carried over by REQUEUE)
 
 
 @dataclass
@@ -137,6 +167,8 @@ class Request:
     model: str | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = True
+    cache_salt: str | None = None
+    special_tokens: bool = False  # opt-in: special-token strings in the prompt are control tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -164,23 +196,34 @@ def _int(fields: dict[bytes, bytes], name: str, required: bool = False) -> int |
         if required:
             raise WireError(Code.BAD_FIELD, f"field {name!r} is required (an integer)")
         return None
-    try:
-        return int(text)
-    except ValueError:
+    raw = text.encode()
+    if _INT.fullmatch(raw) is None or not -INT64 <= int(raw) < INT64:
         raise WireError(
-            Code.BAD_FIELD, f"field {name!r} must be an integer, got {text[:40]!r}"
-        ) from None
+            Code.BAD_FIELD,
+            f"field {name!r} must be an integer (ASCII digits, optional '-', 64-bit), "
+            f"got {text[:40]!r}",
+        )
+    return int(raw)
 
 
 def job_id_of(fields: dict[bytes, bytes]) -> str:
     raw = fields.get(b"id")
-    job_id = raw.decode("utf-8", "replace") if raw is not None else ""
+    job_id = raw.decode("utf-8", "replace") if raw is not None and len(raw) <= 128 else ""
     if not valid_job_id(job_id):
         raise NoJobId(Code.BAD_FIELD, "field 'id' is missing or not 8-128 of [A-Za-z0-9_-]")
     return job_id
 
 
-def parse_envelope(fields: dict[bytes, bytes], max_tokens_limit: int) -> Envelope:
+def attempts_of(fields: dict[bytes, bytes]) -> int:
+    """The entry's count of failed processings; 0 when absent or malformed (the entry is
+    then refused by parse_envelope anyway)."""
+    try:
+        return max(0, _int(fields, "attempts") or 0)
+    except WireError:
+        return 0
+
+
+def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
     """Check the flat fields. Raises NoJobId first, then WireError with the job id known."""
     job_id = job_id_of(fields)
     version = _text(fields, "v")
@@ -199,14 +242,19 @@ def parse_envelope(fields: dict[bytes, bytes], max_tokens_limit: int) -> Envelop
         raise WireError(
             Code.INVALID_PARAMS, f"max_tokens must be a positive integer, got {max_tokens}"
         )
-    if max_tokens > max_tokens_limit:
+    if max_tokens > limits.max_tokens:
         raise WireError(
             Code.MAX_TOKENS_OVER_LIMIT,
-            f"max_tokens {max_tokens} is over this deployment's limit of {max_tokens_limit}",
+            f"max_tokens {max_tokens} is over this deployment's limit of {limits.max_tokens}",
         )
     prompt_tokens = _int(fields, "prompt_tokens")
     if prompt_tokens is not None and prompt_tokens < 0:
         raise WireError(Code.BAD_FIELD, "field 'prompt_tokens' must be >= 0")
+    if prompt_tokens is not None:
+        _check_prompt_tokens(prompt_tokens, limits, "field 'prompt_tokens' claims")
+    attempts = _int(fields, "attempts") or 0
+    if attempts < 0:
+        raise WireError(Code.BAD_FIELD, "field 'attempts' must be >= 0")
     content_type = _text(fields, "content_type") or JSON
     if content_type not in CONTENT_TYPES:
         raise WireError(
@@ -216,17 +264,34 @@ def parse_envelope(fields: dict[bytes, bytes], max_tokens_limit: int) -> Envelop
     body = fields.get(b"body")
     if body is None:
         raise WireError(Code.BAD_FIELD, "field 'body' is required")
+    if len(body) > limits.body_bytes:
+        raise WireError(
+            Code.TOO_LARGE,
+            f"the body has {len(body)} bytes; the limit is {limits.body_bytes} "
+            "(PLURAI_MAX_BODY_BYTES)",
+        )
+    idem = _text(fields, "idem")
     return Envelope(
         job_id=job_id,
         max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
         priority=_priority(_int(fields, "priority") or 0),
-        lane=_text(fields, "lane"),
+        lane=(_text(fields, "lane") or "")[:128] or None,
         content_type=content_type,
         body=body,
         deadline_ms=_int(fields, "deadline"),
-        idem=_text(fields, "idem"),
+        idem=idem[:512] if idem is not None else None,
+        attempts=attempts,
     )
+
+
+def _check_prompt_tokens(n: int, limits: Limits, what: str) -> None:
+    if limits.prompt_tokens is not None and n > limits.prompt_tokens:
+        raise WireError(
+            Code.PROMPT_TOO_LONG,
+            f"{what} {n} prompt tokens; this model serves at most {limits.prompt_tokens} "
+            "(its context less one generated token): shorten the prompt",
+        )
 
 
 def _priority(p: int) -> int:
@@ -244,30 +309,94 @@ def engine_priority(lane_rank: int, priority: int) -> int:
     return lane_rank * (2 * MAX_PRIORITY + 1) + priority
 
 
-def decode_body(env: Envelope) -> dict[str, Any]:
+def _no_constant(name: str) -> Any:
+    raise WireError(Code.BAD_FIELD, f"the body holds {name}; numbers must be finite")
+
+
+def decode_body(env: Envelope, depth: int = Limits.depth) -> dict[str, Any]:
+    """The body as plain JSON values: maps with string keys, lists, valid strings, finite
+    floats, 64-bit integers, booleans and null, nested at most `depth` deep."""
     try:
         if env.content_type == MSGPACK:
             body = msgpack.unpackb(env.body, raw=False, strict_map_key=True)
         else:
-            body = json.loads(env.body)
+            body = json.loads(env.body, parse_constant=_no_constant)
     except UnicodeDecodeError:
         raise WireError(
             Code.INVALID_UTF8, "the body contains a string that is not valid UTF-8"
         ) from None
+    except RecursionError:
+        raise WireError(Code.BAD_FIELD, f"the body is nested more than {depth} deep") from None
     except (ValueError, msgpack.UnpackException, TypeError) as e:
+        if isinstance(e, WireError):
+            raise
         kind = "msgpack" if env.content_type == MSGPACK else "JSON"
         raise WireError(
             Code.BAD_BODY, f"body is not valid {kind} ({type(e).__name__}: {str(e)[:120]})"
         ) from None
     if not isinstance(body, dict):
         raise WireError(Code.BAD_BODY, f"body must be an object (map), got {type(body).__name__}")
+    check_json_value(body, depth, "body")
     return body
 
 
-def parse_request(fields: dict[bytes, bytes], max_tokens_limit: int) -> Request:
+def check_json_value(value: Any, depth: int, where: str) -> None:
+    """Raise WireError unless `value` is made of JSON values only (see decode_body)."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, where)]
+    while stack:
+        v, d, path = stack.pop()
+        if v is None or isinstance(v, bool):
+            continue
+        if isinstance(v, str):
+            if not _valid_text(v):
+                raise WireError(
+                    Code.INVALID_UTF8, f"{path} holds a lone surrogate (not valid Unicode text)"
+                )
+        elif isinstance(v, int):
+            if not -INT64 <= v < INT64:
+                raise WireError(Code.BAD_FIELD, f"{path}: integer out of the 64-bit range")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise WireError(Code.BAD_FIELD, f"{path}: numbers must be finite, got {v}")
+        elif isinstance(v, (dict, list)):
+            if d >= depth:
+                raise WireError(Code.BAD_FIELD, f"{path}: nested more than {depth} deep")
+            if isinstance(v, list):
+                stack += [(x, d + 1, f"{path}[{i}]") for i, x in enumerate(v)]
+                continue
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise WireError(
+                        Code.BAD_FIELD, f"{path}: map keys must be strings, got {type(k).__name__}"
+                    )
+                stack.append((k, d + 1, f"{path} key"))
+                stack.append((x, d + 1, f"{path}.{k[:40]}"))
+        else:  # msgpack bin, ext, timestamp
+            raise WireError(
+                Code.BAD_FIELD,
+                f"{path}: {type(v).__name__} values are not allowed; use JSON types "
+                "(string, number, boolean, null, list, map)",
+            )
+
+
+def _valid_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _too_large(what: str, n: int, limit: int, setting: str) -> WireError:
+    return WireError(
+        Code.TOO_LARGE, f"{what} has {n}; the limit is {limit} (PLURAI_{setting}); send less"
+    )
+
+
+def parse_request(fields: dict[bytes, bytes], limits: Limits) -> Request:
     """Envelope plus body; every wire-level error is raised here as WireError."""
-    env = parse_envelope(fields, max_tokens_limit)
-    body = decode_body(env)
+    env = parse_envelope(fields, limits)
+    body = decode_body(env, limits.depth)
     unknown = sorted(str(k) for k in set(body) - BODY_FIELDS)
     if unknown:
         raise WireError(
@@ -287,13 +416,27 @@ def parse_request(fields: dict[bytes, bytes], max_tokens_limit: int) -> Request:
                 Code.INVALID_PROMPT,
                 f"'prompt' must be a string, got {type(body['prompt']).__name__}",
             )
+        if len(body["prompt"]) > limits.prompt_chars:
+            raise _too_large(
+                "'prompt' characters", len(body["prompt"]), limits.prompt_chars, "MAX_PROMPT_CHARS"
+            )
         req.prompt = body["prompt"]
     elif "messages" in given:
         msgs = body["messages"]
+        if isinstance(msgs, list) and len(msgs) > limits.messages:
+            raise _too_large("'messages' entries", len(msgs), limits.messages, "MAX_MESSAGES")
         if not valid_messages(msgs):
             raise WireError(
                 Code.INVALID_PROMPT,
                 "'messages' must be a non-empty list of {role: str, content: str}",
+            )
+        chars = sum(len(m["role"]) + len(m["content"]) for m in msgs)
+        if chars > limits.prompt_chars:
+            raise _too_large(
+                "'messages' (roles and contents) characters",
+                chars,
+                limits.prompt_chars,
+                "MAX_PROMPT_CHARS",
             )
         req.messages = msgs
     else:
@@ -302,8 +445,10 @@ def parse_request(fields: dict[bytes, bytes], max_tokens_limit: int) -> Request:
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise WireError(Code.INVALID_PROMPT, "'token_ids' must be a list of integers")
+        _check_prompt_tokens(len(ids), limits, "'token_ids' has")
         req.token_ids = ids
     params = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    _check_sampling_sizes(params, limits)
     if "max_tokens" in params and params["max_tokens"] != env.max_tokens:
         raise WireError(
             Code.BAD_FIELD,
@@ -315,13 +460,54 @@ def parse_request(fields: dict[bytes, bytes], max_tokens_limit: int) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise WireError(Code.BAD_FIELD, "'model' must be a string")
-    req.model = model
+    req.model = model[:4096] if model is not None else None
     metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise WireError(Code.BAD_FIELD, "'metadata' must be an object")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise WireError(Code.BAD_FIELD, "'metadata' must be an object")
+        size = len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode())
+        if size > limits.metadata_bytes:
+            raise _too_large(
+                "'metadata' (JSON bytes)", size, limits.metadata_bytes, "MAX_METADATA_BYTES"
+            )
     req.metadata = metadata
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise WireError(Code.BAD_FIELD, "'stream' must be a boolean")
     req.stream = stream
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise WireError(Code.BAD_FIELD, "'cache_salt' must be a non-empty string")
+    if salt is not None and len(salt) > limits.cache_salt_chars:
+        raise _too_large(
+            "'cache_salt' characters", len(salt), limits.cache_salt_chars, "MAX_CACHE_SALT_CHARS"
+        )
+    req.cache_salt = salt
+    special = body.get("special_tokens", False)
+    if not isinstance(special, bool):
+        raise WireError(Code.BAD_FIELD, "'special_tokens' must be a boolean")
+    req.special_tokens = special
     return req
+
+
+def _check_sampling_sizes(params: dict[str, Any], limits: Limits) -> None:
+    """Sizes only: SamplingParams checks types and ranges."""
+    stop = params.get("stop")
+    if isinstance(stop, list):
+        if len(stop) > limits.stop:
+            raise _too_large("'stop' strings", len(stop), limits.stop, "MAX_STOP")
+        longest = max((len(s) for s in stop if isinstance(s, str)), default=0)
+        if longest > limits.stop_chars:
+            raise _too_large(
+                "a 'stop' string's characters", longest, limits.stop_chars, "MAX_STOP_CHARS"
+            )
+    elif isinstance(stop, str) and len(stop) > limits.stop_chars:
+        raise _too_large(
+            "the 'stop' string's characters", len(stop), limits.stop_chars, "MAX_STOP_CHARS"
+        )
+    ids = params.get("stop_token_ids")
+    if isinstance(ids, list) and len(ids) > limits.stop_token_ids:
+        raise _too_large("'stop_token_ids'", len(ids), limits.stop_token_ids, "MAX_STOP_TOKEN_IDS")
+    lp = params.get("logprobs")
+    if isinstance(lp, int) and not isinstance(lp, bool) and lp > limits.logprobs:
+        raise _too_large("'logprobs'", lp, limits.logprobs, "MAX_LOGPROBS")

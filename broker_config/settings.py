@@ -19,6 +19,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from broker_config.protocol import Limits
+
 CONFIG_ENV = "PLURAI_CONFIG"
 DEFAULT_METRICS_PORT = 9400
 
@@ -38,11 +40,26 @@ class Settings(BaseSettings):
     # trimming drops the oldest entries whether or not a worker has read them.
     stream_maxlen: int = 1_000_000
 
-    result_ttl_s: int = 24 * 3600  # job record and token stream, counted from completion
+    result_ttl_s: int = 24 * 3600  # job record, counted from completion
+    # A job's token stream: kept this long after the job ends (the record keeps the text),
+    # and at most about this many entries (deltas after the last reset are never trimmed
+    # while the job has fewer tokens than this).
+    output_ttl_s: int = Field(default=3600, ge=1)
+    output_maxlen: int = Field(default=8192, ge=16)
+    dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead
     queued_ttl_s: int = 7 * 24 * 3600  # job record while it waits in the queue
     idempotency_ttl_s: int = 24 * 3600
 
     max_tokens_limit: int = 4096  # larger max_tokens is refused with max_tokens_over_limit
+    # Sizes on the wire (docs/protocol.md, "Limits"); larger is refused with too_large.
+    max_body_bytes: int = Field(default=Limits.body_bytes, ge=1)
+    max_prompt_chars: int = Field(default=Limits.prompt_chars, ge=1)
+    max_messages: int = Field(default=Limits.messages, ge=1)
+    max_stop: int = Field(default=Limits.stop, ge=0)
+    max_stop_chars: int = Field(default=Limits.stop_chars, ge=1)
+    max_stop_token_ids: int = Field(default=Limits.stop_token_ids, ge=0)
+    max_metadata_bytes: int = Field(default=Limits.metadata_bytes, ge=2)
+    max_logprobs: int = Field(default=Limits.logprobs, ge=0, le=20)
     block_ms: int = 200  # how long an idle worker blocks in XREADGROUP
     poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
     grace_period_s: float = 30.0  # SIGTERM: time to finish running jobs before handing back
@@ -54,7 +71,12 @@ class Settings(BaseSettings):
     # above heartbeat_interval_s plus the longest engine step.
     reclaim_idle_ms: int = 60_000
     reclaim_interval_s: float = 5.0  # how often an idle scan for stranded entries runs
-    max_deliveries: int = 5  # an entry delivered more often is dead-lettered, job failed
+    # A job whose processing failed this many times (its worker died, stalled or raised on
+    # it) is dead-lettered with too_many_deliveries.
+    max_deliveries: int = Field(default=5, ge=1)
+    # A worker that cannot reach Redis for this long exits (non-zero), as its jobs are
+    # reclaimed by other workers anyway; 0: retry forever.
+    redis_retry_s: float = Field(default=600.0, ge=0)
     # Backpressure: most entries waiting (not yet taken by a worker) per lane; 0 = no limit.
     # Keep it below stream_maxlen so that trimming never drops a waiting entry.
     max_queued_per_lane: int = 500_000
@@ -114,6 +136,21 @@ class Settings(BaseSettings):
                 raise FileNotFoundError(f"{CONFIG_ENV}={path}: no such file")
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+    def limits(self, prompt_tokens: int | None = None) -> Limits:
+        """The wire limits; `prompt_tokens`: the most prompt tokens the engine serves."""
+        return Limits(
+            max_tokens=self.max_tokens_limit,
+            body_bytes=self.max_body_bytes,
+            prompt_chars=self.max_prompt_chars,
+            messages=self.max_messages,
+            stop=self.max_stop,
+            stop_chars=self.max_stop_chars,
+            stop_token_ids=self.max_stop_token_ids,
+            metadata_bytes=self.max_metadata_bytes,
+            logprobs=self.max_logprobs,
+            prompt_tokens=prompt_tokens,
+        )
 
     def lane_or_default(self, lane: str | None) -> str:
         lane = lane or self.default_lane

@@ -43,6 +43,7 @@ from broker_config.connection import connect
 from broker_config.groups import ensure_groups
 from broker_config.protocol import Code, WireError
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
+from gpu_workers.engine.errors import RequestError
 from gpu_workers.metrics import Metrics
 from results import records, scripts, tokens
 
@@ -67,6 +68,15 @@ class Running:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     first_token_s: float = 0.0  # wall clock, for the time-per-output-token histogram
+    # The job's token stream may lack deltas (Redis failed while they were sent): its next
+    # write is a reset followed by the whole text so far.
+    resync: bool = False
+
+
+_BAD_RECORD = (
+    "the job's record (plurai:job:<id>) or token stream (plurai:out:<id>) was written by "
+    "something other than Plurai with the wrong Redis type; submit the job again"
+)
 
 
 def _ms() -> int:
@@ -102,6 +112,10 @@ class Worker:
         self.stop_deadline = 0.0
         self._begin = r.register_script(scripts.BEGIN)
         self._requeue = r.register_script(scripts.REQUEUE)
+        self._renew = r.register_script(scripts.RENEW)
+        self._check_jobs = r.register_script(scripts.CHECK)
+        max_len = getattr(engine, "max_model_len", None)
+        self.limits = settings.limits(max_len - 1 if max_len else None)
         self._sha = {name: "" for name in ("DELTAS", "FINALIZE")}  # used inside pipelines
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
         # A step's writes are sent before the next step and their replies read after it, so
@@ -136,6 +150,8 @@ class Worker:
         self._heartbeat()
         log.info("worker %s ready on lanes %s", self.id, self.lanes)
         backoff = 0.1
+        failing_since: float | None = None
+        crashed = True
         try:
             while True:
                 if self.stopping and (
@@ -145,29 +161,44 @@ class Worker:
                     break
                 try:
                     self._iterate()
-                    backoff = 0.1
+                    backoff, failing_since = 0.1, None
+                    continue
                 except redis.ResponseError as e:
-                    if "NOGROUP" not in str(e):
-                        raise
-                    log.warning("consumer groups are gone (Redis lost its data?); recreating")
-                    ensure_groups(self.r, self.lanes)
+                    if "NOGROUP" in str(e):
+                        log.warning("consumer groups are gone (Redis lost its data?); recreating")
+                        ensure_groups(self.r, self.lanes)
+                        continue
+                    # Not tied to one job (those are answered where they happen): e.g. OOM,
+                    # READONLY, NOPERM. Wait for the operator, as for an outage.
+                    log.error("redis refused a command (%s); retrying in %.1fs", e, backoff)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
-                    self.metrics.redis_errors.inc()
                     log.warning(
                         "redis unavailable (%s); %d result(s) kept; retrying in %.1fs",
                         e,
                         len(self._unsent),
                         backoff,
                     )
-                    time.sleep(backoff)
-                    backoff = min(2 * backoff, 5.0)
+                self.metrics.redis_errors.inc()
+                self._lost_writes()
+                now = time.monotonic()
+                failing_since = failing_since or now
+                budget = self.settings.redis_retry_s
+                if budget and now - failing_since > budget:
+                    raise SystemExit(
+                        f"plurai worker: Redis failed for over {budget:.0f}s "
+                        "(PLURAI_REDIS_RETRY_S); exiting, other workers reclaim its jobs"
+                    )
+                time.sleep(backoff)
+                backoff = min(2 * backoff, 5.0)
+            crashed = False
         finally:
             if self._unsent:
                 try:
                     self._flush_unsent()
                 except redis.RedisError:
                     log.exception("%d result(s) not stored; their entries stay pending")
-            self._hand_back()
+            # After a crash every job it ran is a suspect: its attempt counts.
+            self._hand_back(failed="the worker crashed while running it" if crashed else "")
             self._cancels.close()
             if self._pub_conn is not None:
                 self.r.connection_pool.release(self._pub_conn)
@@ -260,17 +291,56 @@ class Worker:
         )
         pipe.expire(keys.worker(self.id), max(1, int(3 * interval)))
         pipe.sadd(keys.WORKERS, self.id)
-        # Renew the lease on every entry held here: an entry's idle time restarts, so only
-        # the entries of a dead worker can ever pass reclaim_idle_ms.
-        held: dict[str, list[bytes]] = {}
-        for entry in [run.entry for run in self.running.values()] + self.held:
-            held.setdefault(entry.lane, []).append(entry.entry_id)
-        for lane, ids in held.items():
-            pipe.xclaim(keys.request_stream(lane), keys.GROUP, self.id, 0, ids, justid=True)
         pipe.execute()
+        self._renew_leases()
+        self._check_running()
         self.metrics.heartbeats.inc()
         self.metrics.last_heartbeat.set(time.time())
         self._next_beat = time.monotonic() + interval
+
+    def _renew_leases(self) -> None:
+        """Renew the lease on every entry held here, so only a dead (or stalled) worker's
+        entries pass reclaim_idle_ms. An entry this worker no longer owns was reclaimed by
+        another worker while this one stalled: its job is dropped here, unwritten."""
+        held: dict[str, list[Entry]] = {}
+        for entry in [run.entry for run in self.running.values()] + self.held:
+            held.setdefault(entry.lane, []).append(entry)
+        for lane, entries in held.items():
+            lost = set(
+                self._renew(
+                    keys=[keys.request_stream(lane)],
+                    args=[keys.GROUP, self.id, *(e.entry_id for e in entries)],
+                )
+            )
+            for entry in entries:
+                if entry.entry_id not in lost:
+                    continue
+                job_id = entry.req.envelope.job_id
+                log.warning(
+                    "job's entry is no longer this worker's (reclaimed after a stall?); "
+                    "dropped here",
+                    extra={"job_id": job_id, "lane": lane},
+                )
+                if self.running.get(job_id) is not None and self.running[job_id].entry is entry:
+                    del self.running[job_id]
+                    self.engine.abort(job_id)
+                self.held = [e for e in self.held if e is not entry]
+
+    def _check_running(self) -> None:
+        """Honour cancels whose message was lost, and end jobs whose record was replaced."""
+        ids = list(self.running)
+        if not ids:
+            return
+        flags = self._check_jobs(keys=[keys.job(job_id) for job_id in ids])
+        for job_id, flag in zip(ids, flags, strict=True):
+            run = self.running.pop(job_id, None) if flag else None
+            if run is None:
+                continue
+            self.engine.abort(job_id)
+            if flag == 1:
+                self._end_now(run, records.CANCELLED, "abort")
+            else:
+                self._end_now(run, records.FAILED, "", Code.BAD_RECORD, _BAD_RECORD)
 
     # -- taking work ----------------------------------------------------------------
 
@@ -387,8 +457,16 @@ class Worker:
                         continue
                     pending = self.r.xpending_range(stream, keys.GROUP, entry_id, entry_id, 1)
                     times = pending[0]["times_delivered"] if pending else 1
-                    if times > self.settings.max_deliveries:
-                        self._too_many_deliveries(lane, entry_id, fields, times)
+                    # Each delivery before this one ended without a result: a failure.
+                    failures = protocol.attempts_of(fields) + times - 1
+                    if failures >= self.settings.max_deliveries:
+                        self._too_many_deliveries(
+                            lane,
+                            entry_id,
+                            fields,
+                            f"delivered {times} times",
+                            "its workers kept dying or stalling on it",
+                        )
                         continue
                     log.info(
                         "reclaimed entry %s on %s (delivery %d)",
@@ -412,12 +490,9 @@ class Worker:
                 self.r.xack(stream, keys.GROUP, p["message_id"])
 
     def _too_many_deliveries(
-        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], times: int
+        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], what: str, why: str
     ) -> None:
-        error = (
-            f"delivered {times} times (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); "
-            "its workers kept dying or stalling on it"
-        )
+        error = f"{what} (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); {why}"
         try:
             job_id = protocol.job_id_of(fields)
         except protocol.NoJobId:
@@ -446,7 +521,7 @@ class Worker:
     def _check(self, lane: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Entry | None:
         """Validate an entry; None when it was answered with an error result instead."""
         try:
-            req = protocol.parse_request(fields, self.settings.max_tokens_limit)
+            req = protocol.parse_request(fields, self.limits)
             if req.model is not None and req.model not in self.model_names:
                 raise WireError(
                     Code.UNKNOWN_MODEL,
@@ -501,7 +576,7 @@ class Worker:
                     }
                 )[:65536],
             },
-            maxlen=self.settings.stream_maxlen,
+            maxlen=self.settings.dead_letter_maxlen,
             approximate=True,
         )
 
@@ -548,6 +623,9 @@ class Worker:
             ],
         )
         verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+        if verdict == "badkey":
+            self._end_now(Running(entry), records.FAILED, "", Code.BAD_RECORD, _BAD_RECORD)
+            return False
         if verdict == "done":
             self._ack(entry)
             return False
@@ -571,20 +649,21 @@ class Worker:
                 messages=req.messages,
                 params=entry.params,
                 priority=protocol.engine_priority(self.lanes.index(entry.lane), env.priority),
+                cache_salt=req.cache_salt,
+                special_tokens=req.special_tokens,
             )
-        except Exception as e:
-            code = getattr(e, "code", None)
-            message = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
-            if code is None:
-                log.exception("engine.add failed", extra={"job_id": job_id})
-            else:
-                log.info(
-                    "job refused: %s: %s",
-                    code,
-                    message,
-                    extra={"job_id": job_id, "lane": entry.lane, "code": code},
-                )
-            self._end_now(Running(entry), records.FAILED, "", code or Code.INTERNAL, message)
+        except RequestError as e:
+            log.info(
+                "job refused: %s: %s",
+                e.code,
+                e.message,
+                extra={"job_id": job_id, "lane": entry.lane, "code": e.code},
+            )
+            self._end_now(Running(entry), records.FAILED, "", e.code, e.message)
+            return False
+        except Exception as e:  # a Plurai bug met on this job: it counts as a failed attempt
+            log.exception("engine.add failed", extra={"job_id": job_id})
+            self._retry(entry, f"{type(e).__name__}: {str(e)[:300]}")
             return False
         now = time.time()
         self.running[job_id] = Running(entry)
@@ -617,6 +696,10 @@ class Worker:
             run = self.running.get(out.request_id)
             if run is None:
                 continue
+            if getattr(out, "error", None):  # the engine raised on this job and dropped it
+                del self.running[out.request_id]
+                self._retry(run.entry, out.error)
+                continue
             if out.new_token_ids and not run.token_ids:
                 run.first_token_s = now
                 ttft = max(0.0, now - _entry_s(run.entry.entry_id))
@@ -629,15 +712,31 @@ class Worker:
                 run.logprobs += out.logprobs
             if out.text_delta:
                 run.text.append(out.text_delta)
-            if run.entry.req.stream and (out.text_delta or out.new_token_ids):
-                delta_keys.append(keys.output(out.request_id))
-                delta_args += [out.text_delta, json.dumps(out.new_token_ids, separators=(",", ":"))]
+            if run.entry.req.stream and (run.resync or out.text_delta or out.new_token_ids):
+                if not (out.finished and run.resync):  # else FINALIZE rewrites the text
+                    # A resync resets the stream to the whole text so far.
+                    mode, text, ids = (
+                        ("r", "".join(run.text), run.token_ids)
+                        if run.resync
+                        else ("d", out.text_delta, out.new_token_ids)
+                    )
+                    delta_keys += [keys.job(out.request_id), keys.output(out.request_id)]
+                    delta_args += [mode, text, _json(ids)]
+                    run.resync = False
             if out.finished:
                 finished.append((run, out.finish_reason or ""))
         commands: list[list[Any]] = []
         if delta_keys:
             commands.append(
-                ["EVALSHA", self._sha["DELTAS"], len(delta_keys), *delta_keys, *delta_args]
+                [
+                    "EVALSHA",
+                    self._sha["DELTAS"],
+                    len(delta_keys),
+                    *delta_keys,
+                    self.id,
+                    self.settings.output_maxlen,
+                    *delta_args,
+                ]
             )
         self._generated += generated
         self.metrics.generation_tokens.inc(generated)
@@ -658,11 +757,20 @@ class Worker:
         if commands:
             self._in_flight = commands
 
+    def _lost_writes(self) -> None:
+        """Redis failed: writes sent since the last reply may be lost, and a Redis restarted
+        from its append-only file may have lost the last ones it acknowledged. Each running
+        job's next stream write, and each kept result, first resets the stream to the whole
+        text so far, so its deltas after the last reset always spell the result."""
+        for run in self.running.values():
+            run.resync = True
+        self._unsent = [_resynced(c) for c in self._unsent]  # FINALIZE calls only
+
     def _keep_finals(self, commands: list[list[Any]]) -> None:
         """Keep the FINALIZE calls of writes that may not have reached Redis, to send again
-        (a repeat stores nothing new). Lost deltas only thin out a token stream; the record
-        holds the full text."""
-        self._unsent += [c for c in commands if c[1] == self._sha["FINALIZE"]]
+        (a repeat stores nothing new; a fresh one rewrites the stream's text, see
+        _lost_writes). Lost deltas are made good the same way."""
+        self._unsent += [_resynced(c) for c in commands if c[1] == self._sha["FINALIZE"]]
 
     def _flush_unsent(self) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -716,7 +824,10 @@ class Worker:
             logprobs=lp,
         )
         lane = run.entry.lane
-        self._final(pipe, env.job_id, lane, run.entry.entry_id, state, finish_reason, fields)
+        resync = run.resync and run.entry.req.stream
+        self._final(
+            pipe, env.job_id, lane, run.entry.entry_id, state, finish_reason, fields, resync
+        )
         m, now = self.metrics, time.time()
         m.jobs_finished.labels(lane, state).inc()
         if code:
@@ -757,18 +868,26 @@ class Worker:
         state: str,
         finish_reason: str,
         fields: list[Any],
+        resync: bool = False,
     ) -> None:
-        k = [keys.job(job_id), keys.output(job_id), keys.request_stream(lane)]
+        k = [keys.job(job_id), keys.output(job_id), keys.DEAD_LETTER, keys.request_stream(lane)]
+        s = self.settings
         pipe.evalsha(
             self._sha["FINALIZE"],
             len(k),
             *k,
             keys.GROUP,
             entry_id,
-            self.settings.result_ttl_s,
+            s.result_ttl_s,
             keys.done_channel(job_id),
             state,
             finish_reason,
+            s.output_ttl_s,
+            s.output_maxlen,
+            "1" if resync else "",
+            s.dead_letter_maxlen,
+            lane,
+            job_id,
             *fields,
         )
         self.jobs_done += 1
@@ -778,10 +897,12 @@ class Worker:
             msg = self._cancels.get_message(timeout=0)
             if msg is None:
                 return
-            job_id = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-            run = self.running.pop(job_id, None)
-            if run is not None:
-                self.engine.abort(job_id)
+            data = msg.get("data")
+            if not isinstance(data, bytes) or len(data) > 128:
+                continue
+            run = self.running.pop(data.decode("ascii", "replace"), None)
+            if run is not None:  # unknown or malformed ids match nothing
+                self.engine.abort(run.entry.req.envelope.job_id)
                 self._end_now(run, records.CANCELLED, "abort")
 
     def _expire_deadlines(self) -> None:
@@ -802,19 +923,56 @@ class Worker:
                     "the job's deadline passed while it ran; the text so far is kept",
                 )
 
-    def _hand_back(self) -> None:
-        """Re-add every job not finished here to the tail of its lane, ack the old entry."""
-        self._collect()
+    def _retry(self, entry: Entry, error: str) -> None:
+        """A job whose processing raised: hand it back with one more failed attempt, or at
+        max_deliveries attempts dead-letter it with too_many_deliveries."""
+        attempts = entry.req.envelope.attempts + 1
+        job_id = entry.req.envelope.job_id
+        if attempts >= self.settings.max_deliveries:
+            self._too_many_deliveries(
+                entry.lane,
+                entry.entry_id,
+                entry.fields,
+                f"its processing failed {attempts} times",
+                f"last error: {error}",
+            )
+            return
+        log.warning(
+            "job failed on this worker (%s); handed back, attempt %d of %d",
+            error,
+            attempts,
+            self.settings.max_deliveries,
+            extra={"job_id": job_id, "lane": entry.lane},
+        )
+        self._collect()  # its deltas go before its stream's next start
+        self._requeue_entry(entry, attempts)
+
+    def _requeue_entry(self, entry: Entry, attempts: int) -> None:
+        fields = {k: v for k, v in entry.fields.items() if k != b"attempts"}
+        if attempts:
+            fields[b"attempts"] = str(attempts).encode()
+        flat = [x for kv in fields.items() for x in kv]
+        self._requeue(
+            keys=[keys.request_stream(entry.lane), keys.job(entry.req.envelope.job_id)],
+            args=[keys.GROUP, entry.entry_id, self.settings.stream_maxlen, *flat],
+        )
+
+    def _hand_back(self, failed: str = "") -> None:
+        """Re-add every job not finished here to the tail of its lane, ack the old entry.
+        `failed`: why this worker is going down abnormally; each job's attempt counts."""
+        try:
+            self._collect()
+        except redis.RedisError:
+            log.warning("the last step's writes are unconfirmed")
         entries = [run.entry for run in self.running.values()] + self.held
         for run_id in list(self.running):
             self.engine.abort(run_id)
         for entry in entries:
-            flat = [x for kv in entry.fields.items() for x in kv]
             try:
-                self._requeue(
-                    keys=[keys.request_stream(entry.lane), keys.job(entry.req.envelope.job_id)],
-                    args=[keys.GROUP, entry.entry_id, self.settings.stream_maxlen, *flat],
-                )
+                if failed and entry.req.envelope.attempts + 1 >= self.settings.max_deliveries:
+                    self._retry(entry, failed)
+                else:
+                    self._requeue_entry(entry, entry.req.envelope.attempts + bool(failed))
             except redis.RedisError:
                 log.exception(
                     "could not hand back a job; it stays pending",
@@ -824,6 +982,18 @@ class Worker:
             log.info("handed %d unfinished job(s) back to the queue", len(entries))
         self.running.clear()
         self.held = []
+
+
+def _json(ids: list[int]) -> str:
+    return json.dumps(ids, separators=(",", ":"))
+
+
+def _resynced(command: list[Any]) -> list[Any]:
+    """The same FINALIZE call, rewriting the stream's text before its end entry; see
+    Worker._lost_writes."""
+    out = list(command)
+    out[3 + 4 + 8] = "1"  # ARGV[9], resync
+    return out
 
 
 class _Collector:

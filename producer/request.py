@@ -22,6 +22,8 @@ SUBMIT_OPTIONS = frozenset(
         "model",
         "stream",
         "content_type",
+        "cache_salt",
+        "special_tokens",
     }
 )
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
@@ -42,6 +44,8 @@ def prepare(
     model: str | None = None,
     stream: bool = True,
     content_type: str = protocol.MSGPACK,
+    cache_salt: str | None = None,
+    special_tokens: bool = False,
     **sampling: Any,
 ) -> tuple[str, list[str], list[Any]]:
     """Returns (job id, KEYS, ARGV) for the SUBMIT script.
@@ -77,6 +81,10 @@ def prepare(
         body["metadata"] = metadata
     if not stream:
         body["stream"] = False
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    if special_tokens:
+        body["special_tokens"] = True
     job_id = protocol.new_job_id()
     fields: list[Any] = [
         "v",

@@ -39,8 +39,14 @@ return ARGV[4]
 # KEYS: job record, token stream
 # ARGV: worker id, now ms, ttl, deadline ms or '', lane, priority, metadata JSON or ''
 # Returns 'run', or why not: 'done' (a final result exists: only ack the entry),
-# 'cancelled' (cancel asked while queued), 'expired' (deadline passed).
+# 'cancelled' (cancel asked while queued), 'expired' (deadline passed), 'badkey' (the record
+# is not a hash or the token stream not a stream: written by something else).
 BEGIN = """
+local rt = redis.call('TYPE', KEYS[1]).ok
+local st = redis.call('TYPE', KEYS[2]).ok
+if (rt ~= 'hash' and rt ~= 'none') or (st ~= 'stream' and st ~= 'none') then
+  return 'badkey'
+end
 if redis.call('HEXISTS', KEYS[1], 'final') == 1 then return 'done' end
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then return 'cancelled' end
 if ARGV[4] ~= '' and tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 'expired' end
@@ -48,7 +54,7 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'started_ms',
            'lane', ARGV[5], 'priority', ARGV[6])
 if ARGV[7] ~= '' then redis.call('HSETNX', KEYS[1], 'metadata', ARGV[7]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-if redis.call('EXISTS', KEYS[2]) == 1 then
+if st == 'stream' then
   redis.call('XADD', KEYS[2], '*', 'type', 'reset')
 end
 redis.call('XADD', KEYS[2], '*', 'type', 'start', 'worker', ARGV[1])
@@ -56,35 +62,76 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 'run'
 """
 
-# KEYS: token streams, one per delta
-# ARGV: text, token_ids JSON, for each key in turn
-# One call writes every delta of an engine step.
+# KEYS: job record, token stream, for each job in turn
+# ARGV: worker id, stream maxlen, then for each job: mode ('d': one delta; 'r': a reset,
+#       then the whole text so far as one delta), text, token_ids JSON
+# One call writes every delta of an engine step. A job's stream is written only while its
+# record names this worker and holds no final result, so a worker whose job was taken
+# over (or already finished elsewhere) never mixes its tokens into the new run's stream.
+# Returns how many jobs were written.
 DELTAS = """
-for i, key in ipairs(KEYS) do
-  redis.call('XADD', key, '*', 'type', 'delta', 'text', ARGV[2 * i - 1], 'token_ids', ARGV[2 * i])
+local n = 0
+for i = 1, #KEYS, 2 do
+  local a = 3 * (i - 1) / 2 + 3
+  local rec = redis.pcall('HMGET', KEYS[i], 'worker', 'final')
+  if type(rec) == 'table' and rec.err == nil and rec[1] == ARGV[1] and not rec[2] then
+    local st = redis.call('TYPE', KEYS[i + 1]).ok
+    if st == 'stream' or st == 'none' then
+      if ARGV[a] == 'r' then
+        redis.call('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'reset')
+      end
+      redis.call('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'delta',
+                 'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])
+      n = n + 1
+    end
+  end
 end
-return #KEYS
+return n
 """
 
-# KEYS: job record, token stream[, request stream to XACK]
-# ARGV: group, entry id, ttl, done channel, state, finish_reason, then record field/value pairs
+# KEYS: job record, token stream, dead-letter stream[, request stream to XACK]
+# ARGV: group, entry id, ttl, done channel, state, finish_reason, stream ttl, stream maxlen,
+#       resync ('1': write a reset and the whole text before the end entry), dead-letter
+#       maxlen, lane, job id, then record field/value pairs
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
 # same job can never overwrite the first result. Acks and deletes the entry either way.
+# Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: the job is
+# dead-lettered instead, as no result can be written).
 FINALIZE = """
-local fresh = redis.call('HSETNX', KEYS[1], 'final', '1') == 1
-if fresh then
-  redis.call('HSET', KEYS[1], 'state', ARGV[5], 'finish_reason', ARGV[6], unpack(ARGV, 7))
+local rt = redis.call('TYPE', KEYS[1]).ok
+local status = 0
+if rt ~= 'hash' and rt ~= 'none' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[10], '*', 'lane', ARGV[11],
+             'entry_id', ARGV[2], 'job_id', ARGV[12], 'error',
+             'bad_record: the job record is a ' .. rt .. ', not a hash; no result written')
+  status = -1
+elseif redis.call('HSETNX', KEYS[1], 'final', '1') == 1 then
+  redis.call('HSET', KEYS[1], 'state', ARGV[5], 'finish_reason', ARGV[6], unpack(ARGV, 13))
   redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'state', ARGV[5], 'finish_reason', ARGV[6])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  local st = redis.call('TYPE', KEYS[2]).ok
+  if st == 'stream' or st == 'none' then
+    if ARGV[9] == '1' then
+      local text, ids = '', '[]'
+      for i = 13, #ARGV - 1, 2 do
+        if ARGV[i] == 'text' then text = ARGV[i + 1] end
+        if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
+      end
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'reset')
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'delta',
+                 'text', text, 'token_ids', ids)
+    end
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'end',
+               'state', ARGV[5], 'finish_reason', ARGV[6])
+    redis.call('EXPIRE', KEYS[2], ARGV[7])
+  end
   redis.call('PUBLISH', ARGV[4], ARGV[5])
+  status = 1
 end
-if #KEYS == 3 then
-  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[3], ARGV[2])
+if #KEYS == 4 then
+  redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[4], ARGV[2])
 end
-if fresh then return 1 end
-return 0
+return status
 """
 
 # KEYS: job record, token stream
@@ -115,6 +162,13 @@ return 'cancelled'
 # Hands a job back: re-adds its entry at the tail of its lane and acks (and deletes) the old
 # one, unless a final result exists already. Returns 1 when re-added.
 REQUEUE = """
+local rt = redis.call('TYPE', KEYS[2]).ok
+if rt ~= 'hash' and rt ~= 'none' then  -- the next worker to take it reports bad_record
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[1], ARGV[2])
+  return 1
+end
 if redis.call('HEXISTS', KEYS[2], 'final') == 0 then
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
   redis.call('HSET', KEYS[2], 'state', 'queued')
@@ -126,4 +180,38 @@ end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 return 0
+"""
+
+# KEYS: request stream
+# ARGV: group, consumer, then entry ids
+# Renews the lease on the entries this consumer still owns (XCLAIM JUSTID resets their idle
+# time, not their delivery count) and returns the ids it no longer owns: another worker
+# reclaimed them (this one stalled), or they were acked or trimmed meanwhile.
+RENEW = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+# KEYS: job records of the jobs a worker runs
+# Returns one number per job: 0 run on, 1 a cancel was asked (its message may have been
+# lost), 2 the record is no longer a hash (written by something else).
+CHECK = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local rt = redis.call('TYPE', key).ok
+  if rt ~= 'hash' and rt ~= 'none' then
+    out[i] = 2
+  else
+    out[i] = redis.call('HEXISTS', key, 'cancel')
+  end
+end
+return out
 """

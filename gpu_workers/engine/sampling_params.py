@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gpu_workers.engine.errors import ErrorCode, RequestError
+
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
@@ -33,7 +37,7 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            return isinstance(v, float) or (is_int(v) and -(2**63) <= v < 2**63)
 
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
@@ -46,20 +50,24 @@ class SamplingParams:
             "frequency_penalty",
         ):
             v = getattr(self, name)
-            if not is_num(v) or v != v:
-                raise bad(f"{name} must be a number, got {v!r}")
+            if not is_num(v) or not math.isfinite(v):
+                raise bad(f"{name} must be a finite number, got {v!r}")
             setattr(self, name, float(v))
-        if self.temperature < 0:
-            raise bad(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not is_int(self.top_k) or self.top_k < 0:
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad(
+                f"temperature must be in [0, {MAX_TEMPERATURE}] (0 is greedy), "
+                f"got {self.temperature}"
+            )
+        if not is_int(self.top_k) or not 0 <= self.top_k < 2**31:
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise bad(
-                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), "
+                f"got {self.repetition_penalty}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -71,9 +79,9 @@ class SamplingParams:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
-            is_int(t) for t in self.stop_token_ids
+            is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids
         ):
-            raise bad("stop_token_ids must be a list of integers")
+            raise bad("stop_token_ids must be a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
             raise bad("ignore_eos and skip_special_tokens must be booleans")
         if self.logprobs is not None and (

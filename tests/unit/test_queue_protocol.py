@@ -31,7 +31,7 @@ def fields(body: object = None, **kw: object) -> dict[bytes, bytes]:
 
 def code_of(f: dict[bytes, bytes], limit: int = 100) -> str:
     with pytest.raises(WireError) as e:
-        protocol.parse_request(f, limit)
+        protocol.parse_request(f, protocol.Limits(max_tokens=limit))
     return e.value.code
 
 
@@ -58,7 +58,7 @@ def test_valid_request() -> None:
         fields(
             {"prompt": "hi", "temperature": 0.5, "metadata": {"a": 1}}, priority="2", deadline="123"
         ),
-        100,
+        protocol.Limits(max_tokens=100),
     )
     assert req.prompt == "hi" and req.params == {"temperature": 0.5, "max_tokens": 8}
     assert req.envelope.priority == 2 and req.envelope.deadline_ms == 123
@@ -97,9 +97,9 @@ def test_refusals(f: dict[bytes, bytes], code: str) -> None:
 
 def test_missing_id_is_no_job_id() -> None:
     with pytest.raises(protocol.NoJobId):
-        protocol.parse_request(fields(id=None), 100)
+        protocol.parse_request(fields(id=None), protocol.Limits(max_tokens=100))
     with pytest.raises(protocol.NoJobId):
-        protocol.parse_request(fields(id="bad id!"), 100)
+        protocol.parse_request(fields(id="bad id!"), protocol.Limits(max_tokens=100))
 
 
 def test_sdk_entry_parses_back() -> None:
@@ -120,7 +120,7 @@ def test_sdk_entry_parses_back() -> None:
         str(k).encode(): (v if isinstance(v, bytes) else str(v).encode())
         for k, v in zip(entry[::2], entry[1::2], strict=True)
     }
-    req = protocol.parse_request(f, 100)
+    req = protocol.parse_request(f, protocol.Limits(max_tokens=100))
     assert req.envelope.job_id == job_id and protocol.valid_job_id(job_id)
     assert req.envelope.content_type == protocol.MSGPACK
     assert msgpack.unpackb(f[b"body"])["prompt"] == "héllo"
@@ -143,7 +143,12 @@ def test_a_higher_lane_always_ranks_before_a_lower_one() -> None:
     best_next = protocol.engine_priority(1, -protocol.MAX_PRIORITY)
     assert worst_top < best_next
     assert protocol.engine_priority(2, 3) < protocol.engine_priority(2, 4)
-    assert protocol.parse_request(fields(priority=-1_000_000), 100).envelope.priority == -1_000_000
+    assert (
+        protocol.parse_request(
+            fields(priority=-1_000_000), protocol.Limits(max_tokens=100)
+        ).envelope.priority
+        == -1_000_000
+    )
 
 
 def test_job_ids_are_unguessable() -> None:
