@@ -824,7 +824,7 @@ class Worker:
             logprobs=lp,
         )
         lane = run.entry.lane
-        resync = run.resync and run.entry.req.stream
+        resync = "" if not run.entry.req.stream else "1" if run.resync else "auto"
         self._final(
             pipe, env.job_id, lane, run.entry.entry_id, state, finish_reason, fields, resync
         )
@@ -868,8 +868,10 @@ class Worker:
         state: str,
         finish_reason: str,
         fields: list[Any],
-        resync: bool = False,
+        resync: str = "auto",
     ) -> None:
+        """Queue on `pipe` a FINALIZE call; `resync`: "1" rewrite the stream's text before
+        its end entry, "auto" when the record shows deltas may be missing, "" never."""
         k = [keys.job(job_id), keys.output(job_id), keys.DEAD_LETTER, keys.request_stream(lane)]
         s = self.settings
         pipe.evalsha(
@@ -884,7 +886,7 @@ class Worker:
             finish_reason,
             s.output_ttl_s,
             s.output_maxlen,
-            "1" if resync else "",
+            {"1": "1", "auto": ""}.get(resync, "n"),
             s.dead_letter_maxlen,
             lane,
             job_id,
@@ -992,7 +994,8 @@ def _resynced(command: list[Any]) -> list[Any]:
     """The same FINALIZE call, rewriting the stream's text before its end entry; see
     Worker._lost_writes."""
     out = list(command)
-    out[3 + 4 + 8] = "1"  # ARGV[9], resync
+    if out[3 + 4 + 8] != "n":  # ARGV[9], resync; "n": a job without deltas
+        out[3 + 4 + 8] = "1"
     return out
 
 

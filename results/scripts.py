@@ -91,8 +91,10 @@ return n
 
 # KEYS: job record, token stream, dead-letter stream[, request stream to XACK]
 # ARGV: group, entry id, ttl, done channel, state, finish_reason, stream ttl, stream maxlen,
-#       resync ('1': write a reset and the whole text before the end entry), dead-letter
-#       maxlen, lane, job id, then record field/value pairs
+#       resync ('1': write a reset and the whole text before the end entry; '': only when
+#       the record does not name the result's worker, i.e. its deltas may be missing; 'n':
+#       never, a job without deltas), dead-letter maxlen, lane, job id, then record
+#       field/value pairs (with text, token_ids and worker)
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
 # same job can never overwrite the first result. Acks and deletes the entry either way.
 # Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: the job is
@@ -106,16 +108,18 @@ if rt ~= 'hash' and rt ~= 'none' then
              'bad_record: the job record is a ' .. rt .. ', not a hash; no result written')
   status = -1
 elseif redis.call('HSETNX', KEYS[1], 'final', '1') == 1 then
+  local owner = redis.call('HGET', KEYS[1], 'worker')
+  local text, ids, worker = '', '[]', ''
+  for i = 13, #ARGV - 1, 2 do
+    if ARGV[i] == 'text' then text = ARGV[i + 1] end
+    if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
+    if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
+  end
   redis.call('HSET', KEYS[1], 'state', ARGV[5], 'finish_reason', ARGV[6], unpack(ARGV, 13))
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   local st = redis.call('TYPE', KEYS[2]).ok
   if st == 'stream' or st == 'none' then
-    if ARGV[9] == '1' then
-      local text, ids = '', '[]'
-      for i = 13, #ARGV - 1, 2 do
-        if ARGV[i] == 'text' then text = ARGV[i + 1] end
-        if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
-      end
+    if ARGV[9] == '1' or (ARGV[9] == '' and text ~= '' and owner ~= worker) then
       redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'reset')
       redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'delta',
                  'text', text, 'token_ids', ids)
