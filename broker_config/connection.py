@@ -11,16 +11,31 @@ The URL carries everything redis-py understands, passed through untouched:
 
 `decode=False` returns bytes (the worker reads msgpack bodies); `decode=True` returns
 str (clients reading records and token streams).
+
+A URL can hold a password: print or log one only through `redact`.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import redis
 import redis.asyncio
 
 from broker_config.settings import Settings
+
+# the user info of any URL (to its last @, even a stray one in a password left unescaped),
+# and a password= parameter
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@")
+_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#\s]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` (a URL, or a message holding URLs) with every URL's user and password, and
+    any password= parameter, replaced by ***:
+    redis://user:pw@host:6379/0?password=pw -> redis://***@host:6379/0?password=***"""
+    return _PASSWORD_PARAM.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
 def connect(url: str, *, decode: bool = False) -> redis.Redis:

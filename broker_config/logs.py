@@ -9,6 +9,9 @@ with `extra=` (`job_id`, `worker`, `lane`, `code`, ...) and `exc` for a tracebac
      "message": "job refused", "job_id": "4f1c...", "code": "prompt_too_long", ...}
 
 Text lines append the same extra fields as `key=value`.
+
+Both formats pass every line through broker_config.connection.redact, so a Redis URL
+logged with its password shows `redis://***@host:port/db` instead.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import json
 import logging
 import time
 from typing import Any
+
+from broker_config.connection import redact
 
 FORMATS = ("text", "json")
 OWN_LOGGERS = ("plurai", "broker_config", "gpu_workers", "kv_store", "producer", "results")
@@ -44,7 +49,8 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str, ensure_ascii=False)
+        safe = {k: redact(v) if isinstance(v, str) else v for k, v in line.items()}
+        return redact(json.dumps(safe, default=str, ensure_ascii=False))
 
 
 class TextFormatter(logging.Formatter):
@@ -56,7 +62,7 @@ class TextFormatter(logging.Formatter):
         extra = _extra(record)
         if extra:
             text += " " + " ".join(f"{k}={v}" for k, v in extra.items())
-        return text
+        return redact(text)
 
 
 def setup(level: str = "INFO", fmt: str = "text") -> None:

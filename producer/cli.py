@@ -92,7 +92,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import redis
 
-    from broker_config.connection import connect, resolve_url
+    from broker_config.connection import connect, redact, resolve_url
     from broker_config.settings import Settings
     from producer import status
 
@@ -103,7 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             r, Settings().lanes, as_json=args.json, once=args.once, every=args.interval
         )
     except redis.RedisError as e:
-        print(f"plurai: cannot read Redis at {url}: {e}", file=sys.stderr)
+        print(f"plurai: cannot read Redis at {redact(url)}: {redact(str(e))}", file=sys.stderr)
         return 1
     finally:
         r.close()
@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-model":
         return cmd_make_model(argv[1:])
     args = build_parser().parse_args(argv)
+    import redis
+
+    from broker_config.connection import redact
     from producer.bulk.manage import UnknownBatch
 
     try:
@@ -325,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     except UnknownBatch as e:
         print(f"plurai: {e.args[0]}", file=sys.stderr)
         return 1
+    except redis.RedisError as e:  # unreachable, wrong password, ...
+        print(f"plurai: Redis error: {redact(str(e))}", file=sys.stderr)
+        return 1
     except ValueError as e:  # no URL, unknown lane, bad JSON in an option
-        print(f"plurai: {e}", file=sys.stderr)
+        print(f"plurai: {redact(str(e))}", file=sys.stderr)
         return 2
 
 

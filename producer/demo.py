@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from broker_config import keys
+from broker_config.connection import redact
 from broker_config.embedded import EmbeddedRedis
 from producer.client import Client
 
@@ -52,7 +53,7 @@ def main() -> int:
         tempfile.TemporaryDirectory(prefix="plurai-demo-") as data,
         EmbeddedRedis(Path(data) / "redis") as url,
     ):
-        print(f"redis-server (embedded) at {url}", flush=True)
+        print(f"redis-server (embedded) at {redact(url)}", flush=True)
         worker = subprocess.Popen(
             [
                 sys.executable,

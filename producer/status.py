@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.table import Table
 
 from broker_config import stats
+from broker_config.connection import redact
 
 
 def _age(s: float | None) -> str:
@@ -82,7 +83,7 @@ def show(r: redis.Redis, lanes: list[str], *, as_json: bool, once: bool, every: 
                 try:
                     view: Any = render(stats.snapshot(r, lanes))
                 except redis.RedisError as e:  # keep watching: Redis may come back
-                    view = f"cannot read Redis ({e}); retrying every {every:g}s"
+                    view = f"cannot read Redis ({redact(str(e))}); retrying every {every:g}s"
                 live.update(view, refresh=True)
         except KeyboardInterrupt:
             pass

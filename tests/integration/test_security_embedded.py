@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import sys
 import urllib.parse
 from pathlib import Path
 
@@ -12,6 +14,8 @@ import pytest
 import redis
 
 from broker_config.embedded import EmbeddedRedis, running_url
+
+from .conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -85,3 +89,20 @@ def test_a_restart_keeps_the_url_and_a_new_server_gets_a_new_password(tmp_path):
                 old.ping()
     finally:
         b.stop()
+
+
+@pytest.mark.parametrize("command", [["status", "--json"], ["status", "--once"], ["get", "x"]])
+def test_a_wrong_password_is_refused_without_printing_it(server, command):
+    _, url = server
+    port = urllib.parse.urlsplit(url).port
+    wrong = f"redis://default:s3cret@127.0.0.1:{port}/0"
+    run = subprocess.run(
+        [sys.executable, "-m", "producer.cli", *command, "--url", wrong],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1 and run.stdout == ""
+    assert "s3cret" not in run.stderr and "plurai: " in run.stderr
+    assert "password" in run.stderr  # redis: "invalid username-password pair"
