@@ -57,7 +57,7 @@ class BlockManager:
         """Extend seq.block_hashes to cover every full block of its tokens."""
         if len(seq.block_hashes) < len(seq.token_ids) // self.block_size:
             seq.block_hashes = chain_hashes(
-                seq.token_ids, self.block_size, self.fingerprint, seq.block_hashes
+                seq.token_ids, self.block_size, self.fingerprint, seq.block_hashes, seq.hash_root
             )
 
     def match_prefix(self, seq: Sequence) -> list[int]:

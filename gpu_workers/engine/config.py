@@ -35,6 +35,9 @@ class EngineConfig:
     tensor_parallel: int = 1  # ranks the model's heads and MLP are split over (processes)
     pipeline_parallel: int = 1  # stages the model's layers are split over (processes)
     pipeline_layers: list[int] | None = None  # layers per stage; None: an even split
+    # test hook: the model runner raises for every run whose batch holds a sequence with
+    # this token id in its prompt (the engine's recovery from a failing step is tested so)
+    fault_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -45,3 +48,7 @@ class EngineConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be >= 1")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.fault_token_id is not None and (
+            not isinstance(self.fault_token_id, int) or isinstance(self.fault_token_id, bool)
+        ):
+            raise ValueError(f"fault_token_id must be a token id, got {self.fault_token_id!r}")

@@ -43,3 +43,65 @@ class Detokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+class StopMatcher:
+    """Aho-Corasick automaton over a request's stop strings, fed the output text as it
+    grows: each character costs O(1) amortized however many and however long the stop
+    strings are. Built once per request."""
+
+    def __init__(self, stops: list[str]) -> None:
+        # goto transitions in one dict keyed by node << 21 | code point (code points
+        # need 21 bits): far smaller than a dict per node for long stop strings
+        goto: dict[int, int] = {}
+        edges = [0]  # per node, the goto key that leads to it
+        levels: list[list[int]] = [[0]]  # nodes by depth
+        # per node, the length of the longest stop string that ends there (0: none): the
+        # longest is the one that starts earliest
+        match = [0]
+        for stop in stops:
+            node = 0
+            for d, ch in enumerate(stop, start=1):
+                key = node << 21 | ord(ch)
+                nxt = goto.get(key)
+                if nxt is None:
+                    nxt = goto[key] = len(edges)
+                    edges.append(key)
+                    match.append(0)
+                    if d == len(levels):
+                        levels.append([])
+                    levels[d].append(nxt)
+                node = nxt
+            match[node] = len(stop)
+        fail = [0] * len(edges)  # depth-1 nodes fail to the root
+        for level in levels[2:]:  # by depth: a node's fail link is shallower, so done first
+            for v in level:
+                key = edges[v]
+                c = key & 0x1FFFFF
+                f = fail[key >> 21]
+                while (target := goto.get(f << 21 | c)) is None and f:
+                    f = fail[f]
+                fail[v] = target or 0
+                if not match[v]:
+                    match[v] = match[fail[v]]
+        self.goto, self.fail, self.match = goto, fail, match
+        self.longest = max((len(s) for s in stops), default=0)
+        self.node = 0
+
+    def feed(self, text: str, offset: int) -> int:
+        """Advance over `text`, which starts at index `offset` of the whole output text.
+        Returns the start index of the earliest stop string that ends inside `text`, or -1."""
+        goto, fail, match = self.goto, self.fail, self.match
+        node = self.node
+        best = -1
+        for i, ch in enumerate(text, start=offset):
+            c = ord(ch)
+            while (nxt := goto.get(node << 21 | c)) is None and node:
+                node = fail[node]
+            node = nxt if nxt is not None else 0
+            if match[node]:
+                start = i - match[node] + 1
+                if best < 0 or start < best:
+                    best = start
+        self.node = node
+        return best

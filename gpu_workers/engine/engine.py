@@ -7,11 +7,17 @@
 
 One step = schedule, one forward over every scheduled token, sample, then
 detokenize and check stop conditions. `generate` is the offline loop over the same.
+
+A step whose batched forward or sampling raises is run again one sequence at a time; the
+sequences that fail alone end with finish_reason "error" and the rest go on.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import logging
+import re
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -29,6 +35,12 @@ from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Completion, Sequence, Status, StepOutput
 from gpu_workers.models.loader import fingerprint
 from kv_store.redis_tier import RedisTier
+
+log = logging.getLogger(__name__)
+
+# stands for message i's content when the chat template is rendered to find where the
+# contents land (private-use characters: no template filter changes them)
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
 class Engine:
@@ -57,6 +69,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(config.seed)
         self.eos_ids = self._eos_ids()
+        self._init_specials()
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self._batches = itertools.count()
@@ -110,6 +123,16 @@ class Engine:
             pass
         return ids
 
+    def _init_specials(self) -> None:
+        """The tokenizer's special tokens, to keep their text in user input plain text."""
+        added = self.tokenizer.added_tokens_decoder
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._specials = sorted({added[i].content for i in self.special_ids})
+        # a content may also start or end a special token together with the template's text
+        self._special_prefixes = {s[:k] for s in self._specials for k in range(1, len(s))}
+        self._special_suffixes = {s[k:] for s in self._specials for k in range(1, len(s))}
+        self._special_len = max(map(len, self._specials), default=0)
+
     # -- requests -----------------------------------------------------------------
 
     def tokenize(
@@ -117,8 +140,14 @@ class Engine:
         prompt: str | None = None,
         token_ids: list[int] | None = None,
         messages: list[dict] | None = None,
+        special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids for exactly one of prompt / token_ids / messages, validated."""
+        """Token ids for exactly one of prompt / token_ids / messages, validated.
+
+        Special-token text written in a prompt or a message content is tokenized as plain
+        text; only the chat template's own special tokens (and the tokenizer's BOS) are
+        special. `special_tokens=True` lets prompt and content text name special tokens.
+        """
         given = [x is not None for x in (prompt, token_ids, messages)]
         if sum(given) != 1:
             raise RequestError(
@@ -127,17 +156,14 @@ class Engine:
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
                 raise RequestError(ErrorCode.INVALID_PROMPT, "prompt must be a non-empty string")
-            ids = self.tokenizer(prompt).input_ids
+            ids = self.tokenizer(prompt, split_special_tokens=not special_tokens).input_ids
         elif messages is not None:
             if not valid_messages(messages):
                 raise RequestError(
                     ErrorCode.INVALID_PROMPT,
                     "messages must be a non-empty list of {role: str, content: str} objects",
                 )
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            ids = self._chat_ids(messages, special_tokens)
         else:
             if not isinstance(token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in token_ids
@@ -154,6 +180,100 @@ class Engine:
             raise RequestError(ErrorCode.INVALID_PROMPT, "the prompt is empty")
         return ids
 
+    def _render(self, messages: list[dict]) -> str:
+        from jinja2 import TemplateError  # what transformers renders chat templates with
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as e:  # e.g. roles that do not alternate as the template wants
+            raise RequestError(
+                ErrorCode.INVALID_PROMPT, f"the chat template refused the messages: {e}"
+            ) from e
+
+    def _touches_special(self, text: str) -> bool:
+        """Whether text holds a special token's text, or could form one with its neighbours."""
+        if any(s in text for s in self._specials):
+            return True
+        n = min(len(text), self._special_len - 1)
+        return any(
+            text[-k:] in self._special_prefixes or text[:k] in self._special_suffixes
+            for k in range(1, n + 1)
+        )
+
+    def _chat_ids(self, messages: list[dict], special_tokens: bool) -> list[int]:
+        """The rendered chat, tokenized so that only the template's own special tokens are
+        special: the text of each message content is plain text.
+
+        Tokenizing splits the text at special tokens and tokenizes the pieces between them
+        on their own. So the rendered text is tokenized as usual, the special tokens that
+        lie in a content are found by their offsets, and only the pieces (between two of
+        the template's specials) that hold one are tokenized again with special tokens
+        split. Contents without special-token text take the usual path unchanged.
+        """
+        if not special_tokens and any(self._touches_special(m["role"]) for m in messages):
+            # roles steer the template's branches, so they cannot be replaced to find them
+            raise RequestError(ErrorCode.INVALID_PROMPT, "a message role holds special-token text")
+        text = self._render(messages)
+        tok = self.tokenizer
+        if special_tokens or not any(self._touches_special(m["content"]) for m in messages):
+            return tok(text, add_special_tokens=False).input_ids
+        spans = self._content_spans(messages, text)
+        if spans is None:
+            raise RequestError(
+                ErrorCode.INVALID_PROMPT,
+                "a message content holds special-token text (such as "
+                f"{self._specials[0]!r}) and this model's chat template rewrites contents, so "
+                "the engine cannot keep that text plain: remove it or send token_ids",
+            )
+        starts = [a for a, _ in spans]
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc.input_ids, enc.offset_mapping
+        out: list[int] = []
+        first, begin, dirty = 0, 0, False  # the current piece: first token, first char
+        for i, t in enumerate(ids):
+            if t not in self.special_ids:
+                continue
+            a, b = offsets[i]
+            j = bisect.bisect_left(starts, b) - 1
+            if j >= 0 and spans[j][1] > a:  # in (or across the edge of) a content
+                dirty = True
+                continue
+            out += self._plain(text[begin:a]) if dirty else ids[first:i]
+            out.append(t)
+            first, begin, dirty = i + 1, b, False
+        out += self._plain(text[begin:]) if dirty else ids[first:]
+        return out
+
+    def _plain(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+
+    def _content_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
+        """Where the message contents lie in the rendered `text`, in order: the template is
+        rendered again with placeholders for the contents, which are then put back (as
+        they are, or stripped as templates that `trim` them do). None when neither gives
+        `text` back: the template does more with the contents."""
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        try:
+            pieces = _PLACEHOLDER.split(self._render(marked))
+        except RequestError:  # the template checks contents: it does more than place them
+            return None
+        for form in (str, str.strip):
+            spans: list[tuple[int, int]] = []
+            parts: list[str] = []
+            pos = 0
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    i = int(piece)
+                    piece = form(messages[i]["content"]) if i < len(messages) else piece
+                    spans.append((pos, pos + len(piece)))
+                parts.append(piece)
+                pos += len(piece)
+            if "".join(parts) == text:
+                return spans
+        return None
+
     def add(
         self,
         request_id: str,
@@ -162,8 +282,15 @@ class Engine:
         messages: list[dict] | None = None,
         params: SamplingParams | dict | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        special_tokens: bool = False,
     ) -> None:
-        """Queue a request. Raises RequestError for bad input; nothing else is affected."""
+        """Queue a request. Raises RequestError for bad input; nothing else is affected.
+
+        Requests share prefix-cache blocks (device, host and Redis tiers) only when their
+        `cache_salt` is equal (None is a salt of its own). `special_tokens=True` lets the
+        prompt's text name special tokens (see `tokenize`).
+        """
         if request_id in self.seqs:
             raise RequestError(
                 ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
@@ -176,7 +303,17 @@ class Engine:
             raise RequestError(
                 ErrorCode.INVALID_PARAMS, f"priority must be an integer, got {priority!r}"
             )
-        ids = self.tokenize(prompt, token_ids, messages)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS,
+                f"cache_salt must be a non-empty string, got {cache_salt!r}",
+            )
+        if not isinstance(special_tokens, bool):
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS,
+                f"special_tokens must be a boolean, got {special_tokens!r}",
+            )
+        ids = self.tokenize(prompt, token_ids, messages, special_tokens)
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 ErrorCode.PROMPT_TOO_LONG,
@@ -184,7 +321,7 @@ class Engine:
                 f"{self.max_model_len} tokens including at least one generated token, "
                 f"so shorten the prompt to {self.max_model_len - 1} tokens or fewer",
             )
-        seq = Sequence(request_id, ids, params, priority)
+        seq = Sequence(request_id, ids, params, priority, cache_salt=cache_salt)
         seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -234,37 +371,121 @@ class Engine:
         self.num_steps += 1
         if self.group is not None:
             self.group.check()
-            send_step(encode_step(seqs))
+        try:
+            sampled = self._run(seqs)
+        except Exception as e:
+            if not self.runner.in_lockstep:
+                raise  # the other ranks are mid-step: the group cannot go on
+            return self._recover(seqs, e)
+        return self._advance(seqs, *sampled)
+
+    def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[dict | None]]:
+        """The batched part of a step: inputs, forward, sampling. It changes no bookkeeping,
+        so it can be run again for any of `seqs` (the forward rewrites the same KV slots)."""
+        if self.group is not None:
+            payload = encode_step(seqs)
+            self.runner.in_lockstep = False  # the runner sets it back once the ranks are done
+            send_step(payload)
         logits, sampling = self.runner.run(seqs)
+        if not sampling:
+            return [], [], []
+        # the random draws of a failed sampling are given back, so a rerun draws the same
+        gens = [s.generator for s in sampling if s.generator is not None and not s.params.greedy]
+        if any(s.generator is None and not s.params.greedy for s in sampling):
+            gens.append(self.sampler.generator)
+        states = [g.get_state() for g in gens]
+        try:
+            tokens, logprobs = self.sampler(logits, sampling)
+        except Exception:
+            for g, state in zip(gens, states, strict=True):
+                g.set_state(state)
+            raise
+        return sampling, tokens, logprobs
+
+    def _advance(
+        self,
+        seqs: list[Sequence],
+        sampling: list[Sequence],
+        tokens: list[int],
+        logprobs: list[dict | None],
+    ) -> list[StepOutput]:
+        """Book a successful run: computed tokens, prefix-cache blocks, new tokens."""
         for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled
             seq.num_scheduled = 0
             self.blocks.commit(seq)
-        if not sampling:
-            return []
-        tokens, logprobs = self.sampler(logits, sampling)
-        return [
-            self._append(seq, tok, lp)
-            for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True)
-        ]
+        outs = []
+        for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
+            try:
+                outs.append(self._append(seq, tok, lp))
+            except Exception as e:
+                if seq.status is Status.FINISHED:
+                    raise  # it failed while being taken out: the bookkeeping is broken
+                outs.append(self._fail(seq, e))
+        return outs
+
+    def _recover(self, seqs: list[Sequence], error: Exception) -> list[StepOutput]:
+        """Run a failed step's sequences one at a time: those that fail alone end with
+        finish_reason "error"; the others take their step as usual."""
+        log.warning(
+            "a step of %d sequences failed (%s); running them one at a time",
+            len(seqs),
+            _describe(error),
+        )
+        outs: list[StepOutput] = []
+        for seq in seqs:
+            try:
+                sampled = self._run([seq])
+            except Exception as e:
+                if not self.runner.in_lockstep:
+                    raise
+                log.error("request %s failed: %s", seq.request_id, _describe(e), exc_info=e)
+                outs.append(self._fail(seq, e))
+                continue
+            outs += self._advance([seq], *sampled)
+        return outs
+
+    def _fail(self, seq: Sequence, error: Exception) -> StepOutput:
+        """End a sequence that cannot be computed: its blocks are freed at once."""
+        seq.finish_reason = "error"
+        seq.num_scheduled = 0
+        self.scheduler.finish(seq)
+        del self.seqs[seq.request_id]
+        return StepOutput(
+            seq.request_id,
+            [],
+            "",
+            True,
+            "error",
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+            error=_describe(error),
+        )
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> StepOutput:
         p = seq.params
         seq.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        assert seq.detok is not None
-        before = len(seq.detok.text)
-        seq.detok.add(token)
+        detok = seq.detok
+        assert detok is not None
+        before = len(detok.text)
+        new = detok.add(token)  # the text only grows, by `new`
         reason = None
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in self.eos_ids and not p.ignore_eos) or token in seq.stop_ids:
             reason = "stop"
-        elif p.stop and self._cut_at_stop(seq, before):
-            reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        elif seq.stop_matcher is not None and new:
+            cut = seq.stop_matcher.feed(new, before)
+            if cut >= 0:  # the output ends before the earliest stop string
+                detok.text = detok.text[:cut]
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len
+        ):
             reason = "length"
-        held = 0 if reason else max((len(s) for s in p.stop), default=1) - 1
-        text = seq.detok.text
+        held = 0 if reason else seq.stop_hold
+        text = detok.text
         delta = text[seq.emitted : max(seq.emitted, len(text) - held)]
         seq.emitted += len(delta)
         if reason:
@@ -282,19 +503,6 @@ class Engine:
             seq.num_cached_tokens,
             [logprob] if logprob is not None else None,
         )
-
-    @staticmethod
-    def _cut_at_stop(seq: Sequence, before: int) -> bool:
-        """Truncate the output text at the first stop string; True when one appeared."""
-        detok = seq.detok
-        assert detok is not None
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, before - longest + 1)
-        hits = [i for i in (detok.text.find(s, start) for s in seq.params.stop) if i >= 0]
-        if not hits:
-            return False
-        detok.text = detok.text[: min(hits)]
-        return True
 
     # -- offline ------------------------------------------------------------------
 
@@ -359,3 +567,9 @@ class Engine:
             "steps": self.num_steps,
             **({f"kv_{k}": v for k, v in vars(bm.tiers.counters).items()} if bm.tiers else {}),
         }
+
+
+def _describe(error: BaseException) -> str:
+    """A short account of an exception for a request's result: type and message."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -45,6 +45,9 @@ class ModelRunner:
         self.flash = use_flash(self.device, self.block_size)
         self.num_blocks = self._allocate_cache()
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # False on rank 0 from the broadcast of a step until its run is done with the other
+        # ranks: a run that fails then has left them mid-step, and the group cannot go on
+        self.in_lockstep = True
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             log.warning(
@@ -194,7 +197,16 @@ class ModelRunner:
 
         With pipeline stages the step is cut into micro-batches (one per stage, at most one
         per sequence): a stage sends each micro-batch on as soon as it is done and goes on
-        with the next, so the stages work at the same time."""
+        with the next, so the stages work at the same time.
+
+        With `fault_token_id` set (a test hook), a run raises once it is done if a
+        sequence's prompt holds that token: after the forward, so the ranks stay in step."""
+        fault = self.config.fault_token_id
+        faulty = (
+            fault is not None
+            and self.rank == 0
+            and any(fault in s.token_ids[: s.num_prompt_tokens] for s in seqs)
+        )
         count = min(self.stage.count, len(seqs))
         batches = [seqs[i::count] for i in range(count)]
         sends: list = []
@@ -209,6 +221,9 @@ class ModelRunner:
                     dist.recv(logits, src=(self.stage.count - 1) * self.tp.size)
         for work, _tensor in sends:
             work.wait()
+        self.in_lockstep = True
+        if faulty:
+            raise RuntimeError(f"injected fault: token {fault} is in a prompt of this batch")
         sampling = [s for _, batch_sampling in results for s in batch_sampling]
         if len(results) == 1:
             return results[0]

@@ -8,8 +8,9 @@ from enum import Enum, auto
 
 import torch
 
-from gpu_workers.engine.detokenizer import Detokenizer
+from gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
 from gpu_workers.engine.sampling_params import SamplingParams
+from kv_store.block_hash import salt_root
 
 
 class Status(Enum):
@@ -49,9 +50,20 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     emitted: int = 0  # characters of output text already reported in a text delta
+    cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
+    hash_root: bytes = field(init=False, default=b"")  # the first block's parent, from the salt
+    # stop conditions prepared once, so checking a token costs O(1) whatever their sizes
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    stop_matcher: StopMatcher | None = field(init=False, default=None)
+    stop_hold: int = field(init=False, default=0)  # characters a stop string may start in
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.hash_root = salt_root(self.cache_salt)
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+        if self.params.stop:
+            self.stop_matcher = StopMatcher(self.params.stop)
+            self.stop_hold = self.stop_matcher.longest - 1
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
@@ -84,11 +96,12 @@ class StepOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" while finished, else None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" while finished, else None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[dict] | None = None  # one entry per new token when asked for
+    error: str | None = None  # with finish_reason "error": the exception, type and text
 
 
 @dataclass
