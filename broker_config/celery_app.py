@@ -3,9 +3,11 @@
     celery -A broker_config.celery_app worker --pool solo -c 1     the batch driver
     celery -A broker_config.celery_app beat                        periodic maintenance
 
-Broker and result backend are the Plurai Redis (PLURAI_REDIS_URL), under the key prefix
-keys.CELERY_PREFIX. JSON only: no pickle is accepted anywhere, and beat keeps its schedule
-in memory (the default scheduler stores it with shelve, which pickles).
+The broker is the Plurai Redis (PLURAI_REDIS_URL), under the key prefix
+keys.CELERY_PREFIX. No result backend: the tasks' results are never read (the batch
+record holds the progress), so none are stored. JSON only: no pickle is accepted anywhere,
+and beat keeps its schedule in memory (the default scheduler stores it with shelve, which
+pickles). The URL may hold a password: Celery shows it masked, and nothing here logs it.
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ def configure(celery: Celery, url: str | None = None) -> Celery:
         url = resolve_url(url)
     except ValueError:
         url = None  # no Redis known yet: configure() again before sending or consuming
+    if celery.conf.broker_url and celery.conf.broker_url != url:
+        # pooled connections of an app that has sent before still lead to the old Redis
+        celery._pool = None
+        celery.amqp._producer_pool = None
     transport = {
         "global_keyprefix": keys.CELERY_PREFIX,
         "visibility_timeout": bs.visibility_timeout_s,
     }
     celery.conf.update(
         broker_url=url,
-        result_backend=url,
+        result_backend=None,
         broker_transport_options=transport,
-        result_backend_transport_options={"global_keyprefix": keys.CELERY_PREFIX},
         task_serializer="json",
         result_serializer="json",
         event_serializer="json",
@@ -44,7 +49,6 @@ def configure(celery: Celery, url: str | None = None) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_ignore_result=True,
-        result_expires=bs.ttl_s,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         beat_scheduler="celery.beat:Scheduler",

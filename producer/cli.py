@@ -177,8 +177,11 @@ def cmd_batch_cancel(args: argparse.Namespace) -> int:
 def cmd_batch_results(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from producer.bulk import manage
+    from producer.bulk import manage, store
 
+    # the id names the files: one that is not a plain name (`..`, a separator, an absolute
+    # path) is refused before anything is read or written
+    store.check_id(args.batch_id)
     with _batch_client(args) as client:
         try:
             out, err = manage.results(client, args.batch_id)
@@ -193,6 +196,8 @@ def cmd_batch_results(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in (("output", out), ("errors", err)):
         path = folder / f"{args.batch_id}_{name}.jsonl"
+        if path.parent != folder or path.is_symlink():
+            raise ValueError(f"refusing to write {path}: not a plain file in {folder}")
         path.write_text(text, encoding="utf-8")
         print(f"{path}  {text.count(chr(10))} lines")
     return 0

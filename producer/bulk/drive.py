@@ -5,6 +5,11 @@ with idempotency keys `bulk:<batch>:<custom_id hash>:<level>:<chunk>` (a repeat 
 same job), each line's result is written once (store.record_line), and the progress of a
 line (its level and jobs) is saved after its requests are submitted, so a pass that died
 in between submits the same requests again and gets the same jobs back.
+
+Documents are split with the tokenizer of the model directory this process is configured
+with (PLURAI_MODEL_DIR), never of a path read from the batch record, which any client can
+write: the record's `model_dir` only says which model the client meant, and a batch whose
+model is not the configured one (another folder name) fails with `model_mismatch`.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import functools
 import hashlib
 import json
 import time
+from pathlib import PurePath
 from typing import Any
 
 import redis
+from redis.client import NEVER_DECODE
 
 from broker_config import keys
 from broker_config.settings import Settings
@@ -37,6 +44,34 @@ def tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
+def configured_model(meta: dict[str, str]) -> tuple[str, tuple[str, str] | None]:
+    """The model directory to split the batch's documents with (PLURAI_MODEL_DIR; "" for a
+    batch without a task, which needs none), and the error code and message that fail the
+    batch when it cannot run with it (None: it can)."""
+    if not meta.get("task"):
+        return "", None
+    mine = Settings().model_dir or ""
+    if not mine:
+        return "", (
+            "model_unavailable",
+            "this batch driver has no model directory (set PLURAI_MODEL_DIR): "
+            "documents are split with its tokenizer",
+        )
+    wanted = PurePath(meta.get("model_dir", "")).name
+    if wanted != PurePath(mine).name:
+        return mine, (
+            "model_mismatch",
+            f"the batch was submitted for the model {wanted!r}; this batch driver serves "
+            f"{PurePath(mine).name!r} (PLURAI_MODEL_DIR)",
+        )
+    return mine, None
+
+
+def fail_reason(r: redis.Redis, batch_id: str, problem: tuple[str, str]) -> None:
+    """Record why the whole batch failed (manage.info shows it as `errors`)."""
+    r.hset(keys.batch(batch_id), mapping={"error_code": problem[0], "error": problem[1]})
+
+
 def step(client: Client, batch_id: str, bs: BulkSettings) -> str:
     """Do the work the batch's status calls for (at most bs.pass_s of driving); returns the
     status after it."""
@@ -55,7 +90,13 @@ def step(client: Client, batch_id: str, bs: BulkSettings) -> str:
 def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings) -> str:
     documents = bool(meta.get("task"))
     limit = Settings().max_tokens_limit
-    raw = [_s(x) for x in r.lrange(keys.batch_input(batch_id), 0, -1)]
+    _, problem = configured_model(meta)
+    if problem is not None:
+        fail_reason(r, batch_id, problem)
+    # read as bytes, whatever the connection decodes: bytes that are not UTF-8 become
+    # U+FFFD, so such a line is an error line, never a crash of the whole batch
+    lines = r.execute_command("LRANGE", keys.batch_input(batch_id), 0, -1, **{NEVER_DECODE: []})
+    raw = [_s(x) for x in lines]
     seen: dict[str, int] = {}
     valid = 0
     pipe = r.pipeline(transaction=True)
@@ -81,9 +122,11 @@ def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettin
                     f"line {i + 1}: custom_id {req['custom_id']!r} already used on line {first}",
                     req["custom_id"],
                 )
+            if problem is not None:
+                raise LineError(*problem, req["custom_id"])
         except LineError as e:
             line_out = finalize.error_line(batch_id, i, e.custom_id, e.code, e.message)
-            store.record_line(r, batch_id, i, line_out, False, (0, 0))
+            store.record_line(r, batch_id, i, line_out, False, (0, 0), bs.running_ttl_s)
             continue
         pipe.hset(keys.batch_requests(batch_id), str(i), json.dumps(req))
         valid += 1
@@ -92,6 +135,7 @@ def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettin
         mapping={"total": len(raw), "valid": valid, "started_ms": store.now_ms()},
     )
     pipe.delete(keys.batch_input(batch_id))  # parsed; the requests hash replaces it
+    store.expire_pipe(pipe, batch_id, bs.running_ttl_s)
     pipe.execute()
     if valid == 0:
         r.hset(keys.batch(batch_id), mapping={"end_status": store.FAILED})
@@ -116,8 +160,8 @@ class Driver:
         self.total = int(meta.get("total", 0) or 0)
         self.next = int(meta.get("next", 0) or 0)
         self.task = plan.Task.from_dict(json.loads(meta["task"])) if meta.get("task") else None
-        self.model_dir = meta.get("model_dir", "")
-        self.model_name = self.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.model_dir, self.problem = configured_model(meta)
+        self.model_name = PurePath(self.model_dir or meta.get("model_dir", "")).name
         self.max_model_len = int(meta.get("max_model_len", 0) or 0)
         active = sorted(int(_s(i)) for i in self.r.smembers(keys.batch_active(batch_id)))
         self.state: dict[int, dict[str, Any]] = {}
@@ -129,8 +173,8 @@ class Driver:
             rq = self.r.hmget(keys.batch_requests(batch_id), active)
             for i, s, q in zip(active, st, rq, strict=True):
                 self.reqs[i] = json.loads(q)
-                if s is None:  # died between marking it active and saving its jobs
-                    self._start([i])
+                if s is None and self.problem is None:  # died between marking it active
+                    self._start([i])  # and saving its jobs
                 else:
                     self.state[i] = json.loads(s)
 
@@ -138,6 +182,9 @@ class Driver:
         end = time.monotonic() + self.bs.pass_s
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         try:
+            if self.problem is not None:  # PLURAI_MODEL_DIR changed since it was validated
+                fail_reason(self.r, self.id, self.problem)
+                return self._stop(store.FAILED, *self.problem)
             self._watch([j for st in self.state.values() for j in st["jobs"]])
             next_look = 0.0
             while True:
@@ -148,7 +195,10 @@ class Driver:
                         return self._cancel()
                     if status != store.IN_PROGRESS:
                         return status
-                    self.r.hset(keys.batch(self.id), "beat_ms", store.now_ms())
+                    pipe = self.r.pipeline(transaction=False)
+                    pipe.hset(keys.batch(self.id), "beat_ms", store.now_ms())
+                    store.expire_pipe(pipe, self.id, self.bs.running_ttl_s)  # renewed
+                    pipe.execute()
                     self._look(self._in_flight())
                     next_look = now + self.bs.look_s
                 busy = self._fill() + self._gather()
@@ -270,6 +320,8 @@ class Driver:
             self.state[i] = st
             pipe.hset(keys.batch_state(self.id), str(i), json.dumps(st))
             pipe.sadd(keys.batch_active(self.id), i)
+        pipe.expire(keys.batch_state(self.id), self.bs.running_ttl_s)
+        pipe.expire(keys.batch_active(self.id), self.bs.running_ttl_s)
         pipe.execute()
         if self.pubsub is not None:
             self._watch([job.id for job in jobs])
@@ -341,7 +393,7 @@ class Driver:
         self._record(i, line, False, usage)
 
     def _record(self, i: int, line: str, ok: bool, usage: tuple[int, int]) -> None:
-        store.record_line(self.r, self.id, i, line, ok, usage)
+        store.record_line(self.r, self.id, i, line, ok, usage, self.bs.running_ttl_s)
         pipe = self.r.pipeline(transaction=True)
         pipe.srem(keys.batch_active(self.id), i)
         pipe.hdel(keys.batch_state(self.id), str(i))
@@ -352,7 +404,7 @@ class Driver:
 
     def _stop(self, end_status: str, code: str, message: str) -> str:
         """Keep lines already finished, cancel the jobs in flight, and give every other
-        valid line an error line."""
+        valid line an error line (on cancel, expiry, or a model that is not this one's)."""
         self._gather()
         for st in self.state.values():
             for j in st["jobs"]:
@@ -368,8 +420,9 @@ class Driver:
                     self.reqs[i] = json.loads(q)
                     self._error(i, code, message, (0, 0))
         self.r.hset(keys.batch(self.id), mapping={"end_status": end_status, "next": self.total})
-        return store.move(self.r, self.id, store.FINALIZING, store.CANCELLING) or ""
+        moved = store.move(self.r, self.id, store.FINALIZING, store.CANCELLING, store.IN_PROGRESS)
+        return moved or ""
 
 
 def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)

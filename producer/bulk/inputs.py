@@ -3,7 +3,8 @@
 An OpenAI Batch line: {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}. A document line (with a task): {"custom_id" or "id",
 "text"}. Each line becomes a request dict or an error (code, message); a bad line never
-stops the others.
+stops the others. A custom_id must be a non-empty string of valid Unicode, and so must every
+string of a line (JSON can escape a lone surrogate, which no UTF-8 store can hold).
 """
 
 from __future__ import annotations
@@ -44,19 +45,37 @@ def parse_line(
         obj = json.loads(raw)
     except ValueError as e:
         raise LineError("invalid_json", f"{where}: not valid JSON ({e})") from None
-    cid = (
+    given = (
         obj.get("custom_id", obj.get("id") if documents else None)
         if isinstance(obj, dict)
         else None
     )
-    cid = cid if isinstance(cid, str) and cid else None
-    size = len(raw.encode("utf-8"))
+    cid = given if isinstance(given, str) and given and _encodable(given) else None
+    if given is not None and cid is None:  # the error line must not carry it either
+        what = (
+            f"a {type(given).__name__}"
+            if not isinstance(given, str)
+            else "empty"
+            if not given
+            else "not valid Unicode"
+        )
+        raise LineError(
+            "invalid_custom_id",
+            f"{where}: custom_id must be a non-empty string of valid Unicode; it is {what}",
+        )
+    size = len(raw.encode("utf-8", "replace"))
     if size > max_line_bytes:
         raise LineError(
             "line_too_large", f"{where}: {size} bytes, over the limit of {max_line_bytes}", cid
         )
     if not isinstance(obj, dict):
         raise LineError("invalid_request", f"{where}: expected a JSON object")
+    if not _encodable(json.dumps(obj, ensure_ascii=False)):
+        raise LineError(
+            "invalid_request",
+            f"{where}: a string is not valid Unicode (a lone surrogate such as \\ud800)",
+            cid,
+        )
     if cid is None:
         want = "custom_id (or id)" if documents else "custom_id"
         raise LineError("missing_custom_id", f"{where}: {want} must be a non-empty string")
@@ -118,6 +137,16 @@ def _openai(
         options["stop"] = stops
     kind = "chat" if url == CHAT else "completion"
     return {"custom_id": cid, "kind": kind, "options": options, "model": body.get("model")}
+
+
+def _encodable(text: str) -> bool:
+    """False for text that cannot be UTF-8 (a lone surrogate, from a JSON \\ud800 escape):
+    it could be neither stored in Redis nor queued."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _message(m: Any) -> bool:

@@ -81,6 +81,7 @@ def create(
         pipe.rpush(keys.batch_input(batch_id), *lines[start : start + 1000])
     pipe.hset(keys.batch(batch_id), mapping=meta)
     pipe.zadd(keys.BATCHES, {batch_id: now})
+    store.expire_pipe(pipe, batch_id, bs.running_ttl_s)
     pipe.execute()
     kick(client, batch_id)
     return batch_id
@@ -88,6 +89,7 @@ def create(
 
 def cancel(client: Client, batch_id: str) -> str:
     """Ask the driver to stop; returns the status now."""
+    store.check_id(batch_id)
     status = store.move(
         client.redis, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS
     )
@@ -98,7 +100,7 @@ def cancel(client: Client, batch_id: str) -> str:
 
 def info(client: Client, batch_id: str) -> dict[str, Any]:
     """The batch as OpenAI shows one, plus progress: done, tokens/s, ETA seconds."""
-    meta = store.get(client.redis, batch_id)
+    meta = store.get(client.redis, store.check_id(batch_id))
     if not meta:
         raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
     c = store.counts(meta)
@@ -115,6 +117,11 @@ def info(client: Client, batch_id: str) -> dict[str, Any]:
         "status": meta.get("status"),
         "input": meta.get("input"),
         "request_counts": c,
+        "errors": (
+            {"data": [{"code": meta["error_code"], "message": meta.get("error", "")}]}
+            if meta.get("error_code")
+            else None
+        ),
         "created_at": int(meta.get("created_ms", 0) or 0) // 1000,
         "expires_at": int(meta.get("expires_ms", 0) or 0) // 1000,
         "completed_at": int(meta["finished_ms"]) // 1000 if meta.get("finished_ms") else None,
@@ -131,7 +138,7 @@ def info(client: Client, batch_id: str) -> dict[str, Any]:
 
 def results(client: Client, batch_id: str) -> tuple[str, str]:
     """The finished output and error JSONL texts; raises if the batch has not finished."""
-    meta = store.get(client.redis, batch_id)
+    meta = store.get(client.redis, store.check_id(batch_id))
     if not meta:
         raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
     if meta.get("status") not in store.TERMINAL:

@@ -16,6 +16,10 @@ class BulkSettings(BaseSettings):
     look_s: float = 1.0  # how often a pass reads the status and every in-flight job's state
     completion_window_s: int = 24 * 3600  # an unfinished batch expires after this
     ttl_s: int = 7 * 24 * 3600  # a finished batch's keys expire after this
+    # An unfinished batch's keys expire this long after they were last written or renewed
+    # (every pass of its driver renews them): a safety net for a batch nobody drives any
+    # more. Keep it above completion_window_s.
+    running_ttl_s: int = 14 * 24 * 3600
     stale_s: float = 60.0  # maintenance re-kicks a running batch silent for this long
     maintain_interval_s: float = 30.0  # celery beat period of the maintenance task
     # Celery's redelivery time for unacknowledged tasks; far longer than any task (pass_s).

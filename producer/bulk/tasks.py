@@ -40,18 +40,25 @@ def _client_for(url: str) -> Client:
     return Client(url)
 
 
-def kick(client: Client, batch_id: str) -> int:
-    """Start a new chain of steps for the batch; returns its generation. The Celery app
-    must point at the client's Redis (broker_config.celery_app.configure)."""
+def kick(client: Client, batch_id: str) -> int | None:
+    """Start a new chain of steps for the batch; returns its generation (None: no such
+    batch, nothing sent). The Celery app must point at the client's Redis
+    (broker_config.celery_app.configure)."""
     if not app.conf.broker_url:
         raise ValueError("the Celery app has no broker: call celery_app.configure(app, url)")
-    gen = int(client.redis.hincrby(keys.batch(batch_id), "gen", 1))
-    app.send_task(STEP, args=[batch_id, gen])
+    gen = store.bump_gen(client.redis, store.check_id(batch_id))
+    if gen is not None:
+        app.send_task(STEP, args=[batch_id, gen])
     return gen
 
 
 @app.task(name=STEP, acks_late=True)
 def step(batch_id: str, gen: int) -> str:
+    try:
+        store.check_id(batch_id)
+    except store.InvalidBatchId as e:  # a message no Plurai client sends
+        log.warning("%s; step ignored", e)
+        return "invalid"
     client = _client()
     current = client.redis.hget(keys.batch(batch_id), "gen")
     if current is None or int(current) != gen:
@@ -76,7 +83,10 @@ def maintain() -> dict[str, Any]:
             store.VALIDATING,
             store.IN_PROGRESS,
         ):
-            r.hset(keys.batch(batch_id), "stop_reason", "expired")
+            pipe = r.pipeline(transaction=False)
+            pipe.hset(keys.batch(batch_id), "stop_reason", "expired")
+            pipe.expire(keys.batch(batch_id), bs.running_ttl_s)  # even if it just expired
+            pipe.execute()
             store.move(r, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS)
             expired.append(batch_id)
         beat = int(meta.get("beat_ms", created) or created)

@@ -1,0 +1,262 @@
+"""Bulk batches: keys that expire, the model directory taken from the driver's own
+settings (never from the batch record), input lines that cannot be encoded, batch ids.
+
+Steps run in this process (drive.step, what the Celery task runs) against a real
+redis-server; the last test runs a whole batch through a Celery worker and a GPU worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker_config import keys
+from producer.bulk import drive, manage, plan, store
+from producer.bulk.settings import BulkSettings
+from producer.client import Client
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+TASK = plan.Task("summarize", max_tokens=4)
+BS = BulkSettings(pass_s=0.5, look_s=0.1, ttl_s=1000, running_ttl_s=50_000)
+
+
+@pytest.fixture
+def client(redis_url: str, monkeypatch) -> Iterator[Client]:
+    from broker_config.celery_app import app, configure
+
+    configure(app, redis_url)  # kick() sends the first step; no Celery worker takes it here
+    monkeypatch.delenv("PLURAI_MODEL_DIR", raising=False)
+    with Client(redis_url) as c:
+        yield c
+
+
+def write_docs(tmp_path: Path, rows: list[str]) -> Path:
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(r + "\n" for r in rows))
+    return path
+
+
+def docs(n: int) -> list[str]:
+    return [json.dumps({"id": f"doc-{i}", "text": f"the river stone {i}"}) for i in range(n)]
+
+
+def run_steps(client: Client, batch_id: str, until: frozenset[str], bs=BS) -> str:
+    status = ""
+    for _ in range(20):
+        status = drive.step(client, batch_id, bs)
+        if status in until:
+            return status
+    raise AssertionError(f"batch {batch_id} is {status}")
+
+
+def batch_keys(r: redis.Redis, batch_id: str) -> list[str]:
+    """Every key of the batch, found by pattern (so a key not in keys.batch_all counts)."""
+    found = list(r.scan_iter(match=f"{keys.batch(batch_id)}*", count=1000))
+    assert set(found) <= set(keys.batch_all(batch_id))
+    return found
+
+
+def ttls(r: redis.Redis, batch_id: str) -> dict[str, int]:
+    return {k.rsplit(":", 1)[-1]: r.ttl(k) for k in batch_keys(r, batch_id)}
+
+
+def test_every_key_expires_while_running_and_after(client, tmp_path):
+    r = client.redis
+    rows = [
+        json.dumps({"custom_id": f"r{i}", "url": "/v1/completions", "body": {"prompt": "x"}})
+        for i in range(5)
+    ] + ["{not json"]
+    batch_id = manage.create(client, write_docs(tmp_path, rows))
+    t = ttls(r, batch_id)
+    assert set(t) == {batch_id, "input"} and all(40_000 < v <= 14 * 24 * 3600 for v in t.values())
+
+    assert run_steps(client, batch_id, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
+    assert drive.step(client, batch_id, BS) == store.IN_PROGRESS  # jobs queued, no worker
+    t = ttls(r, batch_id)
+    assert {batch_id, "req", "lines", "state", "active"} <= set(t)
+    assert all(49_000 < v <= 50_000 for v in t.values()), t  # the running TTL, renewed
+
+    r.expire(keys.batch(batch_id), 100)
+    drive.step(client, batch_id, BS)  # a pass renews the keys
+    assert r.ttl(keys.batch(batch_id)) > 49_000
+
+    manage.cancel(client, batch_id)
+    assert run_steps(client, batch_id, store.TERMINAL) == store.CANCELLED
+    t = ttls(r, batch_id)
+    assert {batch_id, "req", "lines", "output", "errors"} <= set(t)
+    assert all(0 < v <= 1000 for v in t.values()), t  # BulkSettings.ttl_s once it ended
+
+
+def test_kicking_a_batch_that_is_gone_writes_nothing(client):
+    from producer.bulk.tasks import kick
+
+    assert kick(client, "batch_gone") is None
+    assert client.redis.exists(keys.batch("batch_gone")) == 0
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "/tmp/x", "batch:1:lines", ".."])
+def test_malformed_batch_ids_are_refused(client, bad):
+    for call in (manage.info, manage.cancel, manage.results):
+        with pytest.raises(store.InvalidBatchId):
+            call(client, bad)
+    from producer.bulk.tasks import step
+
+    assert step.run(bad, 1) == "invalid"
+
+
+def test_the_driver_uses_its_own_model_dir_never_the_records(
+    client, tmp_path, tiny_model, monkeypatch
+):
+    loaded: list[str] = []
+    real = drive.tokenizer
+
+    def spy(model_dir: str):
+        loaded.append(model_dir)
+        return real(model_dir)
+
+    monkeypatch.setattr(drive, "tokenizer", spy)
+    monkeypatch.setenv("PLURAI_MODEL_DIR", str(tiny_model))
+    path = write_docs(tmp_path, docs(3))
+    # the record names a folder of the same name somewhere else: the driver's own is used
+    elsewhere = str(tmp_path / "nowhere" / tiny_model.name)
+    same = manage.create(client, path, task=TASK, model_dir=elsewhere, max_model_len=128)
+    assert client.redis.hget(keys.batch(same), "model_dir") == elsewhere
+    assert run_steps(client, same, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
+    drive.step(client, same, BS)
+    assert loaded and set(loaded) == {str(tiny_model)}
+    assert client.redis.hlen(keys.batch_state(same)) == 3  # its documents were queued
+
+    # another model: every line fails, the batch fails, and says why
+    other = tmp_path / "evil-model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    bad = manage.create(client, path, task=TASK, model_dir=str(other), max_model_len=128)
+    assert run_steps(client, bad, store.TERMINAL) == store.FAILED
+    info = manage.info(client, bad)
+    (error,) = info["errors"]["data"]
+    assert error["code"] == "model_mismatch" and "'evil-model'" in error["message"]
+    assert info["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    out, err = manage.results(client, bad)
+    assert out == "" and {json.loads(x)["error"]["code"] for x in err.splitlines()} == {
+        "model_mismatch"
+    }
+    assert set(loaded) == {str(tiny_model)}  # nothing was read from the record's folder
+
+    # a running batch whose driver is reconfigured with another model fails the same way
+    monkeypatch.setenv("PLURAI_MODEL_DIR", str(other))
+    assert run_steps(client, same, store.TERMINAL) == store.FAILED
+    assert manage.info(client, same)["errors"]["data"][0]["code"] == "model_mismatch"
+
+    # no model configured at all
+    monkeypatch.delenv("PLURAI_MODEL_DIR")
+    none = manage.create(client, path, task=TASK, model_dir=str(tiny_model), max_model_len=128)
+    assert run_steps(client, none, store.TERMINAL) == store.FAILED
+    assert manage.info(client, none)["errors"]["data"][0]["code"] == "model_unavailable"
+    assert set(loaded) == {str(tiny_model)}
+
+
+def test_lines_that_cannot_be_encoded_get_error_lines(client, tmp_path):
+    body = {"prompt": "the river"}
+    ok = {"url": "/v1/completions", "body": body}
+    rows = [
+        json.dumps({"custom_id": "good", **ok}),
+        '{"custom_id": "\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}',
+        json.dumps({"custom_id": 17, **ok}),
+        json.dumps({"custom_id": ["a"], **ok}),
+        '{"custom_id": "bad-prompt", "url": "/v1/completions", "body": {"prompt": "\\udfff"}}',
+        json.dumps({"custom_id": "good2", **ok}),
+    ]
+    batch_id = manage.create(client, write_docs(tmp_path, rows))
+    client.redis.rpush(keys.batch_input(batch_id), b'{"custom_id": "\xff\xfe"}')  # not UTF-8
+    client.redis.hincrby(keys.batch(batch_id), "total", 1)
+    assert run_steps(client, batch_id, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
+    assert drive.step(client, batch_id, BS) == store.IN_PROGRESS  # submits without a crash
+    assert client.redis.hlen(keys.batch_state(batch_id)) == 2  # the two good lines
+    manage.cancel(client, batch_id)
+    assert run_steps(client, batch_id, store.TERMINAL) == store.CANCELLED
+    _, err = manage.results(client, batch_id)
+    got = {(x["custom_id"], x["error"]["code"]) for x in map(json.loads, err.splitlines())}
+    assert (
+        got
+        == {
+            ("good", "batch_cancelled"),
+            ("good2", "batch_cancelled"),
+            (None, "invalid_custom_id"),
+            ("bad-prompt", "invalid_request"),
+            ("\ufffd\ufffd", "invalid_url"),  # decoded with U+FFFD, then checked as usual
+        }
+        and len(err.splitlines()) == 7
+    )
+
+
+def test_results_refuse_ids_that_would_write_outside_the_folder(client, tmp_path, capsys):
+    from producer import cli
+
+    url = client.redis.connection_pool.connection_kwargs
+    dest = tmp_path / "out"
+    for bad in ("../escape", "/tmp/escape", "a/../../b", ".."):
+        code = cli.main(["batch", "results", bad, "--dir", str(dest), "--url", "redis://x:1/0"])
+        assert code == 2 and "invalid batch id" in capsys.readouterr().err
+    assert not dest.exists() and not (tmp_path / "escape_output.jsonl").exists()
+    assert url  # the client fixture's Redis was never needed
+
+
+class CeleryWorker:
+    def __init__(self, url: str, log: Path, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "broker_config.celery_app", "worker"]
+            + ["--pool", "solo", "-c", "1", "-n", "security@127.0.0.1", "--without-gossip"]
+            + ["--without-mingle", "--without-heartbeat"],
+            cwd=ROOT,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PLURAI_REDIS_URL": url, "PLURAI_BATCH_PASS_S": "1", **env},
+        )
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_end_to_end_with_celery(client, redis_url, workers, tiny_model, tmp_path):
+    workers.start(1, "--engine", "max_model_len=128")
+    celery = CeleryWorker(
+        redis_url,
+        tmp_path / "celery.log",
+        {"PLURAI_MODEL_DIR": str(tiny_model), "PLURAI_BATCH_TTL_S": "600"},
+    )
+    try:
+        rows = docs(4) + ['{"id": "\\ud800", "text": "x"}']
+        elsewhere = str(tmp_path / "client-side" / tiny_model.name)
+        path = write_docs(tmp_path, rows)
+        batch_id = manage.create(client, path, task=TASK, model_dir=elsewhere, max_model_len=128)
+        end = time.monotonic() + 180
+        while manage.info(client, batch_id)["status"] not in store.TERMINAL:
+            assert time.monotonic() < end, (tmp_path / "celery.log").read_text()[-3000:]
+            time.sleep(0.2)
+        info = manage.info(client, batch_id)
+        assert info["status"] == "completed" and info["errors"] is None
+        assert info["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+        out, err = manage.results(client, batch_id)
+        assert [json.loads(x)["custom_id"] for x in out.splitlines()] == [
+            f"doc-{i}" for i in range(4)
+        ]
+        assert json.loads(err)["error"]["code"] == "invalid_custom_id"
+        t = ttls(client.redis, batch_id)
+        assert t and all(0 < v <= 600 for v in t.values()), t
+    finally:
+        celery.stop()
