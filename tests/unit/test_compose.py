@@ -1,5 +1,6 @@
 """docker-compose.yml: it parses, every Plurai service runs a real entry point of the
-package, and every PLURAI_* variable it sets is a real setting."""
+package, every PLURAI_* variable it sets is a real setting, every service restarts, and
+the bulk driver serves the workers' model."""
 
 from __future__ import annotations
 
@@ -87,3 +88,19 @@ def test_prometheus_scrapes_every_worker_on_its_metrics_port():
     (job,) = scrape["scrape_configs"]
     (sd,) = job["dns_sd_configs"]
     assert sd["names"] == ["worker"] and sd["port"] == port
+
+
+def test_every_long_lived_service_restarts_unless_stopped():
+    # every service here runs until stopped (none is a one-shot job)
+    for name, service in services().items():
+        assert service.get("restart") == "unless-stopped", name
+
+
+def test_the_bulk_driver_is_given_the_workers_model():
+    worker = argv(services()["worker"])
+    model = worker[worker.index("--model") + 1]
+    env = services()["celery-worker"]["environment"]
+    model_dir = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", env["PLURAI_MODEL_DIR"])
+    assert model_dir == model
+    mounts = {v.split(":")[1] for v in services()["celery-worker"]["volumes"]}
+    assert any(model.startswith(m + "/") for m in mounts)
