@@ -39,7 +39,7 @@ from typing import Any
 import redis
 
 from broker_config import fastpipe, keys, logs, protocol
-from broker_config.connection import connect
+from broker_config.connection import connect, redact
 from broker_config.groups import ensure_groups
 from broker_config.protocol import Code, WireError
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
@@ -1116,7 +1116,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     if url is None:
         embedded = EmbeddedRedis(Path(settings.data_dir) / "redis")
         url = embedded.start()
-        log.info("started embedded redis-server at %s (data in %s)", url, embedded.data_dir)
+        log.info("started embedded redis-server at %s (data in %s)", redact(url), embedded.data_dir)
     try:
         worker = Worker(engine, connect(url), settings, model_names=names)
         worker.metrics_port = serve_metrics(worker, url, settings)

@@ -552,6 +552,9 @@ class Engine:
             min(s.num_computed_tokens, len(s.block_table) * bm.block_size)
             for s in self.seqs.values()
         )
+        tiers = {f"kv_{k}": v for k, v in vars(bm.tiers.counters).items()} if bm.tiers else {}
+        if bm.tiers is not None and bm.tiers.remote is not None:
+            tiers["kv_bad_entries"] += bm.tiers.remote.refused  # MAC refusals, by the tier itself
         return {
             "blocks_total": bm.num_blocks,
             "blocks_free": bm.num_free,
@@ -565,7 +568,7 @@ class Engine:
             "waiting": self.num_waiting,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
-            **({f"kv_{k}": v for k, v in vars(bm.tiers.counters).items()} if bm.tiers else {}),
+            **tiers,
         }
 
 

@@ -42,8 +42,8 @@ def documents(n: int, seed: int = 0) -> list[str]:
 class Celery:
     """A Celery worker process (`celery -A broker_config.celery_app worker --pool solo`)."""
 
-    def __init__(self, url: str, log_dir: Path) -> None:
-        self.url, self.log_dir, self.n = url, log_dir, 0
+    def __init__(self, url: str, log_dir: Path, model: Path) -> None:
+        self.url, self.log_dir, self.n, self.model = url, log_dir, 0, model
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -75,6 +75,7 @@ class Celery:
             env={
                 **os.environ,
                 "PLURAI_REDIS_URL": self.url,
+                "PLURAI_MODEL_DIR": str(self.model),
                 "PLURAI_BATCH_PASS_S": "2",
                 "PLURAI_BATCH_MAX_LINE_BYTES": "4096",
             },
@@ -104,11 +105,11 @@ def gpu(module_redis_url: str, tiny_model: Path, tmp_path_factory, workers_class
 
 
 @pytest.fixture
-def celery(gpu: str, tmp_path: Path) -> Iterator[Celery]:
+def celery(gpu: str, tmp_path: Path, tiny_model: Path) -> Iterator[Celery]:
     from broker_config.celery_app import app, configure
 
     configure(app, gpu)  # this process sends the first step of each batch
-    c = Celery(gpu, tmp_path)
+    c = Celery(gpu, tmp_path, tiny_model)
     c.start()
     yield c
     c.stop()
@@ -313,7 +314,7 @@ def test_gpu_worker_killed_mid_batch_resumes(redis_url, workers, tmp_path, tiny_
     fast_reclaim = {"PLURAI_RECLAIM_IDLE_MS": "2000", "PLURAI_RECLAIM_INTERVAL_S": "0.5"}
     workers.start(1, "--engine", f"max_model_len={CONTEXT}", env=fast_reclaim)
     configure(app, redis_url)
-    c = Celery(redis_url, tmp_path)
+    c = Celery(redis_url, tmp_path, tiny_model)
     c.start()
     try:
         with Client(redis_url) as client:
