@@ -255,7 +255,8 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
     attempts = _int(fields, "attempts") or 0
     if attempts < 0:
         raise WireError(Code.BAD_FIELD, "field 'attempts' must be >= 0")
-    content_type = _text(fields, "content_type") or JSON
+    content_type = _text(fields, "content_type")
+    content_type = JSON if content_type is None else content_type
     if content_type not in CONTENT_TYPES:
         raise WireError(
             Code.BAD_FIELD,
@@ -313,21 +314,31 @@ def _no_constant(name: str) -> Any:
     raise WireError(Code.BAD_FIELD, f"the body holds {name}; numbers must be finite")
 
 
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19:  # also spares int() its quadratic cost on huge literals
+        raise WireError(Code.BAD_FIELD, f"integer {text[:24]}... is out of the 64-bit range")
+    return int(text)
+
+
 def decode_body(env: Envelope, depth: int = Limits.depth) -> dict[str, Any]:
     """The body as plain JSON values: maps with string keys, lists, valid strings, finite
     floats, 64-bit integers, booleans and null, nested at most `depth` deep."""
     try:
         if env.content_type == MSGPACK:
-            body = msgpack.unpackb(env.body, raw=False, strict_map_key=True)
-        else:
-            body = json.loads(env.body, parse_constant=_no_constant)
+            # Any key type is decoded so that check_json_value names the bad one.
+            body = msgpack.unpackb(env.body, raw=False, strict_map_key=False)
+        else:  # UTF-8 only: json.loads would also take UTF-16 and UTF-32 bytes
+            text = env.body.decode("utf-8")
+            body = json.loads(text, parse_constant=_no_constant, parse_int=_json_int)
     except UnicodeDecodeError:
         raise WireError(
             Code.INVALID_UTF8, "the body contains a string that is not valid UTF-8"
         ) from None
-    except RecursionError:
+    except (RecursionError, msgpack.exceptions.StackError):
         raise WireError(Code.BAD_FIELD, f"the body is nested more than {depth} deep") from None
-    except (ValueError, msgpack.UnpackException, TypeError) as e:
+    except TypeError:  # msgpack: a list or map as a map key
+        raise WireError(Code.BAD_FIELD, "body: map keys must be strings") from None
+    except (ValueError, msgpack.UnpackException) as e:
         if isinstance(e, WireError):
             raise
         kind = "msgpack" if env.content_type == MSGPACK else "JSON"
@@ -449,7 +460,9 @@ def parse_request(fields: dict[bytes, bytes], limits: Limits) -> Request:
         req.token_ids = ids
     params = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     _check_sampling_sizes(params, limits)
-    if "max_tokens" in params and params["max_tokens"] != env.max_tokens:
+    if "max_tokens" in params and (
+        type(params["max_tokens"]) is not int or params["max_tokens"] != env.max_tokens
+    ):
         raise WireError(
             Code.BAD_FIELD,
             f"body max_tokens {params['max_tokens']!r} differs from the entry's max_tokens field "
