@@ -100,6 +100,7 @@ class EmbeddedRedis:
 
     def start(self) -> str:
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # an older folder too: it holds the AOF (prompts, results)
         config = self.data_dir / "redis.conf"
         write_private(config, f"requirepass {self.password}\n")
         fixed = self.port

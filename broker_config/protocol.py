@@ -51,6 +51,7 @@ BODY_FIELDS = frozenset(
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 _INT = re.compile(rb"-?[0-9]{1,19}")  # ASCII digits only: no '1_000', ' 5', '١٢'
 INT64 = 2**63
+MAX_FIELDS = 32  # flat fields of one entry (v1 defines 11)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,8 @@ def attempts_of(fields: dict[bytes, bytes]) -> int:
 def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
     """Check the flat fields. Raises NoJobId first, then WireError with the job id known."""
     job_id = job_id_of(fields)
+    if len(fields) > MAX_FIELDS:
+        raise _too_large("the entry's fields", len(fields), MAX_FIELDS, "")
     version = _text(fields, "v")
     if version is None:
         raise WireError(
@@ -352,40 +355,49 @@ def decode_body(env: Envelope, depth: int = Limits.depth) -> dict[str, Any]:
 
 
 def check_json_value(value: Any, depth: int, where: str) -> None:
-    """Raise WireError unless `value` is made of JSON values only (see decode_body)."""
+    """Raise WireError unless `value` is made of JSON values only (see decode_body). Errors
+    name the top-level field they were found under; no path is built on the way, since a
+    4 MiB body can hold two million values."""
     stack: list[tuple[Any, int, str]] = [(value, 0, where)]
     while stack:
-        v, d, path = stack.pop()
-        if v is None or isinstance(v, bool):
-            continue
-        if isinstance(v, str):
+        v, d, field = stack.pop()
+        t = type(v)
+        if t is str:
             if not _valid_text(v):
                 raise WireError(
-                    Code.INVALID_UTF8, f"{path} holds a lone surrogate (not valid Unicode text)"
+                    Code.INVALID_UTF8, f"{field} holds a lone surrogate (not valid Unicode text)"
                 )
-        elif isinstance(v, int):
+        elif t is int:
             if not -INT64 <= v < INT64:
-                raise WireError(Code.BAD_FIELD, f"{path}: integer out of the 64-bit range")
-        elif isinstance(v, float):
+                raise WireError(Code.BAD_FIELD, f"{field}: an integer is out of the 64-bit range")
+        elif t is float:
             if not math.isfinite(v):
-                raise WireError(Code.BAD_FIELD, f"{path}: numbers must be finite, got {v}")
-        elif isinstance(v, (dict, list)):
+                raise WireError(Code.BAD_FIELD, f"{field}: numbers must be finite, got {v}")
+        elif t is list or t is dict:
             if d >= depth:
-                raise WireError(Code.BAD_FIELD, f"{path}: nested more than {depth} deep")
-            if isinstance(v, list):
-                stack += [(x, d + 1, f"{path}[{i}]") for i, x in enumerate(v)]
+                raise WireError(Code.BAD_FIELD, f"{field}: nested more than {depth} deep")
+            if t is list:
+                for x in v:  # integers checked in place: token id lists are long
+                    if type(x) is int:
+                        if not -INT64 <= x < INT64:
+                            raise WireError(
+                                Code.BAD_FIELD, f"{field}: an integer is out of the 64-bit range"
+                            )
+                    elif x is not None and type(x) is not bool:
+                        stack.append((x, d + 1, field))
                 continue
             for k, x in v.items():
-                if not isinstance(k, str):
+                if type(k) is not str:
                     raise WireError(
-                        Code.BAD_FIELD, f"{path}: map keys must be strings, got {type(k).__name__}"
+                        Code.BAD_FIELD, f"{field}: map keys must be strings, got {type(k).__name__}"
                     )
-                stack.append((k, d + 1, f"{path} key"))
-                stack.append((x, d + 1, f"{path}.{k[:40]}"))
-        else:  # msgpack bin, ext, timestamp
+                sub = f"body field {k[:40]!r}" if d == 0 else field
+                stack.append((k, d + 1, sub))
+                stack.append((x, d + 1, sub))
+        elif v is not None and t is not bool:  # msgpack bin, ext, timestamp
             raise WireError(
                 Code.BAD_FIELD,
-                f"{path}: {type(v).__name__} values are not allowed; use JSON types "
+                f"{field}: {t.__name__} values are not allowed; use JSON types "
                 "(string, number, boolean, null, list, map)",
             )
 
@@ -399,9 +411,8 @@ def _valid_text(s: str) -> bool:
 
 
 def _too_large(what: str, n: int, limit: int, setting: str) -> WireError:
-    return WireError(
-        Code.TOO_LARGE, f"{what} has {n}; the limit is {limit} (PLURAI_{setting}); send less"
-    )
+    where = f" (PLURAI_{setting})" if setting else ""
+    return WireError(Code.TOO_LARGE, f"{what} has {n}; the limit is {limit}{where}; send less")
 
 
 def parse_request(fields: dict[bytes, bytes], limits: Limits) -> Request:
@@ -439,7 +450,8 @@ def parse_request(fields: dict[bytes, bytes], limits: Limits) -> Request:
         if not valid_messages(msgs):
             raise WireError(
                 Code.INVALID_PROMPT,
-                "'messages' must be a non-empty list of {role: str, content: str}",
+                "'messages' must be a non-empty list of {role: str, content: str} "
+                "(no other keys: a chat template could render them unescaped)",
             )
         chars = sum(len(m["role"]) + len(m["content"]) for m in msgs)
         if chars > limits.prompt_chars:

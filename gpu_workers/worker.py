@@ -73,6 +73,9 @@ class Running:
     resync: bool = False
 
 
+# Refusals that end by themselves (memory freed, failover done, data loaded).
+_PASSING = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN"})
+
 _BAD_RECORD = (
     "the job's record (plurai:job:<id>) or token stream (plurai:out:<id>) was written by "
     "something other than Plurai with the wrong Redis type; submit the job again"
@@ -116,6 +119,8 @@ class Worker:
         self._check_jobs = r.register_script(scripts.CHECK)
         max_len = getattr(engine, "max_model_len", None)
         self.limits = settings.limits(max_len - 1 if max_len else None)
+        # A job's deltas since its last reset are never trimmed away.
+        self.out_maxlen = max(settings.output_maxlen, settings.max_tokens_limit + 64)
         self._sha = {name: "" for name in ("DELTAS", "FINALIZE")}  # used inside pipelines
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
         # A step's writes are sent before the next step and their replies read after it, so
@@ -202,35 +207,45 @@ class Worker:
             self._cancels.close()
             if self._pub_conn is not None:
                 self.r.connection_pool.release(self._pub_conn)
-            pipe = self.r.pipeline(transaction=False)
-            pipe.delete(keys.worker(self.id))
-            pipe.srem(keys.WORKERS, self.id)
-            pipe.execute()
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.delete(keys.worker(self.id))
+                pipe.srem(keys.WORKERS, self.id)
+                pipe.execute(raise_on_error=False)
+            except redis.RedisError as e:
+                log.warning("could not remove this worker's heartbeat (%s); it expires", e)
             log.info("worker %s stopped after %d jobs", self.id, self.jobs_done)
 
     def _load_scripts(self) -> None:
         for name in self._sha:
             self._sha[name] = self.r.script_load(getattr(scripts, name))
 
-    def _execute(self, pipe: Any) -> None:
-        """Run a pipeline of script calls; re-run those refused with NOSCRIPT (Redis lost its
-        script cache: nothing of theirs ran) after loading the scripts again."""
+    def _execute(self, pipe: Any) -> list[list[Any]]:
+        """Run a pipeline; re-run the calls refused with NOSCRIPT (Redis lost its script
+        cache: nothing of theirs ran) after loading the scripts again. Returns the commands
+        Redis refused for a passing reason (OOM, READONLY, ...), to send again later; other
+        refusals are logged and dropped, since repeating them would stall the worker."""
         commands = [args for args, _options in pipe.command_stack]
         replies = pipe.execute(raise_on_error=False)
-        failed = [
-            args
-            for args, rep in zip(commands, replies, strict=True)
-            if isinstance(rep, redis.exceptions.NoScriptError)
+        redo = [
+            i for i, rep in enumerate(replies) if isinstance(rep, redis.exceptions.NoScriptError)
         ]
-        if failed:
+        if redo:
             self._load_scripts()
             retry = self.r.pipeline(transaction=False)
-            for args in failed:
-                retry.execute_command(*args)
-            replies = retry.execute(raise_on_error=False)
-        for rep in replies:
-            if isinstance(rep, Exception):
-                raise rep
+            for i in redo:
+                retry.execute_command(*commands[i])
+            for i, rep in zip(redo, retry.execute(raise_on_error=False), strict=True):
+                replies[i] = rep
+        again = []
+        for args, rep in zip(commands, replies, strict=True):
+            if not isinstance(rep, redis.ResponseError):
+                continue
+            if str(rep).split(" ", 1)[0] in _PASSING:
+                again.append(args)
+            else:
+                log.error("redis refused a %s call (%s); dropped", args[0], rep)
+        return again
 
     def _iterate(self) -> None:
         if self._unsent:  # results kept through a Redis outage
@@ -291,7 +306,20 @@ class Worker:
         )
         pipe.expire(keys.worker(self.id), max(1, int(3 * interval)))
         pipe.sadd(keys.WORKERS, self.id)
-        pipe.execute()
+        commands = [args for args, _options in pipe.command_stack]
+        replies = pipe.execute(raise_on_error=False)
+        bad = {
+            k
+            for k, rep in zip((keys.worker(self.id), "", keys.WORKERS), replies, strict=True)
+            if k and isinstance(rep, redis.ResponseError) and "WRONGTYPE" in str(rep)
+        }
+        if bad:  # Plurai's own keys, overwritten by something else: take them back
+            log.error("heartbeat keys %s held another type; replaced", sorted(bad))
+            self.r.delete(*bad)
+            pipe = self.r.pipeline(transaction=False)
+            for args in commands:
+                pipe.execute_command(*args)
+            pipe.execute(raise_on_error=False)
         self._renew_leases()
         self._check_running()
         self.metrics.heartbeats.inc()
@@ -476,7 +504,8 @@ class Worker:
                         extra={"lane": lane, "delivery": times},
                     )
                     self.metrics.reclaimed.labels(lane).inc()
-                    return [(lane, entry_id, fields)]
+                    # The count travels with the job if it is handed back after this.
+                    return [(lane, entry_id, {**fields, b"attempts": str(failures).encode()})]
                 if cursor in (b"0-0", "0-0"):
                     break
         self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
@@ -508,7 +537,7 @@ class Worker:
         pipe = self.r.pipeline(transaction=False)
         self._dead_letter_entry(pipe, lane, entry_id, fields, error)
         self._failed(pipe, lane, entry_id, job_id, Code.TOO_MANY_DELIVERIES, error)
-        self._execute(pipe)
+        self._keep(self._execute(pipe))
 
     def _entries(self, reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         by_stream = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
@@ -553,11 +582,11 @@ class Worker:
         """Move an entry that carries no usable job id (so no result can be written)."""
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
         self.metrics.dead_lettered.labels(reason).inc()
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.r.pipeline(transaction=False)
         self._dead_letter_entry(pipe, lane, entry_id, fields, str(e))
         pipe.xack(keys.request_stream(lane), keys.GROUP, entry_id)
         pipe.xdel(keys.request_stream(lane), entry_id)
-        pipe.execute()
+        self._execute(pipe)  # a dead-letter stream gone wrong must not keep the entry
 
     def _dead_letter_entry(
         self, pipe: Any, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
@@ -589,7 +618,7 @@ class Worker:
         )
         pipe = self.r.pipeline(transaction=False)
         self._failed(pipe, lane, entry_id, job_id, code, message)
-        self._execute(pipe)
+        self._keep(self._execute(pipe))
 
     def _failed(
         self, pipe: Any, lane: str, entry_id: bytes, job_id: str, code: str, message: str
@@ -610,18 +639,24 @@ class Worker:
             if self.running[job_id].entry.entry_id != entry.entry_id:
                 self._ack(entry)  # a second entry for a job already running here
             return False  # else this worker's own entry, reclaimed after a stall: it runs
-        verdict = self._begin(
-            keys=[keys.job(job_id), keys.output(job_id)],
-            args=[
-                self.id,
-                _ms(),
-                self.settings.result_ttl_s,
-                env.deadline_ms if env.deadline_ms is not None else "",
-                entry.lane,
-                env.priority,
-                json.dumps(req.metadata) if req.metadata is not None else "",
-            ],
-        )
+        try:
+            verdict = self._begin(
+                keys=[keys.job(job_id), keys.output(job_id)],
+                args=[
+                    self.id,
+                    _ms(),
+                    self.settings.result_ttl_s,
+                    env.deadline_ms if env.deadline_ms is not None else "",
+                    entry.lane,
+                    env.priority,
+                    json.dumps(req.metadata) if req.metadata is not None else "",
+                ],
+            )
+        except redis.ResponseError as e:
+            if str(e).split(" ", 1)[0] in _PASSING:
+                self.held.insert(0, entry)  # taken again once Redis takes writes
+                raise
+            verdict = "badkey"  # refused for this job's keys
         verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
         if verdict == "badkey":
             self._end_now(Running(entry), records.FAILED, "", Code.BAD_RECORD, _BAD_RECORD)
@@ -690,15 +725,16 @@ class Worker:
         delta_keys: list[str] = []
         delta_args: list[str] = []
         finished: list[tuple[Running, str]] = []
+        errors: list[tuple[Entry, str]] = []
         now = time.time()
         generated = 0
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
                 continue
-            if getattr(out, "error", None):  # the engine raised on this job and dropped it
+            if out.error:  # the engine raised on this job and dropped it
                 del self.running[out.request_id]
-                self._retry(run.entry, out.error)
+                errors.append((run.entry, out.error))
                 continue
             if out.new_token_ids and not run.token_ids:
                 run.first_token_s = now
@@ -734,7 +770,7 @@ class Worker:
                     len(delta_keys),
                     *delta_keys,
                     self.id,
-                    self.settings.output_maxlen,
+                    self.out_maxlen,
                     *delta_args,
                 ]
             )
@@ -756,6 +792,15 @@ class Worker:
             raise
         if commands:
             self._in_flight = commands
+        for entry, error in errors:
+            try:
+                self._retry(entry, error)
+            except redis.RedisError as e:  # its entry stays pending: reclaimed, counted
+                log.warning(
+                    "could not hand back a failed job (%s); it is reclaimed later",
+                    e,
+                    extra={"job_id": entry.req.envelope.job_id},
+                )
 
     def _lost_writes(self) -> None:
         """Redis failed: writes sent since the last reply may be lost, and a Redis restarted
@@ -772,12 +817,17 @@ class Worker:
         _lost_writes). Lost deltas are made good the same way."""
         self._unsent += [_resynced(c) for c in commands if c[1] == self._sha["FINALIZE"]]
 
+    def _keep(self, commands: list[list[Any]]) -> None:
+        """Keep the results among commands Redis refused for now, to send again."""
+        self._unsent += [c for c in commands if c[1] == self._sha["FINALIZE"]]
+
     def _flush_unsent(self) -> None:
         pipe = self.r.pipeline(transaction=False)
         for command in self._unsent:
             pipe.execute_command(*command)
-        self._execute(pipe)
+        again = self._execute(pipe)  # a connection error raises here: all are kept
         self._unsent = []
+        self._keep(again)
 
     def _collect(self) -> None:
         """Read the replies of the writes sent after the previous step."""
@@ -885,7 +935,7 @@ class Worker:
             state,
             finish_reason,
             s.output_ttl_s,
-            s.output_maxlen,
+            self.out_maxlen,
             {"1": "1", "auto": ""}.get(resync, "n"),
             s.dead_letter_maxlen,
             lane,
@@ -895,7 +945,7 @@ class Worker:
         self.jobs_done += 1
 
     def _poll_cancels(self) -> None:
-        while True:
+        for _ in range(1000):  # a flood of messages waits for the next turn, not the engine
             msg = self._cancels.get_message(timeout=0)
             if msg is None:
                 return

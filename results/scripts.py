@@ -40,7 +40,9 @@ return ARGV[4]
 # ARGV: worker id, now ms, ttl, deadline ms or '', lane, priority, metadata JSON or ''
 # Returns 'run', or why not: 'done' (a final result exists: only ack the entry),
 # 'cancelled' (cancel asked while queued), 'expired' (deadline passed), 'badkey' (the record
-# is not a hash or the token stream not a stream: written by something else).
+# is not a hash or the token stream cannot take entries: written by something else).
+# Token stream writes here and below use pcall: a stream a client wrote to (e.g. an entry
+# at the largest id) must not abort a script half-way.
 BEGIN = """
 local rt = redis.call('TYPE', KEYS[1]).ok
 local st = redis.call('TYPE', KEYS[2]).ok
@@ -50,15 +52,16 @@ end
 if redis.call('HEXISTS', KEYS[1], 'final') == 1 then return 'done' end
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then return 'cancelled' end
 if ARGV[4] ~= '' and tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 'expired' end
+if st == 'stream' then
+  redis.pcall('XADD', KEYS[2], '*', 'type', 'reset')
+end
+local added = redis.pcall('XADD', KEYS[2], '*', 'type', 'start', 'worker', ARGV[1])
+if type(added) == 'table' and added.err then return 'badkey' end
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'started_ms', ARGV[2],
            'lane', ARGV[5], 'priority', ARGV[6])
 if ARGV[7] ~= '' then redis.call('HSETNX', KEYS[1], 'metadata', ARGV[7]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-if st == 'stream' then
-  redis.call('XADD', KEYS[2], '*', 'type', 'reset')
-end
-redis.call('XADD', KEYS[2], '*', 'type', 'start', 'worker', ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 'run'
 """
 
@@ -78,10 +81,10 @@ for i = 1, #KEYS, 2 do
     local st = redis.call('TYPE', KEYS[i + 1]).ok
     if st == 'stream' or st == 'none' then
       if ARGV[a] == 'r' then
-        redis.call('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'reset')
+        redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'reset')
       end
-      redis.call('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'delta',
-                 'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])
+      redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'delta',
+                  'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])
       n = n + 1
     end
   end
@@ -92,9 +95,10 @@ return n
 # KEYS: job record, token stream, dead-letter stream[, request stream to XACK]
 # ARGV: group, entry id, ttl, done channel, state, finish_reason, stream ttl, stream maxlen,
 #       resync ('1': write a reset and the whole text before the end entry; '': only when
-#       the record does not name the result's worker, i.e. its deltas may be missing; 'n':
-#       never, a job without deltas), dead-letter maxlen, lane, job id, then record
-#       field/value pairs (with text, token_ids and worker)
+#       deltas may be missing (the record does not name the result's worker) or may be
+#       stale (the stream exists and the result has no text); 'n': never, a job without
+#       deltas), dead-letter maxlen, lane, job id, then record field/value pairs (with
+#       text, token_ids and worker)
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
 # same job can never overwrite the first result. Acks and deletes the entry either way.
 # Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: the job is
@@ -103,7 +107,7 @@ FINALIZE = """
 local rt = redis.call('TYPE', KEYS[1]).ok
 local status = 0
 if rt ~= 'hash' and rt ~= 'none' then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[10], '*', 'lane', ARGV[11],
+  redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[10], '*', 'lane', ARGV[11],
              'entry_id', ARGV[2], 'job_id', ARGV[12], 'error',
              'bad_record: the job record is a ' .. rt .. ', not a hash; no result written')
   status = -1
@@ -119,13 +123,14 @@ elseif redis.call('HSETNX', KEYS[1], 'final', '1') == 1 then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   local st = redis.call('TYPE', KEYS[2]).ok
   if st == 'stream' or st == 'none' then
-    if ARGV[9] == '1' or (ARGV[9] == '' and text ~= '' and owner ~= worker) then
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'reset')
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'delta',
-                 'text', text, 'token_ids', ids)
+    local stale = st == 'stream' and text == ''
+    if ARGV[9] == '1' or (ARGV[9] == '' and ((text ~= '' and owner ~= worker) or stale)) then
+      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'reset')
+      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'delta',
+                  'text', text, 'token_ids', ids)
     end
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'end',
-               'state', ARGV[5], 'finish_reason', ARGV[6])
+    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'end',
+                'state', ARGV[5], 'finish_reason', ARGV[6])
     redis.call('EXPIRE', KEYS[2], ARGV[7])
   end
   redis.call('PUBLISH', ARGV[4], ARGV[5])
@@ -155,7 +160,10 @@ end
 redis.call('HSET', KEYS[1], 'final', '1', 'state', 'cancelled', 'finish_reason', 'abort',
            'finished_ms', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'state', 'cancelled', 'finish_reason', 'abort')
+if redis.call('TYPE', KEYS[2]).ok == 'stream' then  -- deltas of a run handed back: void
+  redis.pcall('XADD', KEYS[2], '*', 'type', 'reset')
+end
+redis.pcall('XADD', KEYS[2], '*', 'type', 'end', 'state', 'cancelled', 'finish_reason', 'abort')
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 redis.call('PUBLISH', ARGV[2], 'cancelled')
 return 'cancelled'
@@ -189,15 +197,16 @@ return 0
 # KEYS: request stream
 # ARGV: group, consumer, then entry ids
 # Renews the lease on the entries this consumer still owns (XCLAIM JUSTID resets their idle
-# time, not their delivery count) and returns the ids it no longer owns: another worker
-# reclaimed them (this one stalled), or they were acked or trimmed meanwhile.
+# time, not their delivery count) and returns the ids another consumer owns now: it
+# reclaimed them while this one stalled. Entries pending to nobody (deleted or trimmed by
+# hand) are left alone: their job runs on and its result is stored as usual.
 RENEW = """
 local lost = {}
 for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #p == 1 then
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
+  elseif #p == 1 then
     lost[#lost + 1] = ARGV[i]
   end
 end

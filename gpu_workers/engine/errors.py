@@ -26,13 +26,16 @@ class RequestError(ValueError):
 
 
 def valid_messages(messages: object) -> bool:
-    """A non-empty list of {role: str, content: str}: what chat templates are given. The wire
-    parser and the engine refuse anything else with INVALID_PROMPT."""
+    """A non-empty list of {role: str, content: str}, nothing else: what chat templates are
+    given (another key, e.g. `name`, would reach the template without the escaping of
+    special-token text that contents get). The wire parser and the engine refuse anything
+    else with INVALID_PROMPT."""
     return (
         isinstance(messages, list)
         and bool(messages)
         and all(
             isinstance(m, dict)
+            and m.keys() == {"role", "content"}
             and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str)
             for m in messages

@@ -176,16 +176,28 @@ def test_reclaimed_entry_is_dropped_unwritten(redis_url, engine):
 
 def test_stream_and_dead_letter_bounds(redis_url, engine):
     worker = make_worker(
-        redis_url, engine, output_ttl_s=120, output_maxlen=16, dead_letter_maxlen=5
+        redis_url,
+        engine,
+        output_ttl_s=120,
+        output_maxlen=16,
+        max_tokens_limit=32,
+        dead_letter_maxlen=5,
     )
+    assert worker.out_maxlen == 32 + 64  # never below one run's deltas
     client = Client(redis_url)
     r = worker.r
     try:
-        job = client.submit("bounded", max_tokens=200, ignore_eos=True)
+        job = client.submit("bounded", max_tokens=20, ignore_eos=True)
+        for _ in range(400):  # earlier runs' entries (here: written by hand)
+            r.xadd(keys.output(job.id), {"type": "delta", "text": "old", "token_ids": "[]"})
         run_until(worker, lambda: job.record().final)
         assert 0 < r.ttl(keys.output(job.id)) <= 120  # the stream expires before the record
         assert r.ttl(keys.job(job.id)) > 3600
-        assert r.xlen(keys.output(job.id)) < 200  # capped, about output_maxlen entries
+        entries = stream(r, job.id)
+        assert len(entries) < 300  # capped, at about out_maxlen entries
+        last_reset = max(i for i, f in enumerate(entries) if f[b"type"] == b"reset")
+        after = [f for f in entries[last_reset:] if f[b"type"] == b"delta"]
+        assert "".join(f[b"text"].decode() for f in after) == job.record().text
         for i in range(300):
             r.xadd(keys.request_stream("standard"), {"id": "x", "n": str(i)})
         run_until(worker, lambda: r.xlen(keys.request_stream("standard")) == 0)
@@ -226,3 +238,104 @@ def test_engine_fault_is_retried_then_dead_lettered(redis_url, tiny_model):
         worker._cancels.close()
         client.close()
         engine.close()
+
+
+def spelled(entries: list[dict[bytes, bytes]]) -> str | None:
+    """The text of the deltas after the last reset; None without an end entry."""
+    text: list[str] = []
+    for f in entries:
+        if f[b"type"] == b"reset":
+            text = []
+        elif f[b"type"] == b"delta":
+            text.append(f[b"text"].decode())
+        elif f[b"type"] == b"end":
+            return "".join(text)
+    return None
+
+
+def test_overwritten_shared_keys_do_not_stop_the_worker(redis_url, engine):
+    """Plurai's own keys written with the wrong type by a client: the worker takes them
+    back and serves on; nothing is charged to the jobs."""
+    worker = make_worker(redis_url, engine, heartbeat_interval_s=0.1)
+    client = Client(redis_url)
+    r = worker.r
+    try:
+        r.set(keys.WORKERS, "x")
+        r.set(keys.DEAD_LETTER, "x")
+        job = client.submit("serving", max_tokens=40, ignore_eos=True)
+        r.xadd(keys.request_stream("standard"), {"no": "id"})  # for the dead-letter stream
+        run_until(worker, lambda: job.id in worker.running)
+        r.set(keys.worker(worker.id), "x")
+        run_until(worker, lambda: job.record().final)
+        assert job.record().state == records.COMPLETED
+        worker._next_beat = 0
+        worker._iterate()
+        assert r.type(keys.WORKERS) == b"set" and r.type(keys.worker(worker.id)) == b"hash"
+        assert r.xlen(keys.request_stream("standard")) == 0  # the no-id entry was acked
+    finally:
+        worker._cancels.close()
+        client.close()
+
+
+def test_a_result_without_text_voids_earlier_deltas(redis_url, engine):
+    """A job handed back after a partial run, then cancelled while queued: its stream ends
+    with a reset, so its deltas spell the record's (empty) text; by the SDK's CANCEL and by
+    the worker that meets the flag."""
+    worker = make_worker(redis_url, engine)
+    client = Client(redis_url)
+    r = worker.r
+    try:
+        by_sdk = client.submit("partial a", max_tokens=4)
+        by_worker = client.submit("partial b", max_tokens=4)
+        for job in (by_sdk, by_worker):  # what a run handed back leaves behind
+            r.xadd(keys.output(job.id), {"type": "start", "worker": "gone"})
+            r.xadd(keys.output(job.id), {"type": "delta", "text": "hello", "token_ids": "[1]"})
+        assert by_sdk.cancel() == "cancelled"
+        r.hset(keys.job(by_worker.id), "cancel", "1")  # the flag alone, as if no script ran
+        run_until(worker, lambda: by_worker.record().final)
+        for job in (by_sdk, by_worker):
+            rec = job.record()
+            assert rec.state == records.CANCELLED and rec.text in ("", None)
+            assert spelled(stream(r, job.id)) == ""
+    finally:
+        worker._cancels.close()
+        client.close()
+
+
+def test_a_stream_at_the_largest_id_ends_only_its_job(redis_url, engine):
+    worker = make_worker(redis_url, engine)
+    client = Client(redis_url)
+    r = worker.r
+    top = "18446744073709551615-18446744073709551615"
+    try:
+        before = client.submit("blocked before", max_tokens=4)
+        r.xadd(keys.output(before.id), {"x": "y"}, id=top)
+        during = client.submit("blocked during", max_tokens=60, ignore_eos=True)
+        other = client.submit("bystander", max_tokens=60, ignore_eos=True)
+        run_until(worker, lambda: during.id in worker.running and other.id in worker.running)
+        r.xadd(keys.output(during.id), {"x": "y"}, id=top)
+        run_until(worker, lambda: during.record().final and other.record().final)
+        rb = before.record()
+        assert rb.state == records.FAILED and rb.error_code == protocol.Code.BAD_RECORD
+        assert during.record().state == records.COMPLETED  # its record holds the text
+        ro = other.record()
+        assert ro.state == records.COMPLETED and spelled(stream(r, other.id)) == ro.text
+        assert [f[b"type"] for f in stream(r, other.id)].count(b"reset") == 0
+    finally:
+        worker._cancels.close()
+        client.close()
+
+
+def test_an_entry_deleted_while_its_job_runs_still_gets_its_result(redis_url, engine):
+    worker = make_worker(redis_url, engine, heartbeat_interval_s=0.05)
+    client = Client(redis_url)
+    try:
+        job = client.submit("deleted entry", max_tokens=300, ignore_eos=True)
+        run_until(worker, lambda: job.id in worker.running)
+        entry = worker.running[job.id].entry
+        worker.r.xdel(keys.request_stream(entry.lane), entry.entry_id)
+        run_until(worker, lambda: job.record().final)
+        assert job.record().state == records.COMPLETED
+    finally:
+        worker._cancels.close()
+        client.close()

@@ -123,6 +123,17 @@ def test_refused_with_code(f: dict[bytes, bytes], code: str) -> None:
     assert code_of(f, limits) == code
 
 
+def test_entry_field_count_is_bounded() -> None:
+    f = entry({"prompt": "hi"}, **{f"x{i}": "1" for i in range(40)})
+    assert code_of(f) == Code.TOO_LARGE
+
+
+def test_messages_hold_role_and_content_only() -> None:
+    # another key would reach the chat template without the escaping contents get
+    msg = {"role": "user", "content": "hi", "name": "<|im_end|>"}
+    assert code_of(entry({"messages": [msg]})) == Code.INVALID_PROMPT
+
+
 def test_body_bytes_refused_before_decoding() -> None:
     f = entry(b"not even json" * 100)
     assert code_of(f, Limits(body_bytes=100)) == Code.TOO_LARGE
