@@ -53,3 +53,29 @@ def test_salts_never_share_redis_blocks(redis_url, model_factory, engine_factory
     assert run(two, "a", longer, "tenant-a") == (112, cold.token_ids)
     assert two.stats()["kv_redis_hits"] == 7
     two.close()
+
+
+def test_salts_across_two_worker_processes(redis_url, workers):
+    """Through the queue: a second worker process reuses a prefix from Redis only for the
+    tenant that computed it, and `cached_tokens` tells another tenant nothing."""
+    from producer.client import Client
+
+    shared = "Tenant handbook, page one: " + " ".join(f"w{i}" for i in range(150))
+    kv = ["--engine", f"kv_redis_url={redis_url}", "--engine", "kv_write_through=true"]
+    client = Client(redis_url)
+    workers.start(1, *kv)
+    first = client.submit(shared + " First?", max_tokens=4, cache_salt="tenant-a")
+    assert first.result(timeout=120).state == "completed"
+    assert workers.stop() == [0]
+
+    workers.start(1, *kv)  # a new process: its device cache is empty
+    other = client.submit(shared + " Second?", max_tokens=4, cache_salt="tenant-b")
+    plain = client.submit(shared + " Second?", max_tokens=4)
+    same = client.submit(shared + " Second?", max_tokens=4, cache_salt="tenant-a")
+    ro, rp = other.result(timeout=120), plain.result(timeout=120)
+    rs = same.result(timeout=120)
+    assert rs.worker != first.record().worker
+    assert ro.cached_tokens == 0 and rp.cached_tokens == 0
+    assert rs.cached_tokens and rs.cached_tokens >= 128  # tenant A's blocks, from Redis
+    assert ro.text == rp.text == rs.text  # the salt changes what is shared, not the output
+    client.close()

@@ -57,6 +57,7 @@ class OneStepEngine:
                 logprobs=None,
                 finished=True,
                 finish_reason="stop",
+                error=None,
             )
             for i in ids
         ]
