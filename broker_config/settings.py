@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     takes_per_step: int | None = Field(default=None, ge=1)
 
     model_dir: str | None = None
+    # The engine's shared KV tier (EngineConfig.kv_redis_url) when --engine does not set it:
+    # here a password stays out of the process list.
+    kv_redis_url: str | None = None
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>
 
     # Each worker serves Prometheus metrics on http://<metrics_host>:<metrics_port>/metrics.

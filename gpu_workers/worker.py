@@ -1152,6 +1152,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     from gpu_workers.engine.engine import Engine
 
     options = {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **dict(args.engine)}
+    if settings.kv_redis_url and "kv_redis_url" not in options:
+        options["kv_redis_url"] = settings.kv_redis_url
     engine = Engine(EngineConfig(model=settings.model_dir, **options))
     # The engine's long-lived objects (a Block per KV block, the model) would be scanned by
     # every full garbage collection: ~160 ms for 262k blocks, a stall in the middle of
