@@ -238,7 +238,7 @@ def add_batch_parser(sub: Any) -> None:
 
 
 def cmd_worker(rest: list[str]) -> int:
-    from gpu_workers import worker
+    from gpu_workers import serve as worker
 
     return worker.main(rest)
 

@@ -12,7 +12,8 @@ import pytest
 
 from broker_config import keys, logs, stats
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
-from gpu_workers.worker import Worker, serve_metrics
+from gpu_workers.serve import serve_metrics
+from gpu_workers.worker import Worker
 
 
 def record(**extra: object) -> logging.LogRecord:

@@ -1,0 +1,154 @@
+"""The `plurai worker` entry: arguments, settings, the engine, Redis (embedded when no URL is
+given), the metrics endpoint and signals, around one Worker.
+
+    plurai worker --model models/tiny-llama [--url redis://...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker_config import logs
+from broker_config.connection import connect, redact
+from broker_config.settings import DEFAULT_METRICS_PORT, Settings
+from gpu_workers.worker import Worker
+
+log = logging.getLogger("plurai.worker")
+
+
+def serve_metrics(worker: Worker, url: str, settings: Settings) -> int:
+    """Start the worker's /metrics endpoint; returns its port (0: none was asked for)."""
+    port = settings.metrics_port
+    if port < 0:
+        return 0
+    # Its own connection with short timeouts: a scrape must not hang on a slow Redis.
+    worker.metrics.watch_queue(
+        redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2), worker.lanes
+    )
+    try:
+        bound = worker.metrics.serve(port, settings.metrics_host)
+    except OSError as e:
+        if "metrics_port" in settings.model_fields_set:
+            raise SystemExit(
+                f"plurai worker: cannot serve metrics on {settings.metrics_host}:{port} ({e}); "
+                "choose another --metrics-port (0: any free port, -1: none)"
+            ) from e
+        bound = worker.metrics.serve(0, settings.metrics_host)
+        log.warning("metrics port %d is taken (another worker?); serving on %d", port, bound)
+    log.info("metrics on http://%s:%d/metrics", settings.metrics_host, bound)
+    return bound
+
+
+def _engine_option(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    if not name or not _:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local Hugging Face model directory (PLURAI_MODEL_DIR)")
+    p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL); none: an embedded redis-server")
+    p.add_argument("--worker-id", help="consumer name; default host-pid-random")
+    p.add_argument("--grace", type=float, help="seconds to finish running jobs on SIGTERM")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (processes)")
+    p.add_argument(
+        "--engine",
+        type=_engine_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help=f"Prometheus /metrics port (PLURAI_METRICS_PORT, default {DEFAULT_METRICS_PORT}; "
+        "0: any free port; -1: none)",
+    )
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (PLURAI_LOG_LEVEL)")
+    p.add_argument(
+        "--log-format", choices=logs.FORMATS, help="text or json lines (PLURAI_LOG_FORMAT)"
+    )
+
+
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    if isinstance(argv, argparse.Namespace):
+        args = argv
+    else:
+        p = argparse.ArgumentParser(prog="plurai worker", description=__doc__.split("\n\n")[0])
+        add_arguments(p)
+        args = p.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for name in ("log_level", "log_format", "metrics_port"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
+    if args.url:
+        overrides["redis_url"] = args.url
+    if args.grace is not None:
+        overrides["grace_period_s"] = args.grace
+    if args.worker_id:
+        overrides["worker_id"] = args.worker_id
+    if args.model:
+        overrides["model_dir"] = args.model
+    settings = Settings(**overrides)
+    logs.setup(settings.log_level, settings.log_format)
+    if not settings.model_dir:
+        raise SystemExit("plurai worker: give --model DIR (or set PLURAI_MODEL_DIR)")
+
+    from broker_config.embedded import EmbeddedRedis, running_url
+    from gpu_workers.engine.config import EngineConfig
+    from gpu_workers.engine.engine import Engine
+
+    options = {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **dict(args.engine)}
+    if settings.kv_redis_url and "kv_redis_url" not in options:
+        options["kv_redis_url"] = settings.kv_redis_url
+    engine = Engine(EngineConfig(model=settings.model_dir, **options))
+    # The engine's long-lived objects (a Block per KV block, the model) would be scanned by
+    # every full garbage collection: ~160 ms for 262k blocks, a stall in the middle of
+    # serving. They live as long as the process, so take them out of the collector's view.
+    gc.collect()
+    gc.freeze()
+    model_dir = Path(settings.model_dir)
+    names = {model_dir.name, str(model_dir), str(model_dir.resolve()), engine.model_fingerprint}
+
+    embedded = None
+    url = settings.redis_url or running_url(Path(settings.data_dir))
+    if url is None:
+        embedded = EmbeddedRedis(Path(settings.data_dir) / "redis")
+        url = embedded.start()
+        log.info("started embedded redis-server at %s (data in %s)", redact(url), embedded.data_dir)
+    try:
+        worker = Worker(engine, connect(url), settings, model_names=names)
+        worker.metrics_port = serve_metrics(worker, url, settings)
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            if worker.stopping and signum == signal.SIGINT:
+                worker.request_stop(0.0)
+            else:
+                worker.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        worker.run()
+    finally:
+        engine.close()  # the group's other ranks, the KV tier's writer
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
