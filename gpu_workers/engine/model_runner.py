@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.parallel import placement
+from gpu_workers.engine.placement import placement
 from gpu_workers.engine.sequence import Sequence
 from gpu_workers.layers.attention import AttnContext, Prefill, use_flash
 from gpu_workers.models.loader import build_model, load_config, resolve_dtype

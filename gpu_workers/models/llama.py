@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.engine.parallel import TP, Stage
+from gpu_workers.engine.placement import TP, Stage
 from gpu_workers.layers.attention import AttnContext, PagedAttention
 from gpu_workers.layers.linear import Linear
 from gpu_workers.layers.norm import RMSNorm

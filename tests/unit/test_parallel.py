@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from gpu_workers.engine.parallel import decode_step, encode_step, split_layers
+from gpu_workers.engine.parallel import decode_step, encode_step
+from gpu_workers.engine.placement import split_layers
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import Sequence
 
