@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from gpu_workers.engine.errors import valid_messages
+from broker_config.errors import CodedError, ErrorCode, valid_messages
 
 VERSION = "1"
 MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
@@ -86,11 +86,11 @@ class Code:
     INVALID_UTF8 = "invalid_utf8"
     UNKNOWN_MODEL = "unknown_model"
     MAX_TOKENS_OVER_LIMIT = "max_tokens_over_limit"
-    # Engine level (the same strings as gpu_workers.engine.errors.ErrorCode).
-    INVALID_PROMPT = "invalid_prompt"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    INVALID_PARAMS = "invalid_params"
-    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    # Engine level: the engine's own codes (broker_config.errors.ErrorCode, defined once).
+    INVALID_PROMPT = ErrorCode.INVALID_PROMPT
+    PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG
+    INVALID_PARAMS = ErrorCode.INVALID_PARAMS
+    TOKEN_OUT_OF_VOCAB = ErrorCode.TOKEN_OUT_OF_VOCAB
     # Lifecycle.
     DEADLINE_EXCEEDED = "deadline_exceeded"
     TOO_MANY_DELIVERIES = "too_many_deliveries"  # its processing failed max_deliveries times
@@ -98,11 +98,8 @@ class Code:
     INTERNAL = "internal"
 
 
-class WireError(ValueError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+class WireError(CodedError):
+    """An entry the wire parser refuses; `code` is one of `Code`."""
 
 
 class NoJobId(WireError):
