@@ -5,6 +5,7 @@ WORKDIR /app
 ARG TORCH=torch
 RUN pip install --no-cache-dir "${TORCH}"
 COPY pyproject.toml README.md ./
+COPY cli cli
 COPY producer producer
 COPY broker_config broker_config
 COPY gpu_workers gpu_workers

@@ -24,7 +24,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 demo: install
-	$(PY) -m producer.demo
+	$(PY) -m cli.demo
 
 bench: install
 	$(PY) bench/throughput.py

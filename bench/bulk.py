@@ -70,7 +70,7 @@ def offline(a: argparse.Namespace, task: plan.Task, docs: list[str]) -> dict:
 
 def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], tmp: Path) -> dict:
     env = {**os.environ, "PLURAI_REDIS_URL": url, "PLURAI_HEARTBEAT_INTERVAL_S": "1"}
-    gpu_cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", a.model, "--url", url]
+    gpu_cmd = [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
     gpu_cmd += ["--log-level", "WARNING"]
     for k, v in engine_args(a).items():
         gpu_cmd += ["--engine", f"{k}={v}"]

@@ -93,7 +93,7 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace, model: str, url: str) -> dict:
-    cmd = [sys.executable, "-m", "producer.cli", "worker", "--model", model, "--url", url]
+    cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
     cmd += ["--grace", "0", "--log-level", "WARNING", "--engine", f"threads={a.threads}"]
     env = {**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"}
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env) for _ in range(a.workers)]

@@ -78,7 +78,7 @@ def end_to_end(a: argparse.Namespace, url: str, reqs: list[dict]) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "producer.cli",
+        "cli",
         "worker",
         "--model",
         a.model,

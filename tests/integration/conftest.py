@@ -1,4 +1,4 @@
-"""Fixtures for integration tests: a real redis-server on a free port and worker processes (`python -m producer.cli worker`)."""
+"""Fixtures for integration tests: a real redis-server on a free port and worker processes (`python -m cli worker`)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class Workers:
                 [
                     sys.executable,
                     "-m",
-                    "producer.cli",
+                    "cli",
                     "worker",
                     "--model",
                     str(self.model),

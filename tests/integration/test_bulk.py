@@ -262,7 +262,7 @@ def test_malformed_lines_go_to_the_error_file(celery, tmp_path):
 
 
 def test_cli_submit_status_cancel_results(celery, tmp_path, tiny_model, capsys):
-    from producer import cli
+    from cli import main as cli
 
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -54,7 +54,7 @@ def until(what: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 def status_json(url: str) -> dict[str, Any]:
     run = subprocess.run(
-        [sys.executable, "-m", "producer.cli", "status", "--json", "--url", url],
+        [sys.executable, "-m", "cli", "status", "--json", "--url", url],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -200,7 +200,7 @@ def test_lines_that_cannot_be_encoded_get_error_lines(client, tmp_path):
 
 
 def test_results_refuse_ids_that_would_write_outside_the_folder(client, tmp_path, capsys):
-    from producer import cli
+    from cli import main as cli
 
     url = client.redis.connection_pool.connection_kwargs
     dest = tmp_path / "out"

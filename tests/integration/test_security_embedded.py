@@ -97,7 +97,7 @@ def test_a_wrong_password_is_refused_without_printing_it(server, command):
     port = urllib.parse.urlsplit(url).port
     wrong = f"redis://default:s3cret@127.0.0.1:{port}/0"
     run = subprocess.run(
-        [sys.executable, "-m", "producer.cli", *command, "--url", wrong],
+        [sys.executable, "-m", "cli", *command, "--url", wrong],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -51,10 +51,10 @@ def test_every_plurai_service_runs_a_real_entry_point():
         args = argv(service)
         if args[0] == "plurai":
             (script,) = entry_points(group="console_scripts", name="plurai")
-            assert script.value == "producer.cli:main"
+            assert script.value == "cli.main:main"
             # the same arguments, asking for help: exits 0 only for a real subcommand
             run = subprocess.run(
-                [sys.executable, "-m", "producer.cli", *args[1:2], "--help"],
+                [sys.executable, "-m", "cli", *args[1:2], "--help"],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,

@@ -14,7 +14,7 @@ from gpu_workers.models.factory import make_tokenizer, model_config
 def test_make_model_cli_writes_a_loadable_model(tmp_path):
     out = tmp_path / "q3"
     subprocess.run(
-        [sys.executable, "-m", "producer.cli", "make-model", str(out), "--family", "qwen3"],
+        [sys.executable, "-m", "cli", "make-model", str(out), "--family", "qwen3"],
         check=True,
         capture_output=True,
     )

@@ -76,7 +76,7 @@ def test_log_lines_are_redacted_in_both_formats():
 def test_status_against_a_dead_url_never_prints_the_password(flags):
     url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"  # nothing listens there
     run = subprocess.run(
-        [sys.executable, "-m", "producer.cli", "status", "--url", url, *flags],
+        [sys.executable, "-m", "cli", "status", "--url", url, *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,

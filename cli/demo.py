@@ -58,7 +58,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "producer.cli",
+                "cli",
                 "worker",
                 "--model",
                 str(MODEL),

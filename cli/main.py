@@ -10,6 +10,9 @@ plurai batch submit FILE|DIR [--task ...]    run an OpenAI Batch JSONL, or docum
 plurai batch status|cancel|results ID        watch, stop, or fetch the output of a batch
 """
 
+# Also `python -m cli ...`. The client commands use producer/ (the SDK); `worker` and
+# `make-model` dispatch to gpu_workers, imported only when used.
+
 from __future__ import annotations
 
 import argparse

@@ -1,0 +1,5 @@
+"""`python -m cli ...`: the `plurai` command."""
+
+from cli.main import main
+
+raise SystemExit(main())
