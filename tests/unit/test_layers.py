@@ -1,0 +1,178 @@
+"""Import layering of the project's packages, read from the source with `ast` (every
+`import` and `from ... import`, including those inside functions and `if` blocks):
+
+- no import cycle between the project's modules;
+- imports run one way, downward: broker_config at the bottom, then kv_store and results
+  (side by side: neither imports the other), then gpu_workers, then producer, with cli/
+  (the `plurai` command, which also starts workers) on top. producer is the client SDK,
+  what a client installs: it imports nothing of gpu_workers. ALLOWED spells it out: a
+  package may import its own modules and those of the packages listed for it, nothing else.
+
+A failure names each offending import as file:line.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# package -> the other packages its modules may import
+ALLOWED: dict[str, set[str]] = {
+    "broker_config": set(),
+    "kv_store": {"broker_config"},
+    "results": {"broker_config"},
+    "gpu_workers": {"broker_config", "kv_store", "results"},
+    "producer": {"broker_config", "kv_store", "results"},  # never gpu_workers
+    "cli": {"broker_config", "kv_store", "results", "gpu_workers", "producer"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for package in ALLOWED:
+        base = ROOT / package
+        if not (base / "__init__.py").is_file():
+            continue
+        for path in sorted(base.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                mods[module_name(path)] = path
+    return mods
+
+
+MODULES = project_modules()
+
+
+def resolve(name: str) -> str | None:
+    """The project module that importing `name` runs last: `name` itself, else the
+    longest project module it starts with; None when it is not the project's."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports(module: str, path: Path) -> Iterator[tuple[str, int]]:
+    """(imported project module, line) for each import in the file."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (target := resolve(alias.name)) is not None:
+                    yield target, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's own package upward
+                base = module.split(".")
+                drop = node.level - 1 if is_package else node.level
+                base = base[: len(base) - drop] if drop else base
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            for alias in node.names:
+                # `from pkg import mod` imports the submodule pkg.mod when there is one
+                target = resolve(f"{prefix}.{alias.name}")
+                if target is None or target != f"{prefix}.{alias.name}":
+                    target = resolve(prefix)
+                if target is not None:
+                    yield target, node.lineno
+
+
+def graph() -> dict[str, dict[str, list[str]]]:
+    """module -> {imported module -> ["file:line", ...]}"""
+    edges: dict[str, dict[str, list[str]]] = {m: {} for m in MODULES}
+    for module, path in MODULES.items():
+        where = path.relative_to(ROOT).as_posix()
+        for target, line in imports(module, path):
+            if target == module:
+                continue
+            found = edges[module].setdefault(target, [])
+            if f"{where}:{line}" not in found:
+                found.append(f"{where}:{line}")
+    return edges
+
+
+def cycles(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_modules_found():
+    assert {m.partition(".")[0] for m in MODULES} >= {
+        "broker_config",
+        "kv_store",
+        "results",
+        "gpu_workers",
+        "producer",
+        "cli",
+    }
+    assert "gpu_workers.engine.engine" in MODULES and "cli.main" in MODULES
+
+
+def test_no_import_cycle():
+    edges = graph()
+    problems = []
+    for component in cycles(edges):
+        inside = set(component)
+        lines = [
+            f"  {src} -> {dst}  ({', '.join(where)})"
+            for src in component
+            for dst, where in sorted(edges[src].items())
+            if dst in inside
+        ]
+        problems.append("import cycle among " + ", ".join(component) + ":\n" + "\n".join(lines))
+    assert not problems, "\n".join(problems)
+
+
+def test_imports_run_downward():
+    problems = []
+    for src, targets in sorted(graph().items()):
+        src_pkg = src.partition(".")[0]
+        for dst, where in sorted(targets.items()):
+            dst_pkg = dst.partition(".")[0]
+            if dst_pkg != src_pkg and dst_pkg not in ALLOWED[src_pkg]:
+                problems += [
+                    f"{w}: {src} imports {dst} ({src_pkg} may import only "
+                    f"{', '.join(sorted(ALLOWED[src_pkg])) or 'itself'})"
+                    for w in where
+                ]
+    assert not problems, "imports against the layering:\n" + "\n".join(sorted(problems))
