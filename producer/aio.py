@@ -11,18 +11,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import redis.asyncio
 
-from broker_config import keys
 from broker_config.connection import connect_async, resolve_url
 from broker_config.settings import Settings
-from producer.client import _final, _s
-from producer.errors import queue_full
+from broker_config.text import text
+from producer.client import cancel_call
+from producer.errors import QueueFull, final, retry_pause, submitted
 from producer.request import prepare
-from results import scripts, tokens
+from results import jobs, records, tokens, wait
 from results.records import JobRecord
+
+_CHUNK = 5000  # jobs per pipeline round trip in submit_many
 
 
 class AsyncClient:
@@ -39,84 +42,50 @@ class AsyncClient:
             if redis is not None
             else connect_async(resolve_url(url, self.settings), decode=True)
         )
-        self._submit = self.redis.register_script(scripts.SUBMIT)
-        self._cancel = self.redis.register_script(scripts.CANCEL)
 
     async def submit(
         self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
     ) -> AsyncJob:
-        _job_id, key_list, args = prepare(self.settings, prompt=prompt, **options)
+        """As Client.submit."""
+        call = prepare(self.settings, prompt=prompt, **options)
         give_up = time.monotonic() + queue_timeout
         while True:
             try:
-                return AsyncJob(self, _s(await self._submit(keys=key_list, args=args)))
+                return AsyncJob(self, text(await jobs.run_async(self.redis, call)))
             except redis.ResponseError as e:
-                full = queue_full(e, args[5], self.settings.queue_full_retry_s)
-                if full is None:
-                    raise
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    raise full from None
-                await asyncio.sleep(min(0.1, left))
+                retry = self.settings.queue_full_retry_s
+                await asyncio.sleep(retry_pause(e, call.lane, retry, give_up))
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncJob]:
-        sha = await self.redis.script_load(scripts.SUBMIT)
-        jobs: list[AsyncJob] = []
-        for i in range(0, len(requests), 5000):
+        """As Client.submit_many."""
+        await jobs.load_async(self.redis, "SUBMIT")
+        out: list[AsyncJob] = []
+        for i in range(0, len(requests), _CHUNK):
+            calls = [prepare(self.settings, **req) for req in requests[i : i + _CHUNK]]
             pipe = self.redis.pipeline(transaction=False)
-            lanes = []
-            for req in requests[i : i + 5000]:
-                _job_id, key_list, args = prepare(self.settings, **req)
-                pipe.execute_command("EVALSHA", sha, len(key_list), *key_list, *args)
-                lanes.append(args[5])
+            for call in calls:
+                pipe.execute_command(*call.command())
             replies = await pipe.execute(raise_on_error=False)
-            full = None
-            for reply, lane in zip(replies, lanes, strict=True):
-                if isinstance(reply, Exception):
-                    full = queue_full(reply, lane, self.settings.queue_full_retry_s)
-                    if full is None:
-                        raise reply
-                else:
-                    jobs.append(AsyncJob(self, _s(reply)))
-            if full is not None:
-                full.accepted = jobs
-                raise full
-        return jobs
+            try:
+                ids = submitted(replies, [c.lane for c in calls], self.settings.queue_full_retry_s)
+            except QueueFull as full:
+                full.accepted = out + [AsyncJob(self, j) for j in full.accepted]
+                raise
+            out += [AsyncJob(self, j) for j in ids]
+        return out
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)
 
     async def records(self, job_ids: list[str]) -> list[JobRecord]:
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hgetall(keys.job(job_id))
-        return [
-            JobRecord.from_hash(j, h) for j, h in zip(job_ids, await pipe.execute(), strict=True)
-        ]
+        return await records.get_many_async(self.redis, job_ids)
 
     async def wait_all(
         self, jobs: list[AsyncJob] | list[str], timeout: float | None = None
     ) -> list[JobRecord]:
-        """Block until every job is final (or timeout); subscribe first, then read."""
+        """Block until every job is final (or timeout); returns their records in order."""
         ids = [j.id if isinstance(j, AsyncJob) else j for j in jobs]
-        by_channel = {keys.done_channel(j): j for j in ids}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(*by_channel)
-            pending = {r.id for r in await self.records(ids) if not r.final}
-            while pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                msg = await pubsub.get_message(timeout=1.0 if left is None else min(left, 1.0))
-                if msg is None:  # quiet for a second: look again, in case a message was lost
-                    pending -= {r.id for r in await self.records(sorted(pending)) if r.final}
-                    continue
-                pending.discard(by_channel[_s(msg["channel"])])
-            return await self.records(ids)
-        finally:
-            await pubsub.aclose()
+        return await wait.wait_many_async(self.redis, ids, timeout)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -137,44 +106,30 @@ class AsyncJob:
         return f"AsyncJob({self.id!r})"
 
     async def record(self) -> JobRecord:
-        return JobRecord.from_hash(self.id, await self.client.redis.hgetall(keys.job(self.id)))
+        return await records.get_async(self.client.redis, self.id)
 
     async def status(self) -> str:
         return (await self.record()).state
 
     async def result(self, timeout: float | None = None) -> JobRecord:
         """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled."""
-        (rec,) = await self.client.wait_all([self.id], timeout)
-        return _final(rec, timeout)
+        (rec,) = await wait.wait_many_async(self.client.redis, [self.id], timeout)
+        return final(rec, timeout)
 
     async def stream(self, block_ms: int = 1000) -> AsyncIterator[str]:
+        """As Job.stream."""
         follower = tokens.TextFollower()
-        key, last = keys.output(self.id), "0-0"
-        while True:
-            reply = await self.client.redis.xread({key: last}, count=256, block=block_ms)
-            for _stream, entries in tokens.stream_items(reply):
-                for entry_id, fields in entries:
-                    last = entry_id
-                    ev = tokens.parse(fields)
-                    text = follower.feed(ev)
-                    if text:
-                        yield text
-                    if ev.type == tokens.END:
-                        _final(await self.record(), None)
-                        return
+        events = tokens.events_async(self.client.redis, self.id, block_ms=block_ms)
+        async with aclosing(events):
+            async for ev in events:
+                delta = follower.feed(ev)
+                if delta:
+                    yield delta
+        final(await self.record(), None)
 
     async def cancel(self) -> str:
-        return _s(
-            await self.client._cancel(
-                keys=[keys.job(self.id), keys.output(self.id)],
-                args=[
-                    self.client.settings.result_ttl_s,
-                    keys.done_channel(self.id),
-                    keys.CANCEL_CHANNEL,
-                    self.id,
-                    int(time.time() * 1000),
-                ],
-            )
+        return text(
+            await jobs.run_async(self.client.redis, cancel_call(self.client.settings, self.id))
         )
 
 

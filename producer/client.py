@@ -15,12 +15,13 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe, keys
+from broker_config import fastpipe
 from broker_config.connection import connect, resolve_url
 from broker_config.settings import Settings
-from producer.errors import JobCancelled, JobFailed, QueueFull, queue_full
+from broker_config.text import text
+from producer.errors import QueueFull, final, retry_pause, submitted
 from producer.request import prepare
-from results import records, scripts, tokens, wait
+from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
 _CHUNK = 5000  # jobs per pipeline round trip in submit_many
@@ -41,8 +42,6 @@ class Client:
         self.redis = (
             redis if redis is not None else connect(resolve_url(url, self.settings), decode=True)
         )
-        self._submit = self.redis.register_script(scripts.SUBMIT)
-        self._cancel = self.redis.register_script(scripts.CANCEL)
 
     def submit(
         self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
@@ -53,53 +52,38 @@ class Client:
 
         When the lane is full, raises QueueFull at once, or with `queue_timeout` > 0 keeps
         trying until there is room or that many seconds have passed."""
-        job_id, key_list, args = prepare(self.settings, prompt=prompt, **options)
+        call = prepare(self.settings, prompt=prompt, **options)
         give_up = time.monotonic() + queue_timeout
         while True:
             try:
-                return Job(self, _s(self._submit(keys=key_list, args=args)))
+                return Job(self, text(jobs.run(self.redis, call)))
             except redis.ResponseError as e:
-                full = queue_full(e, args[5], self.settings.queue_full_retry_s)
-                if full is None:
-                    raise
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    raise full from None
-                time.sleep(min(0.1, left))
+                retry = self.settings.queue_full_retry_s
+                time.sleep(retry_pause(e, call.lane, retry, give_up))
 
     def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[Job]:
         """Queue many jobs, pipelined: each dict holds submit's arguments. If a lane is full,
         raises QueueFull after the chunk in flight; its `accepted` lists the jobs queued."""
-        sha = self.redis.script_load(scripts.SUBMIT)
-        jobs: list[Job] = []
-        chunk: list[bytes] = []
-        lanes: list[str] = []
+        jobs.load(self.redis, "SUBMIT")
+        out: list[Job] = []
+        chunk: list[jobs.Call] = []
         for req in requests:
-            _job_id, key_list, args = prepare(self.settings, **req)
-            chunk.append(fastpipe.pack(["EVALSHA", sha, len(key_list), *key_list, *args]))
-            lanes.append(args[5])
+            chunk.append(prepare(self.settings, **req))
             if len(chunk) == _CHUNK:
-                jobs += self._send(chunk, lanes, jobs)
-                chunk, lanes = [], []
+                out += self._send(chunk, out)
+                chunk = []
         if chunk:
-            jobs += self._send(chunk, lanes, jobs)
-        return jobs
+            out += self._send(chunk, out)
+        return out
 
-    def _send(self, chunk: list[bytes], lanes: list[str], before: list[Job]) -> list[Job]:
-        replies = fastpipe.run(self.redis, chunk)
-        jobs: list[Job] = []
-        full: QueueFull | None = None
-        for reply, lane in zip(replies, lanes, strict=True):
-            if not isinstance(reply, Exception):
-                jobs.append(Job(self, _s(reply)))
-                continue
-            full = queue_full(reply, lane, self.settings.queue_full_retry_s)
-            if full is None:
-                raise reply
-        if full is not None:
-            full.accepted = before + jobs
-            raise full
-        return jobs
+    def _send(self, calls: list[jobs.Call], before: list[Job]) -> list[Job]:
+        replies = fastpipe.run(self.redis, [fastpipe.pack(c.command()) for c in calls])
+        try:
+            ids = submitted(replies, [c.lane for c in calls], self.settings.queue_full_retry_s)
+        except QueueFull as full:
+            full.accepted = before + [Job(self, i) for i in full.accepted]
+            raise
+        return [Job(self, i) for i in ids]
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
@@ -142,45 +126,24 @@ class Job:
 
     def result(self, timeout: float | None = None) -> JobRecord:
         """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled."""
-        rec = wait.wait(self.client.redis, self.id, timeout)
-        return _final(rec, timeout)
+        return final(wait.wait(self.client.redis, self.id, timeout), timeout)
 
     def stream(self, block_ms: int = 1000) -> Iterator[str]:
         """Text deltas as the worker produces them; raises JobFailed / JobCancelled at the end
         of a job that did not complete."""
         follower = tokens.TextFollower()
         for ev in tokens.events(self.client.redis, self.id, block_ms=block_ms):
-            text = follower.feed(ev)
-            if text:
-                yield text
-        _final(self.record(), None)
+            delta = follower.feed(ev)
+            if delta:
+                yield delta
+        final(self.record(), None)
 
     def cancel(self) -> str:
         """Cancel; returns 'cancelled', 'cancelling' (its worker is told), or the final state
         the job already had."""
-        return _s(
-            self.client._cancel(
-                keys=[keys.job(self.id), keys.output(self.id)],
-                args=[
-                    self.client.settings.result_ttl_s,
-                    keys.done_channel(self.id),
-                    keys.CANCEL_CHANNEL,
-                    self.id,
-                    int(time.time() * 1000),
-                ],
-            )
-        )
+        return text(jobs.run(self.client.redis, cancel_call(self.client.settings, self.id)))
 
 
-def _final(rec: JobRecord, timeout: float | None) -> JobRecord:
-    if not rec.final:
-        raise TimeoutError(f"job {rec.id} is {rec.state} after {timeout}s")
-    if rec.state == records.FAILED:
-        raise JobFailed(rec)
-    if rec.state == records.CANCELLED:
-        raise JobCancelled(rec)
-    return rec
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def cancel_call(settings: Settings, job_id: str) -> jobs.Call:
+    """The CANCEL call of a job (shared with producer.aio)."""
+    return jobs.cancel(job_id=job_id, ttl_s=settings.result_ttl_s, now_ms=int(time.time() * 1000))

@@ -1,7 +1,13 @@
-"""Exceptions a client sees when a job did not complete."""
+"""Exceptions a client sees when a job did not complete, and the checks (shared by the sync
+and async clients) that raise them."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from broker_config.text import text
+from results import records
 from results.records import JobRecord
 from results.tokens import JobRestarted
 
@@ -43,4 +49,56 @@ def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | N
     return QueueFull(lane, int(text.split()[1]), retry_after)
 
 
-__all__ = ["JobCancelled", "JobFailed", "JobRestarted", "QueueFull", "queue_full"]
+def retry_pause(error: Exception, lane: str, retry_after: float, give_up: float) -> float:
+    """After a SUBMIT error reply: the seconds to wait before trying again. Raises `error`
+    itself when it is not QUEUEFULL, and QueueFull once time.monotonic() passes `give_up`."""
+    full = queue_full(error, lane, retry_after)
+    if full is None:
+        raise error
+    left = give_up - time.monotonic()
+    if left <= 0:
+        raise full from None
+    return min(0.1, left)
+
+
+def submitted(replies: list[Any], lanes: list[str], retry_after: float) -> list[str]:
+    """The job ids of a chunk of SUBMIT replies (one per call, in order, an error reply as
+    its exception). If a lane was full, raises QueueFull after the chunk, its `accepted`
+    holding the ids queued; any other error reply is raised as it is."""
+    ids: list[str] = []
+    full: QueueFull | None = None
+    for reply, lane in zip(replies, lanes, strict=True):
+        if not isinstance(reply, Exception):
+            ids.append(text(reply))
+            continue
+        full = queue_full(reply, lane, retry_after)
+        if full is None:
+            raise reply
+    if full is not None:
+        full.accepted = ids
+        raise full
+    return ids
+
+
+def final(rec: JobRecord, timeout: float | None) -> JobRecord:
+    """`rec` if the job completed; else raises TimeoutError (not final yet), JobFailed or
+    JobCancelled."""
+    if not rec.final:
+        raise TimeoutError(f"job {rec.id} is {rec.state} after {timeout}s")
+    if rec.state == records.FAILED:
+        raise JobFailed(rec)
+    if rec.state == records.CANCELLED:
+        raise JobCancelled(rec)
+    return rec
+
+
+__all__ = [
+    "JobCancelled",
+    "JobFailed",
+    "JobRestarted",
+    "QueueFull",
+    "final",
+    "queue_full",
+    "retry_pause",
+    "submitted",
+]

@@ -1,4 +1,4 @@
-"""Turn a submit call into the SUBMIT script's keys and arguments (wire protocol v1)."""
+"""Turn a submit call into the request entry (wire protocol v1) and its SUBMIT call."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import time
 from typing import Any
 
-from broker_config import keys, protocol
+from broker_config import protocol
 from broker_config.settings import Settings
+from results import jobs
 
 SUBMIT_OPTIONS = frozenset(
     {
@@ -47,8 +48,9 @@ def prepare(
     cache_salt: str | None = None,
     special_tokens: bool = False,
     **sampling: Any,
-) -> tuple[str, list[str], list[Any]]:
-    """Returns (job id, KEYS, ARGV) for the SUBMIT script.
+) -> jobs.Call:
+    """The SUBMIT call (results.jobs.submit) that queues the request; its `job_id` and
+    `lane` say which job and lane.
 
     `deadline` is an absolute unix time in seconds (e.g. time.time() + 60); the job fails
     with deadline_exceeded if no worker starts it before then. Sampling parameters are
@@ -106,21 +108,18 @@ def prepare(
     ]
     if deadline is not None:
         fields += ["deadline", int(deadline * 1000)]
-    key_list = [keys.request_stream(lane), keys.job(job_id)]
     if idempotency_key is not None:
         fields += ["idem", idempotency_key]
-        key_list.append(keys.idempotency(idempotency_key))
-    args: list[Any] = [
-        settings.stream_maxlen,
-        settings.queued_ttl_s,
-        settings.idempotency_ttl_s,
-        job_id,
-        int(time.time() * 1000),
-        lane,
-        priority,
-        json.dumps(metadata, separators=(",", ":")) if metadata is not None else "",
-        settings.max_queued_per_lane,
-        keys.GROUP,
-        *fields,
-    ]
-    return job_id, key_list, args
+    return jobs.submit(
+        lane=lane,
+        job_id=job_id,
+        fields=fields,
+        created_ms=int(time.time() * 1000),
+        priority=priority,
+        metadata_json=json.dumps(metadata, separators=(",", ":")) if metadata is not None else None,
+        idempotency_key=idempotency_key,
+        stream_maxlen=settings.stream_maxlen,
+        queued_ttl_s=settings.queued_ttl_s,
+        idempotency_ttl_s=settings.idempotency_ttl_s,
+        max_queued=settings.max_queued_per_lane,
+    )

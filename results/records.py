@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from broker_config import keys
+from broker_config.text import text
 
 QUEUED = "queued"
 RUNNING = "running"
@@ -20,10 +22,6 @@ COMPLETED = "completed"
 FAILED = "failed"
 CANCELLED = "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
-
-
-def _s(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def _int(h: dict[str, str], name: str) -> int | None:
@@ -65,7 +63,7 @@ class JobRecord:
 
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[Any, Any]) -> JobRecord:
-        h = {_s(k): _s(v) for k, v in raw.items()}
+        h = {text(k): text(v) for k, v in raw.items()}
         if not h:
             return cls(id=job_id, state="unknown")
         return cls(
@@ -102,10 +100,25 @@ def get(r: redis.Redis, job_id: str) -> JobRecord:
 
 def get_many(r: redis.Redis, job_ids: list[str]) -> list[JobRecord]:
     """Many records in one round trip (a pipeline of HGETALL)."""
-    pipe = r.pipeline(transaction=False)
+    return _parse(job_ids, _reads(r.pipeline(transaction=False), job_ids).execute())
+
+
+async def get_async(r: redis.asyncio.Redis, job_id: str) -> JobRecord:
+    return JobRecord.from_hash(job_id, await r.hgetall(keys.job(job_id)))
+
+
+async def get_many_async(r: redis.asyncio.Redis, job_ids: list[str]) -> list[JobRecord]:
+    return _parse(job_ids, await _reads(r.pipeline(transaction=False), job_ids).execute())
+
+
+def _reads(pipe: Any, job_ids: list[str]) -> Any:
     for job_id in job_ids:
         pipe.hgetall(keys.job(job_id))
-    return [JobRecord.from_hash(j, h) for j, h in zip(job_ids, pipe.execute(), strict=True)]
+    return pipe
+
+
+def _parse(job_ids: list[str], replies: list[Any]) -> list[JobRecord]:
+    return [JobRecord.from_hash(j, h) for j, h in zip(job_ids, replies, strict=True)]
 
 
 def final_fields(

@@ -3,6 +3,9 @@
 Each runs as one step in Redis, so a job is never half-finished: the final result, the end
 entry of its token stream, the completion message and the XACK of its request entry
 happen together. Scripts take every key in KEYS (named by broker_config.keys).
+
+Each script's KEYS and ARGV are built in one place only, results/jobs.py, which has one typed
+function per script: call those, never a script with positional arguments.
 """
 
 from __future__ import annotations
@@ -227,4 +230,43 @@ for i, key in ipairs(KEYS) do
   end
 end
 return out
+"""
+
+
+# -- bulk batches (producer/bulk/store.py) ----------------------------------------------
+
+# KEYS: batch lines, batch record
+# ARGV: index, line JSON, ok (1/0), prompt tokens, output tokens, now ms, TTL seconds of
+#       both keys
+# Stores a line's one result; the counts move only when it was new. Returns 1, or 0 when
+# the line had a result already.
+BATCH_LINE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'completed' or 'failed', 1)
+redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[4])
+redis.call('HINCRBY', KEYS[2], 'output_tokens', ARGV[5])
+redis.call('HSET', KEYS[2], 'beat_ms', ARGV[6])
+redis.call('EXPIRE', KEYS[1], ARGV[7])
+redis.call('EXPIRE', KEYS[2], ARGV[7])
+return 1
+"""
+
+# KEYS: batch record
+# Returns the new generation, or false if there is no record (HINCRBY alone would create
+# one, without a TTL).
+BATCH_GEN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+return redis.call('HINCRBY', KEYS[1], 'gen', 1)
+"""
+
+# KEYS: batch record
+# ARGV: new status, then the statuses it may replace
+# Returns the status after the call, or false if there is no record.
+BATCH_MOVE = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return false end
+for i = 2, #ARGV do
+  if cur == ARGV[i] then redis.call('HSET', KEYS[1], 'status', ARGV[1]) return ARGV[1] end
+end
+return cur
 """

@@ -8,13 +8,15 @@ far), and one `type=end` (`state`, `finish_reason`) written with the final resul
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from broker_config import keys
+from broker_config.text import text
 
 START = "start"
 DELTA = "delta"
@@ -36,10 +38,7 @@ def delta_fields(text: str, token_ids: list[int]) -> dict[str, str]:
 
 
 def parse(fields: dict[Any, Any]) -> Event:
-    f = {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in fields.items()
-    }
+    f = {text(k): text(v) for k, v in fields.items()}
     ids = f.get("token_ids")
     return Event(
         type=f.get("type", ""),
@@ -50,6 +49,30 @@ def parse(fields: dict[Any, Any]) -> Event:
     )
 
 
+class Reader:
+    """A position in a job's token stream (I/O-free): `request()` is the XREAD argument,
+    `feed(reply)` the events of its reply, up to and including `end`, after which `ended`
+    is true."""
+
+    def __init__(self, job_id: str, last_id: str = "0-0") -> None:
+        self.key = keys.output(job_id)
+        self.last_id: Any = last_id
+        self.ended = False
+
+    def request(self) -> dict[str, Any]:
+        return {self.key: self.last_id}
+
+    def feed(self, reply: Any) -> Iterator[Event]:
+        for _stream, entries in stream_items(reply):
+            for entry_id, fields in entries:
+                self.last_id = entry_id
+                ev = parse(fields)
+                self.ended = ev.type == END
+                yield ev
+                if self.ended:
+                    return
+
+
 def events(
     r: redis.Redis, job_id: str, block_ms: int = 1000, last_id: str = "0-0"
 ) -> Iterator[Event]:
@@ -57,16 +80,19 @@ def events(
 
     Waits forever for a job that never starts; callers wanting a bound use Job.result.
     """
-    key = keys.output(job_id)
-    while True:
-        reply = r.xread({key: last_id}, count=256, block=block_ms)
-        for _stream, entries in stream_items(reply):
-            for entry_id, fields in entries:
-                last_id = entry_id
-                ev = parse(fields)
-                yield ev
-                if ev.type == END:
-                    return
+    reader = Reader(job_id, last_id)
+    while not reader.ended:
+        yield from reader.feed(r.xread(reader.request(), count=256, block=block_ms))
+
+
+async def events_async(
+    r: redis.asyncio.Redis, job_id: str, block_ms: int = 1000, last_id: str = "0-0"
+) -> AsyncIterator[Event]:
+    """`events`, awaited."""
+    reader = Reader(job_id, last_id)
+    while not reader.ended:
+        for ev in reader.feed(await r.xread(reader.request(), count=256, block=block_ms)):
+            yield ev
 
 
 def stream_items(reply: Any) -> list[tuple[Any, list[Any]]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import msgpack
 import pytest
@@ -14,6 +15,7 @@ from broker_config.settings import Settings
 from gpu_workers.engine.errors import ErrorCode
 from gpu_workers.engine.sampling_params import SamplingParams
 from producer.request import prepare
+from results import jobs
 
 
 def fields(body: object = None, **kw: object) -> dict[bytes, bytes]:
@@ -102,9 +104,17 @@ def test_missing_id_is_no_job_id() -> None:
         protocol.parse_request(fields(id="bad id!"), protocol.Limits(max_tokens=100))
 
 
-def test_sdk_entry_parses_back() -> None:
+def test_sdk_entry_parses_back(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(lanes=["interactive", "standard", "batch"])
-    job_id, key_list, args = prepare(
+    named: dict[str, Any] = {}
+    real = jobs.submit
+
+    def spy(**kw: Any) -> jobs.Call:
+        named.update(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(jobs, "submit", spy)
+    call = prepare(
         settings,
         prompt="héllo",
         max_tokens=5,
@@ -114,8 +124,11 @@ def test_sdk_entry_parses_back() -> None:
         idempotency_key="k",
         deadline=1.5,
     )
-    assert key_list == ["plurai:req:batch", f"plurai:job:{job_id}", "plurai:idem:k"]
-    entry = args[8:]
+    job_id = call.job_id
+    assert (call.script, call.lane) == ("SUBMIT", "batch")
+    assert call.keys == ["plurai:req:batch", f"plurai:job:{job_id}", "plurai:idem:k"]
+    assert named["metadata_json"] == '{"x":1}' and named["idempotency_key"] == "k"
+    entry = named["fields"]
     f = {
         str(k).encode(): (v if isinstance(v, bytes) else str(v).encode())
         for k, v in zip(entry[::2], entry[1::2], strict=True)

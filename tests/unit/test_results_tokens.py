@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from results import tokens
+from results import tokens, wait
 from results.records import JobRecord
 
 
@@ -63,3 +63,40 @@ def test_parse_and_record() -> None:
         rec.final and rec.token_ids == [3] and rec.output_tokens == 1 and rec.metadata == {"a": 1}
     )
     assert JobRecord.from_hash("j", {}).state == "unknown"
+
+
+def test_reader_follows_ids_and_stops_at_end() -> None:
+    reader = tokens.Reader("j")
+    assert reader.request() == {"plurai:out:j": "0-0"}
+    reply = [
+        [
+            b"plurai:out:j",
+            [
+                (b"1-0", {b"type": b"start"}),
+                (b"2-0", {b"type": b"end", b"state": b"completed"}),
+                (b"3-0", {b"type": b"delta", b"text": b"never"}),
+            ],
+        ]
+    ]
+    got = [e.type for e in reader.feed(reply)]
+    assert got == ["start", "end"] and reader.ended and reader.last_id == b"2-0"
+    resp3 = {"plurai:out:j": [("4-0", {"type": "delta", "text": "x"})]}
+    assert [e.text for e in tokens.Reader("j").feed(resp3)] == ["x"]
+
+
+def test_waiter_settles_by_record_or_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(wait.time, "monotonic", lambda: now[0])
+    w = wait.Waiter([f"j{i}" for i in range(1500)], timeout=2.5)
+    assert [len(c) for c in w.channels()] == [1000, 500]
+    w.read([JobRecord(id=f"j{i}", state="completed", final=True) for i in range(1498)])
+    assert w.unsettled() == ["j1498", "j1499"] and w.wait_s() == 1.0
+    w.heard({"channel": b"plurai:done:j1498", "data": b"completed"})
+    now[0] += 2.0
+    assert w.unsettled() == ["j1499"] and w.wait_s() == pytest.approx(0.5)
+    now[0] += 1.0
+    assert w.wait_s() is None  # the time is up
+    forever = wait.Waiter(["a"], timeout=None)
+    assert forever.wait_s() == 1.0
+    forever.heard({"channel": "plurai:done:a", "data": "failed"})
+    assert forever.wait_s() is None

@@ -1,0 +1,11 @@
+"""Redis replies as text, whatever the connection decodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def text(v: bytes | str | Any) -> str:
+    """`v` as a str: bytes decoded as UTF-8 (bytes that are not UTF-8 become U+FFFD), anything
+    else through str()."""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)

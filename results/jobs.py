@@ -1,0 +1,308 @@
+"""Typed calls of the Lua scripts in results/scripts.py: the one place that knows each
+script's KEYS and ARGV order.
+
+Each function below builds a `Call` from named parameters; `run` (or `run_async`) sends it
+with EVALSHA, loading the script when Redis does not have it. Pipelines and packed writes
+take `call.command()`. Nothing else builds a script's positional arguments.
+
+    jobs.run(r, jobs.cancel(job_id=job_id, ttl_s=3600, now_ms=now))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+import redis.asyncio
+
+from broker_config import keys
+from results import scripts
+
+# FINALIZE's resync: when to rewrite the token stream's text before its end entry.
+RESYNC_ALWAYS = "1"  # a reset and the whole text, whatever the stream holds
+RESYNC_AUTO = ""  # only when deltas may be missing or stale (see scripts.FINALIZE)
+RESYNC_NEVER = "n"  # a job that streamed no deltas
+Resync = Literal["1", "", "n"]
+
+_FINALIZE_RESYNC = 8  # the index of FINALIZE's resync in its ARGV (ARGV[9])
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of the script `script` (a name in results/scripts.py, e.g. "FINALIZE").
+
+    `job_id` and `lane` say which job and lane the call is about, when it is about one (for
+    the caller's errors and logs); they are not sent."""
+
+    script: str
+    keys: list[str]
+    args: list[Any]
+    job_id: str = field(default="", compare=False)
+    lane: str = field(default="", compare=False)
+
+    def command(self, sha: str | None = None) -> list[Any]:
+        """["EVALSHA", sha, number of keys, *keys, *args], for a pipeline or a packed write;
+        `sha` defaults to the script's own (the SHA1 of its text)."""
+        return ["EVALSHA", sha or _digest(self.script), len(self.keys), *self.keys, *self.args]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One job's token-stream write in a DELTAS call: `text` and `token_ids` are new, or,
+    with `reset`, the whole text so far (the stream gets a reset entry first)."""
+
+    job_id: str
+    text: str
+    token_ids: list[int]
+    reset: bool = False
+
+
+def sha(name: str) -> str:
+    """The SHA1 (hex) of the script `name` in results/scripts.py, as SCRIPT LOAD returns it."""
+    return _digest(name)
+
+
+@functools.cache
+def _digest(name: str) -> str:
+    return hashlib.sha1(_text(name).encode()).hexdigest()
+
+
+def _text(name: str) -> str:
+    body = getattr(scripts, name, None)
+    if not isinstance(body, str) or not name.isupper():
+        raise KeyError(f"no script {name!r} in results/scripts.py")
+    return body
+
+
+def run(r: redis.Redis, call: Call) -> Any:
+    """Run `call` (EVALSHA); on NOSCRIPT, load the script and run it again."""
+    try:
+        return r.evalsha(_digest(call.script), len(call.keys), *call.keys, *call.args)
+    except redis.exceptions.NoScriptError:
+        r.script_load(_text(call.script))
+        return r.evalsha(_digest(call.script), len(call.keys), *call.keys, *call.args)
+
+
+async def run_async(r: redis.asyncio.Redis, call: Call) -> Any:
+    """`run`, awaited."""
+    try:
+        return await r.evalsha(_digest(call.script), len(call.keys), *call.keys, *call.args)
+    except redis.exceptions.NoScriptError:
+        await r.script_load(_text(call.script))
+        return await r.evalsha(_digest(call.script), len(call.keys), *call.keys, *call.args)
+
+
+def load(r: redis.Redis, *names: str) -> None:
+    """Load scripts into Redis' cache, before pipelining their `command()`s."""
+    for name in names:
+        r.script_load(_text(name))
+
+
+async def load_async(r: redis.asyncio.Redis, *names: str) -> None:
+    for name in names:
+        await r.script_load(_text(name))
+
+
+def _json_ids(ids: list[int]) -> str:
+    return json.dumps(ids, separators=(",", ":"))
+
+
+# -- the calls of a job's life ---------------------------------------------------------
+
+
+def submit(
+    *,
+    lane: str,
+    job_id: str,
+    fields: list[Any],
+    created_ms: int,
+    priority: int,
+    metadata_json: str | None,
+    idempotency_key: str | None = None,
+    stream_maxlen: int,
+    queued_ttl_s: int,
+    idempotency_ttl_s: int,
+    max_queued: int,
+) -> Call:
+    """Queue a job: add its request entry (`fields`: flat field/value pairs) to the lane's
+    stream and write its record. With `idempotency_key` already used, the earlier job's id
+    is returned and nothing is added. `max_queued` 0: no limit; else an error reply
+    'QUEUEFULL <queued>' when the lane holds that many waiting entries."""
+    k = [keys.request_stream(lane), keys.job(job_id)]
+    if idempotency_key is not None:
+        k.append(keys.idempotency(idempotency_key))
+    args = [
+        stream_maxlen,
+        queued_ttl_s,
+        idempotency_ttl_s,
+        job_id,
+        created_ms,
+        lane,
+        priority,
+        metadata_json or "",
+        max_queued,
+        keys.GROUP,
+        *fields,
+    ]
+    return Call("SUBMIT", k, args, job_id=job_id, lane=lane)
+
+
+def begin(
+    *,
+    job_id: str,
+    worker: str,
+    now_ms: int,
+    ttl_s: int,
+    deadline_ms: int | None,
+    lane: str,
+    priority: int,
+    metadata_json: str | None,
+) -> Call:
+    """Mark a job running on `worker` and start its token stream. Returns 'run', 'done',
+    'cancelled', 'expired' or 'badkey' (see scripts.BEGIN)."""
+    args = [
+        worker,
+        now_ms,
+        ttl_s,
+        deadline_ms if deadline_ms is not None else "",
+        lane,
+        priority,
+        metadata_json or "",
+    ]
+    return Call("BEGIN", [keys.job(job_id), keys.output(job_id)], args, job_id=job_id, lane=lane)
+
+
+def deltas(*, worker: str, maxlen: int, items: Iterable[Delta]) -> Call:
+    """Write the token deltas of one engine step, each to its job's stream while the job's
+    record names `worker`. Returns how many jobs were written."""
+    k: list[str] = []
+    args: list[Any] = [worker, maxlen]
+    for d in items:
+        k += [keys.job(d.job_id), keys.output(d.job_id)]
+        args += ["r" if d.reset else "d", d.text, _json_ids(d.token_ids)]
+    return Call("DELTAS", k, args)
+
+
+def finalize(
+    *,
+    job_id: str,
+    lane: str | None,
+    entry_id: bytes | str = "",
+    state: str,
+    finish_reason: str,
+    fields: list[Any],
+    ttl_s: int,
+    stream_ttl_s: int,
+    stream_maxlen: int,
+    resync: Resync = RESYNC_AUTO,
+    dead_letter_maxlen: int,
+) -> Call:
+    """Store a job's one final result (`fields`: flat record field/value pairs, e.g.
+    records.final_fields), end its token stream, publish its state on its done channel, and
+    ack and delete its request entry `entry_id` on `lane`'s stream (`lane` None: no entry to
+    ack). Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: the job
+    is dead-lettered)."""
+    k = [keys.job(job_id), keys.output(job_id), keys.DEAD_LETTER]
+    if lane is not None:
+        k.append(keys.request_stream(lane))
+    args = [
+        keys.GROUP,
+        entry_id,
+        ttl_s,
+        keys.done_channel(job_id),
+        state,
+        finish_reason,
+        stream_ttl_s,
+        stream_maxlen,
+        resync,
+        dead_letter_maxlen,
+        lane or "",
+        job_id,
+        *fields,
+    ]
+    return Call("FINALIZE", k, args, job_id=job_id, lane=lane or "")
+
+
+def resynced(call: Call) -> Call:
+    """The same FINALIZE call, rewriting the stream's text before its end entry (unless the
+    job streamed no deltas): for a result whose deltas may not have reached Redis."""
+    if call.script != "FINALIZE":
+        raise ValueError(f"resynced takes a FINALIZE call, not {call.script}")
+    if call.args[_FINALIZE_RESYNC] == RESYNC_NEVER:
+        return call
+    args = list(call.args)
+    args[_FINALIZE_RESYNC] = RESYNC_ALWAYS
+    return dataclasses.replace(call, args=args)
+
+
+def cancel(*, job_id: str, ttl_s: int, now_ms: int) -> Call:
+    """Cancel a job: at once if queued (or unknown), else flag it and tell its worker.
+    Returns 'cancelled', 'cancelling', or the final state the job already had."""
+    args = [ttl_s, keys.done_channel(job_id), keys.CANCEL_CHANNEL, job_id, now_ms]
+    return Call("CANCEL", [keys.job(job_id), keys.output(job_id)], args, job_id=job_id)
+
+
+def requeue(
+    *,
+    lane: str,
+    job_id: str,
+    entry_id: bytes | str,
+    maxlen: int,
+    fields: Mapping[Any, Any],
+) -> Call:
+    """Hand a job back: re-add its entry (`fields`) at the tail of `lane` and ack and delete
+    the old one `entry_id`, unless a final result exists. Returns 1 when re-added."""
+    flat = [x for kv in fields.items() for x in kv]
+    args = [keys.GROUP, entry_id, maxlen, *flat]
+    k = [keys.request_stream(lane), keys.job(job_id)]
+    return Call("REQUEUE", k, args, job_id=job_id, lane=lane)
+
+
+def renew(*, lane: str, consumer: str, entry_ids: Iterable[bytes | str]) -> Call:
+    """Renew `consumer`'s lease on its entries of `lane`; returns the ids another consumer
+    owns now."""
+    return Call("RENEW", [keys.request_stream(lane)], [keys.GROUP, consumer, *entry_ids], lane=lane)
+
+
+def check(*, job_ids: Iterable[str]) -> Call:
+    """One number per job: 0 run on, 1 a cancel was asked, 2 the record is not a hash."""
+    return Call("CHECK", [keys.job(j) for j in job_ids], [])
+
+
+# -- bulk batches ----------------------------------------------------------------------
+
+
+def batch_line(
+    *,
+    batch_id: str,
+    index: int,
+    line: str,
+    ok: bool,
+    prompt_tokens: int,
+    output_tokens: int,
+    now_ms: int,
+    ttl_s: int,
+) -> Call:
+    """Store input line `index`'s one result line and move the batch's counts; returns 0
+    when it had one already."""
+    k = [keys.batch_lines(batch_id), keys.batch(batch_id)]
+    return Call(
+        "BATCH_LINE", k, [index, line, int(ok), prompt_tokens, output_tokens, now_ms, ttl_s]
+    )
+
+
+def batch_gen(*, batch_id: str) -> Call:
+    """Bump the batch's generation; returns it, or None when the batch has no record."""
+    return Call("BATCH_GEN", [keys.batch(batch_id)], [])
+
+
+def batch_move(*, batch_id: str, status: str, allowed: Iterable[str]) -> Call:
+    """Set the batch's status if the current one is in `allowed`; returns the status after
+    the call, or None when the batch has no record."""
+    return Call("BATCH_MOVE", [keys.batch(batch_id)], [status, *allowed])

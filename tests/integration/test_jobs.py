@@ -1,0 +1,320 @@
+"""Every typed call of results/jobs.py against a real redis-server: each named parameter
+lands where its script reads it (the record, the token stream, the request stream, the
+dead-letter stream, the channels, the TTLs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import redis
+import redis.asyncio
+
+from broker_config import keys
+from broker_config.groups import ensure_groups
+from results import jobs, records
+
+pytestmark = pytest.mark.integration
+
+LANE = "standard"
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+def submit(r: redis.Redis, job_id: str, **over) -> str:
+    named = dict(
+        lane=LANE,
+        job_id=job_id,
+        fields=["v", "1", "id", job_id, "body", "x"],
+        created_ms=1234,
+        priority=-3,
+        metadata_json='{"m":1}',
+        stream_maxlen=1000,
+        queued_ttl_s=500,
+        idempotency_ttl_s=700,
+        max_queued=0,
+    )
+    return jobs.run(r, jobs.submit(**{**named, **over}))
+
+
+def take(r: redis.Redis, consumer: str = "w1") -> str:
+    """The oldest waiting entry of LANE, read by `consumer`: its entry id."""
+    ensure_groups(r, [LANE])
+    got = r.xreadgroup(keys.GROUP, consumer, {keys.request_stream(LANE): ">"}, count=1)
+    return got[0][1][0][0]
+
+
+def begin(r: redis.Redis, job_id: str, **over) -> str:
+    named = dict(
+        job_id=job_id,
+        worker="w1",
+        now_ms=int(time.time() * 1000),
+        ttl_s=900,
+        deadline_ms=None,
+        lane=LANE,
+        priority=-3,
+        metadata_json=None,
+    )
+    return jobs.run(r, jobs.begin(**{**named, **over}))
+
+
+def finalize(r: redis.Redis, job_id: str, entry_id: str, **over) -> int:
+    named = dict(
+        job_id=job_id,
+        lane=LANE,
+        entry_id=entry_id,
+        state=records.COMPLETED,
+        finish_reason="length",
+        fields=records.final_fields(
+            text="hello", token_ids=[7, 8], prompt_tokens=3, worker="w1", finished_ms=99
+        ),
+        ttl_s=800,
+        stream_ttl_s=300,
+        stream_maxlen=100,
+        dead_letter_maxlen=50,
+    )
+    return jobs.run(r, jobs.finalize(**{**named, **over}))
+
+
+def message(pubsub) -> dict:
+    """The next published message (past the subscribe confirmations)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        msg = pubsub.get_message(timeout=0.5)
+        if msg is not None:
+            return msg
+    raise AssertionError("no message")
+
+
+def stream(r: redis.Redis, job_id: str) -> list[dict[str, str]]:
+    return [f for _, f in r.xrange(keys.output(job_id))]
+
+
+def test_submit(r):
+    assert submit(r, "j1", idempotency_key="k") == "j1"
+    ((_, entry),) = r.xrange(keys.request_stream(LANE))
+    assert entry == {"v": "1", "id": "j1", "body": "x"}
+    rec = records.get(r, "j1")
+    assert (rec.state, rec.lane, rec.priority, rec.created_ms) == ("queued", LANE, -3, 1234)
+    assert rec.metadata == {"m": 1} and 490 < r.ttl(keys.job("j1")) <= 500
+    assert r.get(keys.idempotency("k")) == "j1" and 690 < r.ttl(keys.idempotency("k")) <= 700
+    assert submit(r, "j2", idempotency_key="k") == "j1"  # the earlier job; nothing added
+    assert r.xlen(keys.request_stream(LANE)) == 1
+    submit(r, "j3", metadata_json=None)
+    assert records.get(r, "j3").metadata is None
+    with pytest.raises(redis.ResponseError, match="QUEUEFULL 2"):
+        submit(r, "j4", max_queued=2)
+    take(r)  # a taken entry no longer waits
+    assert submit(r, "j4", max_queued=2) == "j4"
+
+
+def test_begin(r):
+    submit(r, "j1")
+    assert begin(r, "j1", metadata_json='{"late":1}', priority=5) == "run"
+    rec = records.get(r, "j1")
+    assert (rec.state, rec.worker, rec.lane, rec.priority) == ("running", "w1", LANE, 5)
+    assert rec.started_ms is not None and rec.metadata == {"m": 1}  # HSETNX: kept
+    assert stream(r, "j1") == [{"type": "start", "worker": "w1"}]
+    assert 890 < r.ttl(keys.job("j1")) <= 900 and 890 < r.ttl(keys.output("j1")) <= 900
+    assert begin(r, "late", now_ms=2000, deadline_ms=1000) == "expired"
+    assert begin(r, "in-time", now_ms=1000, deadline_ms=2000) == "run"
+    r.set(keys.job("str"), "x")
+    assert begin(r, "str") == "badkey"
+
+
+def test_deltas_only_for_the_named_worker(r):
+    submit(r, "a")
+    submit(r, "b")
+    begin(r, "a")
+    begin(r, "b", worker="w2")
+    items = [jobs.Delta("a", "he", [1]), jobs.Delta("b", "no", [2])]
+    assert jobs.run(r, jobs.deltas(worker="w1", maxlen=100, items=items)) == 1
+    resync = [jobs.Delta("a", "hello", [1, 2], reset=True)]
+    assert jobs.run(r, jobs.deltas(worker="w1", maxlen=100, items=resync)) == 1
+    assert stream(r, "a")[1:] == [
+        {"type": "delta", "text": "he", "token_ids": "[1]"},
+        {"type": "reset"},
+        {"type": "delta", "text": "hello", "token_ids": "[1,2]"},
+    ]
+    assert stream(r, "b") == [{"type": "start", "worker": "w2"}]
+
+
+def test_finalize_acks_stores_and_publishes(r):
+    submit(r, "j1")
+    entry_id = take(r)
+    begin(r, "j1")
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.done_channel("j1"))
+    assert finalize(r, "j1", entry_id) == 1
+    rec = records.get(r, "j1")
+    assert (rec.state, rec.finish_reason, rec.text, rec.token_ids) == (
+        "completed",
+        "length",
+        "hello",
+        [7, 8],
+    )
+    assert rec.final and rec.prompt_tokens == 3 and rec.finished_ms == 99
+    assert stream(r, "j1")[-1] == {"type": "end", "state": "completed", "finish_reason": "length"}
+    assert 790 < r.ttl(keys.job("j1")) <= 800 and 290 < r.ttl(keys.output("j1")) <= 300
+    msg = message(pubsub)
+    assert msg["channel"] == keys.done_channel("j1") and msg["data"] == "completed"
+    pubsub.close()
+    assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
+    assert r.xlen(keys.request_stream(LANE)) == 0
+    assert finalize(r, "j1", entry_id, state="failed") == 0  # the first result stays
+    assert records.get(r, "j1").state == "completed"
+
+
+def test_finalize_resync_and_without_a_lane(r):
+    submit(r, "j1")
+    entry_id = take(r)
+    begin(r, "j1")
+    call = jobs.finalize(
+        job_id="j1",
+        lane=None,  # nothing to ack: the entry stays pending
+        state="completed",
+        finish_reason="stop",
+        fields=records.final_fields(text="whole", token_ids=[1], worker="w1", finished_ms=1),
+        ttl_s=60,
+        stream_ttl_s=60,
+        stream_maxlen=100,
+        dead_letter_maxlen=50,
+    )
+    assert jobs.run(r, jobs.resynced(call)) == 1
+    assert stream(r, "j1")[1:] == [
+        {"type": "reset"},
+        {"type": "delta", "text": "whole", "token_ids": "[1]"},
+        {"type": "end", "state": "completed", "finish_reason": "stop"},
+    ]
+    assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 1
+    assert finalize(r, "j1", entry_id) == 0  # acks it all the same
+    assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
+
+
+def test_finalize_dead_letters_a_record_that_is_not_a_hash(r):
+    submit(r, "j1")
+    entry_id = take(r)
+    r.delete(keys.job("j1"))
+    r.set(keys.job("j1"), "not a hash")
+    assert finalize(r, "j1", entry_id, resync=jobs.RESYNC_NEVER) == -1
+    ((_, dead),) = r.xrange(keys.DEAD_LETTER)
+    assert (dead["lane"], dead["entry_id"], dead["job_id"]) == (LANE, entry_id, "j1")
+    assert dead["error"].startswith("bad_record")
+    assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
+
+
+def test_cancel(r):
+    submit(r, "queued")
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.CANCEL_CHANNEL)
+    call = jobs.cancel(job_id="queued", ttl_s=600, now_ms=4321)
+    assert jobs.run(r, call) == "cancelled"
+    rec = records.get(r, "queued")
+    assert (rec.state, rec.finish_reason, rec.finished_ms, rec.final) == (
+        "cancelled",
+        "abort",
+        4321,
+        True,
+    )
+    assert 590 < r.ttl(keys.job("queued")) <= 600
+    assert stream(r, "queued")[-1] == {
+        "type": "end",
+        "state": "cancelled",
+        "finish_reason": "abort",
+    }
+    assert jobs.run(r, call) == "cancelled"  # the final state it has
+    submit(r, "running")
+    begin(r, "running")
+    assert jobs.run(r, jobs.cancel(job_id="running", ttl_s=600, now_ms=1)) == "cancelling"
+    msg = message(pubsub)
+    assert (msg["channel"], msg["data"]) == (keys.CANCEL_CHANNEL, "running")
+    pubsub.close()
+
+
+def test_requeue(r):
+    submit(r, "j1")
+    entry_id = take(r)
+    begin(r, "j1")
+    fields = {b"v": b"1", b"id": b"j1", b"attempts": b"2"}
+    call = jobs.requeue(lane=LANE, job_id="j1", entry_id=entry_id, maxlen=100, fields=fields)
+    assert jobs.run(r, call) == 1
+    ((new_id, entry),) = r.xrange(keys.request_stream(LANE))
+    assert new_id != entry_id and entry == {"v": "1", "id": "j1", "attempts": "2"}
+    rec = records.get(r, "j1")
+    assert rec.state == "queued" and rec.worker is None and rec.started_ms is None
+    assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
+
+
+def test_renew_reports_entries_another_consumer_took(r):
+    submit(r, "a")
+    submit(r, "b")
+    mine, taken = take(r, "w1"), take(r, "w1")
+    r.xclaim(keys.request_stream(LANE), keys.GROUP, "w2", 0, [taken])
+    call = jobs.renew(lane=LANE, consumer="w1", entry_ids=[mine, taken])
+    assert jobs.run(r, call) == [taken]
+
+
+def test_check(r):
+    submit(r, "run")
+    submit(r, "asked")
+    jobs.run(r, jobs.cancel(job_id="asked", ttl_s=60, now_ms=1))
+    r.set(keys.job("str"), "x")
+    assert jobs.run(r, jobs.check(job_ids=["run", "asked", "str"])) == [0, 1, 2]
+
+
+def test_batch_calls(r):
+    assert jobs.run(r, jobs.batch_gen(batch_id="b1")) is None  # no record: none created
+    assert not r.exists(keys.batch("b1"))
+    r.hset(keys.batch("b1"), mapping={"status": "in_progress"})
+    assert jobs.run(r, jobs.batch_gen(batch_id="b1")) == 1
+    line = jobs.batch_line(
+        batch_id="b1",
+        index=3,
+        line='{"x":1}',
+        ok=True,
+        prompt_tokens=5,
+        output_tokens=7,
+        now_ms=11,
+        ttl_s=100,
+    )
+    assert jobs.run(r, line) == 1 and jobs.run(r, line) == 0  # once
+    meta = r.hgetall(keys.batch("b1"))
+    assert (meta["completed"], meta["prompt_tokens"], meta["output_tokens"]) == ("1", "5", "7")
+    assert meta["beat_ms"] == "11" and r.hget(keys.batch_lines("b1"), "3") == '{"x":1}'
+    assert 90 < r.ttl(keys.batch_lines("b1")) <= 100
+    move = jobs.batch_move(batch_id="b1", status="cancelling", allowed=["validating"])
+    assert jobs.run(r, move) == "in_progress"  # not allowed: unchanged
+    move = jobs.batch_move(batch_id="b1", status="cancelling", allowed=["in_progress"])
+    assert jobs.run(r, move) == "cancelling"
+    assert jobs.run(r, jobs.batch_move(batch_id="none", status="x", allowed=[])) is None
+
+
+def test_run_loads_a_script_redis_lost(r, redis_url):
+    r.script_flush()
+    assert submit(r, "j1") == "j1"
+    assert r.script_exists(jobs.sha("SUBMIT")) == [True]
+    r.script_flush()
+
+    async def run_async() -> None:
+        ar = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            call = jobs.check(job_ids=["j1"])
+            assert await jobs.run_async(ar, call) == [0]
+            r.script_flush()
+            await jobs.load_async(ar, "CHECK")
+            assert await ar.execute_command(*call.command()) == [0]
+        finally:
+            await ar.aclose()
+
+    asyncio.run(run_async())
+    r.script_flush()
+    jobs.load(r, "BEGIN")
+    assert r.script_exists(jobs.sha("BEGIN"), jobs.sha("SUBMIT")) == [True, False]
+    assert json.loads(r.hget(keys.job("j1"), "metadata")) == {"m": 1}
