@@ -16,7 +16,7 @@ from celery import Celery
 
 from broker_config import keys
 from broker_config.connection import resolve_url
-from producer.bulk.settings import BulkSettings
+from broker_config.settings import BulkSettings
 
 app = Celery("plurai", include=["producer.bulk.tasks"])
 

@@ -4,6 +4,8 @@ only here. docs/protocol.md documents the same names for clients in other langua
 
 from __future__ import annotations
 
+import hashlib
+
 PREFIX = "plurai"
 GROUP = "workers"  # the consumer group on every request stream
 
@@ -89,6 +91,13 @@ def batch_output(batch_id: str) -> str:
 def batch_errors(batch_id: str) -> str:
     """The finished error JSONL (string)."""
     return f"{PREFIX}:batch:{batch_id}:errors"
+
+
+def bulk_idempotency(batch_id: str, custom_id: str, level: int, chunk: int) -> str:
+    """The idempotency key (the submit option; its Redis key is `idempotency(...)` of it) of
+    a batch line's request: chunk `chunk` of reduce level `level` of the line `custom_id`."""
+    cid = hashlib.blake2b(custom_id.encode(), digest_size=8).hexdigest()
+    return f"bulk:{batch_id}:{cid}:{level}:{chunk}"
 
 
 def batch_all(batch_id: str) -> list[str]:

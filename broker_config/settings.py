@@ -4,16 +4,21 @@ Precedence, highest first: arguments to `Settings(...)`, environment variables, 
 file named by `PLURAI_CONFIG`, the defaults below.
 
     PLURAI_REDIS_URL=rediss://worker:secret@redis.internal:6380/0 plurai worker --model m/
+
+Bulk batches have their own, `BulkSettings`: environment variables `PLURAI_BATCH_*`, then
+the table `[batch]` of the same TOML file (`[batch]` `window = 512` is
+`PLURAI_BATCH_WINDOW=512`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -23,6 +28,27 @@ from broker_config.protocol import Limits
 
 CONFIG_ENV = "PLURAI_CONFIG"
 DEFAULT_METRICS_PORT = 9400
+
+
+def config_file() -> str | None:
+    """The TOML file named by PLURAI_CONFIG (None: none named); FileNotFoundError if it is
+    not a file."""
+    path = os.environ.get(CONFIG_ENV)
+    if path and not os.path.isfile(path):
+        raise FileNotFoundError(f"{CONFIG_ENV}={path}: no such file")
+    return path or None
+
+
+def _toml_table(path: str, table: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pydantic-settings reads TOML with tomli too
+        import tomli as tomllib  # type: ignore[no-redef]
+    with open(path, "rb") as f:
+        found = tomllib.load(f).get(table, {})
+    if not isinstance(found, dict):
+        raise ValueError(f"{CONFIG_ENV}={path}: {table} must be a table ([{table}])")
+    return found
 
 
 class Settings(BaseSettings):
@@ -133,10 +159,8 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = os.environ.get(CONFIG_ENV)
+        path = config_file()
         if path:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{CONFIG_ENV}={path}: no such file")
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
 
@@ -160,3 +184,42 @@ class Settings(BaseSettings):
         if lane not in self.lanes:
             raise ValueError(f"unknown lane {lane!r}; configured lanes: {self.lanes}")
         return lane
+
+
+class BulkSettings(BaseSettings):
+    """Settings of bulk batches (producer/bulk): environment variables PLURAI_BATCH_*, then
+    the table [batch] of the PLURAI_CONFIG file, then the defaults below."""
+
+    model_config = SettingsConfigDict(env_prefix="PLURAI_BATCH_", extra="ignore")
+
+    window: int = 256  # input lines with requests in flight at once, per batch
+    max_line_bytes: int = 1 << 20  # a longer input line is refused
+    default_max_tokens: int = 256  # when a chat request gives none
+    pass_s: float = 5.0  # one step task drives its batch this long, then re-queues itself
+    poll_s: float = 0.2  # longest wait for a job's done message before looking again
+    look_s: float = 1.0  # how often a pass reads the status and every in-flight job's state
+    completion_window_s: int = 24 * 3600  # an unfinished batch expires after this
+    ttl_s: int = 7 * 24 * 3600  # a finished batch's keys expire after this
+    # An unfinished batch's keys expire this long after they were last written or renewed
+    # (every pass of its driver renews them): a safety net for a batch nobody drives any
+    # more. Keep it above completion_window_s.
+    running_ttl_s: int = 14 * 24 * 3600
+    stale_s: float = 60.0  # maintenance re-kicks a running batch silent for this long
+    maintain_interval_s: float = 30.0  # celery beat period of the maintenance task
+    # Celery's redelivery time for unacknowledged tasks; far longer than any task (pass_s).
+    visibility_timeout_s: int = 3600
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = config_file()
+        if path:
+            sources.append(InitSettingsSource(settings_cls, _toml_table(path, "batch")))
+        return tuple(sources)

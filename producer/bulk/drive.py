@@ -1,8 +1,8 @@
 """One pass of a batch, by its status: validate, drive the requests, or finalize.
 
 Every action can be repeated after a crash with the same effect: requests are submitted
-with idempotency keys `bulk:<batch>:<custom_id hash>:<level>:<chunk>` (a repeat returns the
-same job), each line's result is written once (store.record_line), and the progress of a
+with idempotency keys `bulk:<batch>:<custom_id hash>:<level>:<chunk>`
+(keys.bulk_idempotency; a repeat returns the same job), each line's result is written once (store.record_line), and the progress of a
 line (its level and jobs) is saved after its requests are submitted, so a pass that died
 in between submits the same requests again and gets the same jobs back.
 
@@ -15,7 +15,6 @@ model is not the configured one (another folder name) fails with `model_mismatch
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import time
 from pathlib import PurePath
@@ -25,10 +24,10 @@ import redis
 from redis.client import NEVER_DECODE
 
 from broker_config import keys
-from broker_config.settings import Settings
+from broker_config.settings import BulkSettings, Settings
+from broker_config.text import text
 from producer.bulk import finalize, plan, store
 from producer.bulk.inputs import LineError, parse_line
-from producer.bulk.settings import BulkSettings
 from producer.client import Client
 from producer.errors import QueueFull
 from results import records
@@ -96,7 +95,7 @@ def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettin
     # read as bytes, whatever the connection decodes: bytes that are not UTF-8 become
     # U+FFFD, so such a line is an error line, never a crash of the whole batch
     lines = r.execute_command("LRANGE", keys.batch_input(batch_id), 0, -1, **{NEVER_DECODE: []})
-    raw = [_s(x) for x in lines]
+    raw = [text(x) for x in lines]
     seen: dict[str, int] = {}
     valid = 0
     pipe = r.pipeline(transaction=True)
@@ -163,7 +162,7 @@ class Driver:
         self.model_dir, self.problem = configured_model(meta)
         self.model_name = PurePath(self.model_dir or meta.get("model_dir", "")).name
         self.max_model_len = int(meta.get("max_model_len", 0) or 0)
-        active = sorted(int(_s(i)) for i in self.r.smembers(keys.batch_active(batch_id)))
+        active = sorted(int(text(i)) for i in self.r.smembers(keys.batch_active(batch_id)))
         self.state: dict[int, dict[str, Any]] = {}
         self.finished: set[str] = set()
         self.pubsub: Any = None
@@ -190,7 +189,7 @@ class Driver:
             while True:
                 now = time.monotonic()
                 if now >= next_look:  # the status, a heartbeat, and any missed message
-                    status = _s(self.r.hget(keys.batch(self.id), "status") or b"")
+                    status = text(self.r.hget(keys.batch(self.id), "status") or b"")
                     if status == store.CANCELLING:
                         return self._cancel()
                     if status != store.IN_PROGRESS:
@@ -245,7 +244,7 @@ class Driver:
         msg = self.pubsub.get_message(timeout=timeout)
         prefix = len(keys.done_channel(""))
         while msg is not None:
-            self.finished.add(_s(msg["channel"])[prefix:])
+            self.finished.add(text(msg["channel"])[prefix:])
             msg = self.pubsub.get_message(timeout=0)
 
     # -- starting lines ------------------------------------------------------------
@@ -301,9 +300,8 @@ class Driver:
             return
         order: list[tuple[int, dict[str, Any]]] = []
         for i, (level, opts) in plans.items():
-            cid = hashlib.blake2b(self.reqs[i]["custom_id"].encode(), digest_size=8).hexdigest()
             for c, o in enumerate(opts):
-                key = f"bulk:{self.id}:{cid}:{level}:{c}"
+                key = keys.bulk_idempotency(self.id, self.reqs[i]["custom_id"], level, c)
                 order.append((i, {**o, "lane": LANE, "stream": False, "idempotency_key": key}))
         while True:
             try:
@@ -422,7 +420,3 @@ class Driver:
         self.r.hset(keys.batch(self.id), mapping={"end_status": end_status, "next": self.total})
         moved = store.move(self.r, self.id, store.FINALIZING, store.CANCELLING, store.IN_PROGRESS)
         return moved or ""
-
-
-def _s(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)

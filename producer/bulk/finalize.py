@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from broker_config import keys
+from broker_config.text import text
 from producer.bulk import store
 
 
@@ -98,8 +99,8 @@ def finalize(r: redis.Redis, batch_id: str, total: int, ttl_s: int) -> tuple[int
         for line in r.hmget(keys.batch_lines(batch_id), part) if part else []:
             if line is None:
                 continue
-            text = line.decode() if isinstance(line, bytes) else line
-            (err if is_error(text) else out).append(text)
+            line = text(line)
+            (err if is_error(line) else out).append(line)
     pipe = r.pipeline(transaction=True)
     pipe.set(keys.batch_output(batch_id), "".join(x + "\n" for x in out))
     pipe.set(keys.batch_errors(batch_id), "".join(x + "\n" for x in err))

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from broker_config import keys
+from broker_config.settings import BulkSettings
+from broker_config.text import text
 from producer.bulk import store
 from producer.bulk.plan import Task
-from producer.bulk.settings import BulkSettings
 from producer.client import Client
 
 
@@ -144,8 +145,4 @@ def results(client: Client, batch_id: str) -> tuple[str, str]:
     if meta.get("status") not in store.TERMINAL:
         raise ValueError(f"batch {batch_id} is {meta.get('status')}; results come when it ends")
     out, err = client.redis.mget(keys.batch_output(batch_id), keys.batch_errors(batch_id))
-    return _s(out or ""), _s(err or "")
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return text(out or ""), text(err or "")

@@ -5,10 +5,12 @@ or failed (no valid line), cancelling → cancelled, expired. Counts: total, com
 failed. Each input line gets exactly one result line (HSETNX), and the counts move in the
 same script, so a retried step can neither duplicate a line nor count it twice.
 
-Every key of a batch (keys.batch_all) expires: BulkSettings.running_ttl_s after it was last
-written or renewed while the batch runs (each write that creates a key sets it, each pass
-renews it), BulkSettings.ttl_s after the batch ends. A batch id names keys and files, so
-only ids of letters, digits, `_` and `-` are accepted (check_id).
+Every key of a batch (keys.batch_all) expires: BulkSettings.running_ttl_s
+(broker_config/settings.py) after it was last written or renewed while the batch runs (each
+write that creates a key sets it, each pass renews it), BulkSettings.ttl_s after the batch
+ends. A batch id names keys and files, so only ids of letters, digits, `_` and `-` are
+accepted (check_id). The scripts are results/scripts.py's BATCH_*, called through
+results/jobs.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import redis
 
 from broker_config import keys
+from broker_config.text import text
+from results import jobs
 
 VALIDATING = "validating"
 IN_PROGRESS = "in_progress"
@@ -32,34 +36,6 @@ EXPIRED = "expired"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED, EXPIRED})
 
 BATCH_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-# KEYS: lines, record. ARGV: index, line JSON, ok (1/0), prompt tokens, output tokens,
-# now ms, TTL seconds of both keys.
-_RECORD = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'completed' or 'failed', 1)
-redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[2], 'output_tokens', ARGV[5])
-redis.call('HSET', KEYS[2], 'beat_ms', ARGV[6])
-redis.call('EXPIRE', KEYS[1], ARGV[7])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
-return 1
-"""
-# KEYS: record. The new generation, or false if there is no record (HINCRBY alone would
-# create one, without a TTL).
-_BUMP_GEN = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-return redis.call('HINCRBY', KEYS[1], 'gen', 1)
-"""
-# KEYS: record. ARGV: new status, then the statuses it may replace.
-_MOVE = """
-local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return false end
-for i = 2, #ARGV do
-  if cur == ARGV[i] then redis.call('HSET', KEYS[1], 'status', ARGV[1]) return ARGV[1] end
-end
-return cur
-"""
 
 
 class InvalidBatchId(ValueError):
@@ -80,7 +56,7 @@ def now_ms() -> int:
 
 
 def get(r: redis.Redis, batch_id: str) -> dict[str, str]:
-    return {_s(k): _s(v) for k, v in r.hgetall(keys.batch(batch_id)).items()}
+    return {text(k): text(v) for k, v in r.hgetall(keys.batch(batch_id)).items()}
 
 
 def counts(meta: dict[str, str]) -> dict[str, int]:
@@ -98,34 +74,30 @@ def record_line(
 ) -> bool:
     """Store line `index`'s one result (the lines and the record then expire in `ttl_s`);
     False if it already had one."""
-    return bool(
-        r.eval(
-            _RECORD,
-            2,
-            keys.batch_lines(batch_id),
-            keys.batch(batch_id),
-            index,
-            line,
-            int(ok),
-            usage[0],
-            usage[1],
-            now_ms(),
-            ttl_s,
-        )
+    call = jobs.batch_line(
+        batch_id=batch_id,
+        index=index,
+        line=line,
+        ok=ok,
+        prompt_tokens=usage[0],
+        output_tokens=usage[1],
+        now_ms=now_ms(),
+        ttl_s=ttl_s,
     )
+    return bool(jobs.run(r, call))
 
 
 def bump_gen(r: redis.Redis, batch_id: str) -> int | None:
     """The batch's next generation (tasks.kick); None if the batch has no record."""
-    out = r.eval(_BUMP_GEN, 1, keys.batch(batch_id))
+    out = jobs.run(r, jobs.batch_gen(batch_id=batch_id))
     return None if out is None else int(out)
 
 
 def move(r: redis.Redis, batch_id: str, status: str, *allowed: str) -> str | None:
     """Set `status` if the current one is in `allowed`; returns the status now (None: no
     such batch)."""
-    out = r.eval(_MOVE, 1, keys.batch(batch_id), status, *allowed)
-    return _s(out) if out is not None else None
+    out = jobs.run(r, jobs.batch_move(batch_id=batch_id, status=status, allowed=allowed))
+    return text(out) if out is not None else None
 
 
 def expire(r: redis.Redis, batch_id: str, ttl_s: int) -> None:
@@ -143,7 +115,7 @@ def expire_pipe(pipe: Any, batch_id: str, ttl_s: int) -> None:
 
 def unfinished(r: redis.Redis) -> list[str]:
     """Ids of known batches not in a terminal status."""
-    ids = [_s(b) for b in r.zrange(keys.BATCHES, 0, -1)]
+    ids = [text(b) for b in r.zrange(keys.BATCHES, 0, -1)]
     bad = [b for b in ids if not BATCH_ID.fullmatch(b)]
     if bad:
         r.zrem(keys.BATCHES, *bad)  # not written by manage.create: never driven
@@ -155,10 +127,6 @@ def unfinished(r: redis.Redis) -> list[str]:
     for b, st in zip(ids, pipe.execute(), strict=True):
         if st is None:
             r.zrem(keys.BATCHES, b)  # its keys expired
-        elif _s(st) not in TERMINAL:
+        elif text(st) not in TERMINAL:
             out.append(b)
     return out
-
-
-def _s(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)

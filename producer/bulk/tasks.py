@@ -22,9 +22,8 @@ from broker_config import keys
 from broker_config.celery_app import app
 from broker_config.connection import resolve_url
 from broker_config.groups import forget_dead_consumers, forget_dead_workers
-from broker_config.settings import Settings
+from broker_config.settings import BulkSettings, Settings
 from producer.bulk import drive, store
-from producer.bulk.settings import BulkSettings
 from producer.client import Client
 
 log = logging.getLogger(__name__)

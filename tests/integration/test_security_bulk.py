@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from broker_config import keys
+from broker_config.settings import BulkSettings
 from producer.bulk import drive, manage, plan, store
-from producer.bulk.settings import BulkSettings
 from producer.client import Client
 
 from .conftest import ROOT

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from broker_config.settings import Settings
-from producer.bulk.settings import BulkSettings
+from broker_config.settings import BulkSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

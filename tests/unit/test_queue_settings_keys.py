@@ -7,7 +7,8 @@ import pytest
 
 from broker_config import keys
 from broker_config.groups import ensure_groups
-from broker_config.settings import Settings
+from broker_config.settings import BulkSettings, Settings
+from broker_config.text import text
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,6 +36,20 @@ def test_env_over_toml_over_defaults(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     assert Settings(max_tokens_limit=3).max_tokens_limit == 3
 
 
+def test_bulk_settings_env_over_the_batch_table(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "plurai.toml"
+    cfg.write_text("max_tokens_limit = 9\nwindow = 1\n[batch]\nwindow = 512\nttl_s = 5\n")
+    monkeypatch.setenv("PLURAI_CONFIG", str(cfg))
+    monkeypatch.setenv("PLURAI_BATCH_TTL_S", "7")
+    bs = BulkSettings()
+    assert (bs.window, bs.ttl_s, bs.pass_s) == (512, 7, 5.0)  # table, env, default
+    assert BulkSettings(ttl_s=3).ttl_s == 3
+    assert Settings().max_tokens_limit == 9  # the [batch] table does not bother Settings
+    monkeypatch.setenv("PLURAI_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(FileNotFoundError, match="PLURAI_CONFIG"):
+        BulkSettings()
+
+
 def test_missing_config_file_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLURAI_CONFIG", "/nonexistent/plurai.toml")
     with pytest.raises(FileNotFoundError, match="PLURAI_CONFIG"):
@@ -57,6 +72,13 @@ def test_key_names() -> None:
     assert keys.worker("w1") == "plurai:worker:w1"
     assert keys.GROUP == "workers"
     assert keys.CANCEL_CHANNEL == "plurai:cancel"
+    # bulk requests' idempotency keys: the same string on the wire as ever
+    assert keys.bulk_idempotency("batch_1", "line-7", 2, 0) == "bulk:batch_1:64cc59f5f8285ebd:2:0"
+
+
+def test_text() -> None:
+    assert text(b"caf\xc3\xa9") == "café" and text("x") == "x" and text(3) == "3"
+    assert text(b"\xff") == "\ufffd"
 
 
 def test_group_bootstrap_is_idempotent() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker_config.settings import BulkSettings
 from producer.bulk import store
 from producer.bulk.inputs import LineError, parse_line
-from producer.bulk.settings import BulkSettings
 
 LIMITS = {"max_line_bytes": 10_000, "max_tokens_limit": 100, "default_max_tokens": 8}
 TAIL = '"url": "/v1/completions", "body": {"prompt": "the river"}}'
