@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.workload import bench_model  # noqa: E402
@@ -58,9 +60,9 @@ def ttft_figures(model: str, url: str, args: argparse.Namespace) -> dict:
             **base,
             num_kv_blocks=256,
             kv_host_bytes=4 << 30,
-            kv_redis_url=url,
             kv_write_through=True,
-        )
+        ),
+        kv_redis=redis.Redis.from_url(url),
     )
     vocab = a.vocab_size
     prefix = tokens(rng, args.prefix, vocab)
@@ -84,7 +86,7 @@ def ttft_figures(model: str, url: str, args: argparse.Namespace) -> dict:
     host_hits = a.stats()["kv_host_hits"]
     a.close()
     for _ in range(args.repeats):
-        b = Engine(EngineConfig(**base, kv_host_bytes=0, kv_redis_url=url))  # a fresh worker
+        b = Engine(EngineConfig(**base, kv_host_bytes=0), kv_redis=redis.Redis.from_url(url))
         other = tokens(rng, args.prefix, vocab)  # warm-up on unrelated tokens of the same shapes
         ttft(b, other + tokens(rng, 16, vocab))
         ttft(b, other + tokens(rng, 16, vocab))
@@ -112,7 +114,9 @@ def multi_turn(model: str, url: str | None, args: argparse.Namespace) -> float:
     if url is None:
         engine = Engine(EngineConfig(**cfg, kv_host_bytes=0))
     else:
-        engine = Engine(EngineConfig(**cfg, kv_host_bytes=256 << 20, kv_redis_url=url))
+        engine = Engine(
+            EngineConfig(**cfg, kv_host_bytes=256 << 20), kv_redis=redis.Redis.from_url(url)
+        )
     vocab = engine.vocab_size
     system = tokens(rng, 512, vocab)
     chats = [list(system) for _ in range(args.chats)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis
 
 from broker_config import keys
+from broker_config.text import text
 
 
 def ensure_groups(r: redis.Redis, lanes: list[str]) -> None:
@@ -34,7 +35,7 @@ def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) ->
         except redis.ResponseError:  # no stream or group yet
             continue
         for c in consumers:
-            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            name = text(c["name"])
             if c["pending"] == 0 and c["idle"] >= min_idle_ms and not r.exists(keys.worker(name)):
                 r.xgroup_delconsumer(stream, keys.GROUP, name)
                 removed.append(f"{lane}/{name}")
@@ -44,7 +45,7 @@ def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) ->
 def forget_dead_workers(r: redis.Redis) -> list[str]:
     """Drop from `plurai:workers` the ids whose heartbeat hash has expired (workers killed
     before they could remove themselves), so `plurai status` lists only live ones."""
-    ids = [i.decode() if isinstance(i, bytes) else i for i in r.smembers(keys.WORKERS)]
+    ids = [text(i) for i in r.smembers(keys.WORKERS)]
     dead = [i for i in ids if not r.exists(keys.worker(i))]
     if dead:
         r.srem(keys.WORKERS, *dead)

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from broker_config.errors import CodedError, ErrorCode, valid_messages
+from broker_config.text import text
 
 VERSION = "1"
 MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
@@ -206,7 +207,7 @@ def _int(fields: dict[bytes, bytes], name: str, required: bool = False) -> int |
 
 def job_id_of(fields: dict[bytes, bytes]) -> str:
     raw = fields.get(b"id")
-    job_id = raw.decode("utf-8", "replace") if raw is not None and len(raw) <= 128 else ""
+    job_id = text(raw) if raw is not None and len(raw) <= 128 else ""
     if not valid_job_id(job_id):
         raise NoJobId(Code.BAD_FIELD, "field 'id' is missing or not 8-128 of [A-Za-z0-9_-]")
     return job_id

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from broker_config import keys
+from broker_config.text import text as _s
 
 
 @dataclass
@@ -61,10 +62,6 @@ class Snapshot:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _s(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def _ms_of(entry_id: Any) -> int:

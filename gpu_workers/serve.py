@@ -113,9 +113,14 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     from gpu_workers.engine.engine import Engine
 
     options = {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **dict(args.engine)}
-    if settings.kv_redis_url and "kv_redis_url" not in options:
-        options["kv_redis_url"] = settings.kv_redis_url
-    engine = Engine(EngineConfig(model=settings.model_dir, **options))
+    # The shared KV tier's Redis, connected here: the engine opens no connection itself.
+    kv_url = options.pop("kv_redis_url", None) or settings.kv_redis_url
+    kv_redis = (
+        redis.Redis.from_url(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        if kv_url
+        else None
+    )
+    engine = Engine(EngineConfig(model=settings.model_dir, **options), kv_redis=kv_redis)
     # The engine's long-lived objects (a Block per KV block, the model) would be scanned by
     # every full garbage collection: ~160 ms for 262k blocks, a stall in the middle of
     # serving. They live as long as the process, so take them out of the collector's view.

@@ -67,9 +67,13 @@ def engine_factory():
     """make(model_dir, **EngineConfig fields) -> Engine in fp32 (exact against transformers)."""
     from gpu_workers.engine.engine import Engine, EngineConfig
 
-    def make(model_dir: Path, **kwargs) -> Engine:
+    def make(model_dir: Path, kv_redis_url: str | None = None, **kwargs) -> Engine:
+        """`kv_redis_url`: the shared Redis tier, connected here as the worker does."""
+        import redis
+
         kwargs.setdefault("dtype", "fp32")
         kwargs.setdefault("kv_cache_bytes", 16 << 20)
-        return Engine(EngineConfig(model=str(model_dir), **kwargs))
+        kv = redis.Redis.from_url(kv_redis_url, socket_timeout=2) if kv_redis_url else None
+        return Engine(EngineConfig(model=str(model_dir), **kwargs), kv_redis=kv)
 
     return make

@@ -28,7 +28,6 @@ class EngineConfig:
     # KV tiers below the device cache (kv_store): cached blocks evicted from the device go
     # to host memory, and from there to Redis, where every worker of the model finds them
     kv_host_bytes: int = 1 << 30  # host tier budget; 0 disables it
-    kv_redis_url: str | None = None  # the shared Redis tier; None disables it
     kv_redis_ttl_s: int = 3600
     kv_write_through: bool = False  # also send each full block to Redis as soon as it is computed
     threads: int | None = None  # torch CPU threads; None: torch's default (cores / ranks)

@@ -18,10 +18,11 @@ import bisect
 import itertools
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
+from gpu_workers.backend import StepOutput
 from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
@@ -32,9 +33,12 @@ from gpu_workers.engine.parallel import Group, encode_step, send_step
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
-from gpu_workers.engine.sequence import Completion, Sequence, Status, StepOutput
+from gpu_workers.engine.sequence import Completion, Sequence, Status
 from gpu_workers.models.loader import fingerprint
 from kv_store.redis_tier import RedisTier
+
+if TYPE_CHECKING:
+    import redis
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +48,17 @@ _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """The native backend (gpu_workers/backend.py). `kv_redis`: a connection to the Redis
+    that holds the shared KV tier, opened by the caller (the worker); None: no Redis tier."""
+
+    def __init__(self, config: EngineConfig, kv_redis: redis.Redis | None = None) -> None:
         self.config = config
         # with tensor parallelism this process is rank 0; the other ranks are started here
         parallel = config.tensor_parallel * config.pipeline_parallel > 1
         self.group = Group(config) if parallel else None
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
+        self.max_num_seqs = config.max_num_seqs
         if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
@@ -65,7 +73,7 @@ class Engine:
             bytes.fromhex(self.model_fingerprint),
             config.prefix_caching,
         )
-        self.blocks.tiers = self._tiers()
+        self.blocks.tiers = self._tiers(kv_redis)
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(config.seed)
         self.eos_ids = self._eos_ids()
@@ -74,23 +82,18 @@ class Engine:
         self.num_steps = 0
         self._batches = itertools.count()
 
-    def _tiers(self) -> KVTiers | None:
+    def _tiers(self, kv_redis: redis.Redis | None) -> KVTiers | None:
         c = self.config
         # a rank-0 block holds only rank 0's heads: tiers are for single-rank engines
         if (
             not c.prefix_caching
             or c.tensor_parallel > 1
-            or (c.kv_host_bytes <= 0 and not c.kv_redis_url)
+            or (c.kv_host_bytes <= 0 and kv_redis is None)
         ):
             return None
         remote = None
-        if c.kv_redis_url:
-            import redis
-
-            conn = redis.Redis.from_url(
-                c.kv_redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
-            )
-            remote = RedisTier(conn, self.model_fingerprint, c.kv_redis_ttl_s)
+        if kv_redis is not None:
+            remote = RedisTier(kv_redis, self.model_fingerprint, c.kv_redis_ttl_s)
         return KVTiers(
             self.runner.kv_cache,
             bytes.fromhex(self.model_fingerprint),

@@ -9,10 +9,7 @@ lists them).
 
 from __future__ import annotations
 
-from broker_config.errors import CodedError, ErrorCode, valid_messages
+from broker_config.errors import ErrorCode, valid_messages
+from gpu_workers.backend import RequestError
 
 __all__ = ["ErrorCode", "RequestError", "valid_messages"]
-
-
-class RequestError(CodedError):
-    """A request the engine refuses; `code` is stable, `message` says what to fix."""

@@ -89,22 +89,6 @@ class Sequence:
 
 
 @dataclass
-class StepOutput:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" while finished, else None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: list[dict] | None = None  # one entry per new token when asked for
-    error: str | None = None  # with finish_reason "error": the exception, type and text
-
-
-@dataclass
 class Completion:
     """A finished request, as returned by the offline `Engine.generate`."""
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import time
 
-from broker_config import keys
 from broker_config.connection import connect
-from broker_config.groups import ensure_groups
 from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
@@ -23,21 +21,19 @@ def test_cancel_running_and_expire_queued(redis_url, tiny_model):
     )
     free = engine.blocks.num_free
     worker = Worker(engine, connect(redis_url), Settings(redis_url=redis_url), worker_id="w1")
-    ensure_groups(worker.r, worker.lanes)
-    worker._load_scripts()
-    worker._cancels.subscribe(keys.CANCEL_CHANNEL)
+    worker.start()
     client = Client(redis_url)
     try:
         expired = client.submit("too late", max_tokens=4, deadline=time.time() - 1)
         long = client.submit("keep going", max_tokens=2000, ignore_eos=True, lane="interactive")
         while long.id not in worker.running:
-            worker._iterate()
-        worker._iterate()
+            worker.iterate()
+        worker.iterate()
         assert engine.blocks.num_free < free and long.status() == records.RUNNING
         assert long.cancel() == "cancelling"
         time.sleep(0.5)  # the cancel message reaches the worker's subscription
         steps = engine.num_steps
-        worker._iterate()
+        worker.iterate()
         assert engine.num_steps - steps <= 1
         rec = long.record()
         assert rec.state == records.CANCELLED and rec.finish_reason == "abort"
@@ -45,11 +41,11 @@ def test_cancel_running_and_expire_queued(redis_url, tiny_model):
         assert not engine.has_unfinished() and engine.blocks.num_free == free  # blocks freed
 
         while not expired.record().final:
-            worker._iterate()
+            worker.iterate()
         rec = expired.record()
         assert rec.state == records.FAILED and rec.error_code == "deadline_exceeded"
         assert rec.output_tokens == 0
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
         engine.close()

@@ -10,7 +10,6 @@ import redis
 
 from broker_config.connection import connect
 from broker_config.embedded import EmbeddedRedis
-from broker_config.groups import ensure_groups
 from broker_config.settings import Settings
 from gpu_workers.worker import Worker
 from producer.client import Client
@@ -23,7 +22,8 @@ class OneStepEngine:
     """Finishes every request in one step with the text 'done'; `on_step` runs first."""
 
     num_running = num_waiting = 0
-    config = SimpleNamespace(max_num_seqs=64)
+    max_model_len = 4096
+    max_num_seqs = 64
 
     def __init__(self, on_step) -> None:
         self.on_step = on_step
@@ -71,27 +71,26 @@ def test_result_kept_across_redis_outage(tmp_path):
         job = Client(url).submit("hello", max_tokens=4)
         engine = OneStepEngine(on_step=lambda: server.proc.kill() or server.proc.wait())
         worker = Worker(engine, connect(url), Settings(redis_url=url), worker_id="w1")
-        ensure_groups(worker.r, worker.lanes)
-        worker._load_scripts()
+        worker.start()
         # Takes the job, starts it, steps: Redis dies before the result is stored. Whichever
         # call meets the dead connection keeps the result.
         for _ in range(3):
             try:
-                worker._iterate()
+                worker.iterate()
             except redis.ConnectionError:
                 pass
         assert engine.ids == [] and worker.running == {}
-        assert len(worker._unsent) == 1
+        assert len(worker.writer.unsent) == 1
         server.start()  # same port, same append-only file
         give_up = time.monotonic() + 30
-        while worker._unsent and time.monotonic() < give_up:
+        while worker.writer.unsent and time.monotonic() < give_up:
             try:
-                worker._iterate()
+                worker.iterate()
             except redis.ConnectionError:
                 time.sleep(0.1)
         rec = job.record()
         assert rec.state == records.COMPLETED and rec.text == "done" and rec.worker == "w1"
         assert pending(redis.Redis.from_url(url)) == 0  # acked with the stored result
-        worker._cancels.close()
+        worker.cancels.close()
     finally:
         server.stop()

@@ -31,9 +31,7 @@ def engine(tiny_model) -> Iterator[Engine]:
 
 def make_worker(url: str, engine: Engine, worker_id: str = "w1", **settings: object) -> Worker:
     w = Worker(engine, connect(url), Settings(redis_url=url, **settings), worker_id=worker_id)
-    ensure_groups(w.r, w.lanes)
-    w._load_scripts()
-    w._cancels.subscribe(keys.CANCEL_CHANNEL)
+    w.start()
     return w
 
 
@@ -41,7 +39,7 @@ def run_until(worker: Worker, done, timeout: float = 60.0) -> None:
     give_up = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < give_up, "timed out"
-        worker._iterate()
+        worker.iterate()
 
 
 def stream(r: redis.Redis, job_id: str) -> list[dict[bytes, bytes]]:
@@ -61,7 +59,7 @@ def test_cancel_channel_takes_any_bytes(redis_url, engine):
         run_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED  # none of it named the job
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -98,7 +96,7 @@ def test_wrong_type_keys_end_only_their_job(redis_url, engine):
         run_until(worker, lambda: e.record().final)
         assert e.record().state == records.COMPLETED
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -122,7 +120,7 @@ def test_msgpack_bin_metadata_is_a_bad_field(redis_url, engine):
         rec = records.get(r, "binmeta-0001")
         assert rec.error_code == "bad_field" and "bytes" in rec.error_message
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
 
 
 def test_lost_cancel_message_is_honoured_at_the_heartbeat(redis_url, engine):
@@ -137,7 +135,7 @@ def test_lost_cancel_message_is_honoured_at_the_heartbeat(redis_url, engine):
         assert rec.state == records.CANCELLED and rec.output_tokens < 3000
         assert not engine.has_unfinished()
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -156,21 +154,21 @@ def test_reclaimed_entry_is_dropped_unwritten(redis_url, engine):
         r.hset(keys.job(job.id), "worker", "w2")
         r.xadd(keys.output(job.id), {"type": "reset"})
         r.xadd(keys.output(job.id), {"type": "start", "worker": "w2"})
-        worker._iterate()
-        worker._collect()
+        worker.iterate()
+        worker.writer.collect()
         mark = len(stream(r, job.id))
         for _ in range(5):
-            worker._iterate()  # deltas of these steps are fenced off by the record
+            worker.iterate()  # deltas of these steps are fenced off by the record
         worker._next_beat = 0
-        worker._iterate()
+        worker.iterate()
         assert job.id not in worker.running and not engine.has_unfinished()
-        worker._collect()
+        worker.writer.collect()
         assert len(stream(r, job.id)) == mark  # nothing written after the takeover
         assert not job.record().final
         pend = r.xpending_range(keys.request_stream(entry.lane), keys.GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pend] == [b"w2"]  # the lease was not taken back
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -183,7 +181,7 @@ def test_stream_and_dead_letter_bounds(redis_url, engine):
         max_tokens_limit=32,
         dead_letter_maxlen=5,
     )
-    assert worker.out_maxlen == 32 + 64  # never below one run's deltas
+    assert worker.writer.out_maxlen == 32 + 64  # never below one run's deltas
     client = Client(redis_url)
     r = worker.r
     try:
@@ -205,7 +203,7 @@ def test_stream_and_dead_letter_bounds(redis_url, engine):
         raw = [f for _, f in r.xrange(keys.DEAD_LETTER)][-1]
         assert json.loads(raw[b"fields"])["n"] == "299"
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -235,7 +233,7 @@ def test_engine_fault_is_retried_then_dead_lettered(redis_url, tiny_model):
         assert len(dead) == 1 and json.loads(dead[0][b"fields"])["attempts"] == "2"
         assert not engine.has_unfinished()
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
         engine.close()
 
@@ -269,11 +267,11 @@ def test_overwritten_shared_keys_do_not_stop_the_worker(redis_url, engine):
         run_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED
         worker._next_beat = 0
-        worker._iterate()
+        worker.iterate()
         assert r.type(keys.WORKERS) == b"set" and r.type(keys.worker(worker.id)) == b"hash"
         assert r.xlen(keys.request_stream("standard")) == 0  # the no-id entry was acked
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -298,7 +296,7 @@ def test_a_result_without_text_voids_earlier_deltas(redis_url, engine):
             assert rec.state == records.CANCELLED and rec.text in ("", None)
             assert spelled(stream(r, job.id)) == ""
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -322,7 +320,7 @@ def test_a_stream_at_the_largest_id_ends_only_its_job(redis_url, engine):
         assert ro.state == records.COMPLETED and spelled(stream(r, other.id)) == ro.text
         assert [f[b"type"] for f in stream(r, other.id)].count(b"reset") == 0
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()
 
 
@@ -337,5 +335,5 @@ def test_an_entry_deleted_while_its_job_runs_still_gets_its_result(redis_url, en
         run_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED
     finally:
-        worker._cancels.close()
+        worker.cancels.close()
         client.close()

@@ -3,11 +3,7 @@ the job's own priority second."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from broker_config import keys
 from broker_config.connection import connect
-from broker_config.groups import ensure_groups
 from broker_config.protocol import MAX_PRIORITY
 from broker_config.settings import Settings
 from gpu_workers.worker import Worker
@@ -18,6 +14,8 @@ class Recorder:
     """Stands in for the engine: always has room, records what it is given."""
 
     num_running = num_waiting = 0
+    max_model_len = 4096
+    max_num_seqs = 64
 
     def __init__(self) -> None:
         self.added: list[tuple[str, int]] = []
@@ -36,8 +34,7 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
     settings = Settings(redis_url=redis_url, takes_per_step=3, fair_every=0, top_lane_reserve=0)
     engine = Recorder()
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    ensure_groups(w.r, w.lanes)
-    w._cancels.subscribe(keys.CANCEL_CHANNEL)
+    w.start()
     with Client(redis_url) as client:
         batch = [client.submit("b", lane="batch", priority=-5).id for _ in range(4)]
         top = client.submit("i", lane="interactive", priority=7).id
@@ -53,9 +50,9 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
 
 def test_default_takes_scale_with_the_engine(redis_url):
     engine = Recorder()
-    engine.config = SimpleNamespace(max_num_seqs=128)  # type: ignore[attr-defined]
+    engine.max_num_seqs = 128
     w = Worker(engine, connect(redis_url), Settings(redis_url=redis_url), worker_id="w1")
-    ensure_groups(w.r, w.lanes)
+    w.start()
     with Client(redis_url) as client:
         client.submit_many([{"prompt": "x", "lane": "interactive"} for _ in range(10)])
         w._fill()

@@ -6,6 +6,7 @@ import json
 import logging
 import socket
 import urllib.request
+from types import SimpleNamespace
 
 import fakeredis
 import pytest
@@ -57,7 +58,8 @@ def test_setup_refuses_unknown_level_or_format():
 
 
 def _worker(**settings: object) -> Worker:
-    return Worker(None, fakeredis.FakeRedis(), Settings(**settings), worker_id="w")
+    engine = SimpleNamespace(max_model_len=4096, max_num_seqs=64)  # not stepped here
+    return Worker(engine, fakeredis.FakeRedis(), Settings(**settings), worker_id="w")
 
 
 def _take(port: int) -> socket.socket | None:

@@ -6,15 +6,23 @@ from __future__ import annotations
 import fakeredis
 
 from broker_config.settings import Settings
-from gpu_workers.worker import Worker
+from gpu_workers.intake import Intake
+from gpu_workers.metrics import Metrics
+from gpu_workers.writer import Writer
+
+
+def intake(settings: Settings) -> Intake:
+    r = fakeredis.FakeRedis()
+    metrics = Metrics("w", settings.lanes)
+    return Intake(r, settings, "w", metrics, Writer(r, settings, "w"), settings.limits(), set())
 
 
 def orders(settings: Settings, pulls: int) -> list[str]:
-    w = Worker(None, fakeredis.FakeRedis(), settings, worker_id="w")
+    i = intake(settings)
     firsts = []
     for _ in range(pulls):
-        firsts.append(w._lane_order()[0])
-        w._pulls += 1
+        firsts.append(i.lane_order()[0])
+        i._pulls += 1
     return firsts
 
 
@@ -23,9 +31,9 @@ def test_every_nth_pull_starts_lower_in_turn():
     assert firsts == ["interactive"] * 3 + ["standard"] + ["interactive"] * 3 + ["batch"] + [
         "interactive"
     ] * 3 + ["standard"] + ["interactive"] * 3 + ["batch"]
-    w = Worker(None, fakeredis.FakeRedis(), Settings(fair_every=4), worker_id="w")
-    w._pulls = 7
-    assert w._lane_order() == ["batch", "interactive", "standard"]  # wraps round to the top
+    i = intake(Settings(fair_every=4))
+    i._pulls = 7
+    assert i.lane_order() == ["batch", "interactive", "standard"]  # wraps round to the top
 
 
 def test_strict_order_when_off():

@@ -1,0 +1,78 @@
+"""The one engine interface the worker talks to. The native engine (gpu_workers/engine) is
+its first implementation; another backend implements the same few calls and the worker
+does not change.
+
+A backend refuses bad input for one request with `RequestError` (stable `code`, a
+`message` that says what to fix) and nothing else is affected; an exception met while
+stepping ends only the request it was raised on, as a `StepOutput` with `error` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from broker_config.errors import CodedError
+
+__all__ = ["Backend", "RequestError", "StepOutput"]
+
+
+class RequestError(CodedError):
+    """A request a backend refuses; `code` is stable, `message` says what to fix."""
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" while finished, else None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[dict] | None = None  # one entry per new token when asked for
+    error: str | None = None  # with finish_reason "error": the exception, type and text
+
+
+class Backend(Protocol):
+    model_fingerprint: str  # identity of the weights: part of every KV block's key
+    max_model_len: int  # prompt plus output tokens one request may hold
+    max_num_seqs: int  # requests it runs at once
+
+    def add(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        params: dict[str, Any] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        special_tokens: bool = False,
+    ) -> None:
+        """Queue a request; `params` are the wire's sampling fields. Raises RequestError."""
+        ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request of this size fits beside the ones already added."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...

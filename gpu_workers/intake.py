@@ -1,0 +1,341 @@
+"""Taking work: the next valid entry from the lanes, an entry stranded by a dead worker
+first, lower lanes given their turn; entries that cannot run are answered on the way
+(an error result, or the dead-letter stream when no result can be written).
+
+A job's life, top to bottom: intake (here) takes and checks its entry, worker.py runs it
+on the backend, writer.py sends its deltas and stores its one final result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from broker_config import keys, protocol
+from broker_config.protocol import Code, WireError
+from broker_config.settings import Settings
+from broker_config.text import text
+from gpu_workers.metrics import Metrics
+from gpu_workers.writer import Writer, now_ms, passing
+from results import jobs, tokens
+
+log = logging.getLogger("plurai.worker")
+
+
+@dataclass
+class Entry:
+    lane: str
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+    req: protocol.Request
+
+    @property
+    def job_id(self) -> str:
+        return self.req.envelope.job_id
+
+    @property
+    def entered_s(self) -> float:
+        """When the entry entered its lane: stream ids carry Redis's clock in ms."""
+        return int(self.entry_id.split(b"-", 1)[0]) / 1000
+
+
+Raw = tuple[str, bytes, dict[bytes, bytes]]  # lane, entry id, fields
+
+
+class Intake:
+    def __init__(
+        self,
+        r: redis.Redis,
+        settings: Settings,
+        worker_id: str,
+        metrics: Metrics,
+        writer: Writer,
+        limits: protocol.Limits,
+        model_names: set[str],
+    ) -> None:
+        self.r, self.settings, self.id = r, settings, worker_id
+        self.metrics, self.writer, self.limits = metrics, writer, limits
+        self.model_names = model_names
+        self.lanes = list(settings.lanes)
+        self._next_scan = 0.0  # when the lanes may be read again after they were all empty
+        self._next_reclaim = 0.0
+        self._reclaim_from = {lane: "0-0" for lane in self.lanes}  # XAUTOCLAIM cursors
+        self._pulls = 0  # entries taken from the lanes, for the fair_every turn
+
+    def take(self, block: bool, below_top: bool = True) -> list[Entry]:
+        """The next valid entries: an entry stranded by a dead worker if there is one, else
+        one from the highest lane that has work (see lane_order); `below_top`: whether lanes
+        below the top one may be read now. Invalid entries met on the way get their error
+        result here and are skipped.
+
+        While the engine is busy and the lanes were all empty, the lanes below the top one
+        are read again only after poll_ms, so an empty queue costs one round trip a step
+        (the top lane's, which keeps interactive arrivals from waiting for the poll)."""
+        while True:
+            got = self._reclaim()
+            if not got:
+                scan_all = block or time.monotonic() >= self._next_scan
+                lanes = self.lane_order() if scan_all and below_top else self.lanes[:1]
+                got = self._read(block, lanes)
+                if not got:
+                    if scan_all:
+                        self._next_scan = time.monotonic() + self.settings.poll_ms / 1000
+                    return []
+            valid = [e for e in (self._check(*g) for g in got) if e is not None]
+            if valid:
+                return valid
+            block = False  # invalid entries were handled: look again without waiting
+
+    def lane_order(self) -> list[str]:
+        """Highest lane first, except every fair_every-th pull, which starts at the next
+        lower lane in turn (standard, batch, standard, ... with the default lanes) and wraps
+        round to the top: a lower lane gets at least one pull in fair_every * (lanes - 1)
+        while it has work, however busy the lanes above it are."""
+        n, every = len(self.lanes), self.settings.fair_every
+        if n < 2 or every <= 0 or (self._pulls + 1) % every:
+            return self.lanes
+        k = 1 + ((self._pulls + 1) // every - 1) % (n - 1)
+        return self.lanes[k:] + self.lanes[:k]
+
+    def _read(self, block: bool, lanes: list[str]) -> list[Raw]:
+        got: list[Raw] = []
+        for lane in lanes:
+            reply = self.r.xreadgroup(
+                keys.GROUP, self.id, {keys.request_stream(lane): ">"}, count=1
+            )
+            got = self._entries(reply)
+            if got:
+                break
+        if not got and block:
+            streams = {keys.request_stream(lane): ">" for lane in self.lanes}
+            reply = self.r.xreadgroup(
+                keys.GROUP, self.id, streams, count=1, block=self.settings.block_ms
+            )
+            got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))
+        if got:
+            self._pulls += 1
+        return got
+
+    def _entries(self, reply: Any) -> list[Raw]:
+        by_stream = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
+        return [
+            (by_stream[stream], entry_id, fields or {})
+            for stream, entries in tokens.stream_items(reply)
+            for entry_id, fields in entries
+        ]
+
+    def _reclaim(self) -> list[Raw]:
+        """One entry left idle by a dead worker, highest lane first, claimed to this worker;
+        entries whose job failed max_deliveries times are dead-lettered on the way. When a
+        whole pass finds none, the next pass waits reclaim_interval_s."""
+        if time.monotonic() < self._next_reclaim:
+            return []
+        for lane in self.lanes:
+            stream = keys.request_stream(lane)
+            while True:
+                cursor, claimed = self.r.xautoclaim(
+                    stream,
+                    keys.GROUP,
+                    self.id,
+                    self.settings.reclaim_idle_ms,
+                    start_id=self._reclaim_from[lane],
+                    count=1,
+                )[:2]
+                self._reclaim_from[lane] = cursor
+                for entry_id, fields in claimed:
+                    if entry_id is None or fields is None:
+                        self._ack_deleted(stream)
+                        continue
+                    pending = self.r.xpending_range(stream, keys.GROUP, entry_id, entry_id, 1)
+                    times = pending[0]["times_delivered"] if pending else 1
+                    # Each delivery before this one ended without a result: a failure.
+                    failures = protocol.attempts_of(fields) + times - 1
+                    if failures >= self.settings.max_deliveries:
+                        self.too_many_failures(
+                            lane,
+                            entry_id,
+                            fields,
+                            f"delivered {times} times",
+                            "its workers kept dying or stalling on it",
+                        )
+                        continue
+                    log.info(
+                        "reclaimed entry %s on %s (delivery %d)",
+                        entry_id,
+                        lane,
+                        times,
+                        extra={"lane": lane, "delivery": times},
+                    )
+                    self.metrics.reclaimed.labels(lane).inc()
+                    # The count travels with the job if it is handed back after this.
+                    return [(lane, entry_id, {**fields, b"attempts": str(failures).encode()})]
+                if cursor in (b"0-0", "0-0"):
+                    break
+        self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
+        return []
+
+    def _ack_deleted(self, stream: str) -> None:
+        """Ack pending entries of this worker that no longer exist (trimmed or deleted by
+        hand): Redis 6.2's XAUTOCLAIM hands them over without their ids."""
+        for p in self.r.xpending_range(stream, keys.GROUP, "-", "+", 1000, self.id):
+            if not self.r.xrange(stream, p["message_id"], p["message_id"]):
+                self.r.xack(stream, keys.GROUP, p["message_id"])
+
+    def _check(self, lane: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Entry | None:
+        """Validate an entry; None when it was answered with an error result instead.
+        Sampling fields are checked by the backend when the job is added."""
+        try:
+            req = protocol.parse_request(fields, self.limits)
+            if req.model is not None and req.model not in self.model_names:
+                raise WireError(
+                    Code.UNKNOWN_MODEL,
+                    f"model {req.model!r} is not served here; this queue serves "
+                    f"{sorted(self.model_names)} (or leave 'model' out)",
+                )
+            return Entry(lane, entry_id, fields, req)
+        except protocol.NoJobId as e:
+            self._dead_letter(lane, entry_id, fields, str(e), "no_job_id")
+        except WireError as e:
+            self.refuse(lane, entry_id, protocol.job_id_of(fields), e.code, e.message)
+        return None
+
+    def refuse(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
+        """A terminal error result for a job that never ran, and the ack of its entry."""
+        log.info(
+            "job refused: %s: %s",
+            code,
+            message,
+            extra={"job_id": job_id, "lane": lane, "code": code},
+        )
+        self.writer.store([self.writer.failed(job_id, lane, entry_id, code, message)])
+
+    def too_many_failures(
+        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], what: str, why: str
+    ) -> None:
+        """Dead-letter a job that failed max_deliveries times, with its error result."""
+        error = f"{what} (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); {why}"
+        try:
+            job_id = protocol.job_id_of(fields)
+        except protocol.NoJobId:
+            self._dead_letter(lane, entry_id, fields, error, "too_many_deliveries")
+            return
+        log.warning(
+            "job dead-lettered: %s; moved to %s",
+            error,
+            keys.DEAD_LETTER,
+            extra={"job_id": job_id, "lane": lane, "code": Code.TOO_MANY_DELIVERIES},
+        )
+        self.metrics.dead_lettered.labels("too_many_deliveries").inc()
+        self.writer.execute([self._dead_letter_command(lane, entry_id, fields, error)])
+        self.writer.store(
+            [self.writer.failed(job_id, lane, entry_id, Code.TOO_MANY_DELIVERIES, error)]
+        )
+
+    def _dead_letter(
+        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str, reason: str
+    ) -> None:
+        """Move an entry that carries no usable job id (so no result can be written)."""
+        log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
+        self.metrics.dead_lettered.labels(reason).inc()
+        stream = keys.request_stream(lane)
+        self.writer.execute(
+            [
+                self._dead_letter_command(lane, entry_id, fields, error),
+                ["XACK", stream, keys.GROUP, entry_id],
+                ["XDEL", stream, entry_id],
+            ]
+        )
+
+    def _dead_letter_command(
+        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
+    ) -> list[Any]:
+        shown = json.dumps({text(k): text(v) for k, v in fields.items()})[:65536]
+        return [
+            "XADD",
+            keys.DEAD_LETTER,
+            "MAXLEN",
+            "~",
+            self.settings.dead_letter_maxlen,
+            "*",
+            "lane",
+            lane,
+            "entry_id",
+            entry_id,
+            "error",
+            error,
+            "worker",
+            self.id,
+            "fields",
+            shown,
+        ]
+
+    def retry(self, entry: Entry, error: str) -> None:
+        """A job whose processing failed: hand it back with one more failed attempt, or at
+        max_deliveries attempts dead-letter it with too_many_deliveries."""
+        attempts = entry.req.envelope.attempts + 1
+        if attempts >= self.settings.max_deliveries:
+            what = f"its processing failed {attempts} times"
+            self.too_many_failures(
+                entry.lane, entry.entry_id, entry.fields, what, f"last error: {error}"
+            )
+            return
+        log.warning(
+            "job failed on this worker (%s); handed back, attempt %d of %d",
+            error,
+            attempts,
+            self.settings.max_deliveries,
+            extra={"job_id": entry.job_id, "lane": entry.lane},
+        )
+        self.requeue(entry, attempts)
+
+    def requeue(self, entry: Entry, attempts: int) -> None:
+        """Re-add the job's entry at the tail of its lane (with its count of failed
+        attempts) and ack the old one, unless the job has a result already."""
+        fields = {k: v for k, v in entry.fields.items() if k != b"attempts"}
+        if attempts:
+            fields[b"attempts"] = str(attempts).encode()
+        call = jobs.requeue(
+            lane=entry.lane,
+            job_id=entry.job_id,
+            entry_id=entry.entry_id,
+            maxlen=self.settings.stream_maxlen,
+            fields=fields,
+        )
+        jobs.run(self.r, call)
+
+    def begin(self, entry: Entry) -> str:
+        """Mark the entry's job running here and start its stream (script BEGIN): 'run', or
+        why not ('done', 'cancelled', 'expired', 'badkey'). Raises only for a refusal
+        that passes (OOM, ...); one tied to the job's keys is 'badkey'."""
+        env = entry.req.envelope
+        metadata = entry.req.metadata
+        call = jobs.begin(
+            job_id=entry.job_id,
+            worker=self.id,
+            now_ms=now_ms(),
+            ttl_s=self.settings.result_ttl_s,
+            deadline_ms=env.deadline_ms,
+            lane=entry.lane,
+            priority=env.priority,
+            metadata_json=json.dumps(metadata) if metadata is not None else None,
+        )
+        try:
+            verdict = jobs.run(self.r, call)
+        except redis.ResponseError as e:
+            if passing(e):
+                raise
+            return "badkey"
+        return text(verdict)
+
+    def ack(self, entry: Entry) -> None:
+        """Ack and delete an entry that needs no result from here (workers delete acked
+        entries, so a lane's length minus its pending count is its backlog)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
+        pipe.xdel(keys.request_stream(entry.lane), entry.entry_id)
+        pipe.execute()
