@@ -66,20 +66,23 @@ class Client:
         raises QueueFull after the chunk in flight; its `accepted` lists the jobs queued."""
         jobs.load(self.redis, "SUBMIT")
         out: list[Job] = []
-        chunk: list[jobs.Call] = []
+        chunk: list[bytes] = []  # packed at once: thousands of live calls would cost GC time
+        lanes: list[str] = []
         for req in requests:
-            chunk.append(prepare(self.settings, **req))
+            call = prepare(self.settings, **req)
+            chunk.append(fastpipe.pack(call.command()))
+            lanes.append(call.lane)
             if len(chunk) == _CHUNK:
-                out += self._send(chunk, out)
-                chunk = []
+                out += self._send(chunk, lanes, out)
+                chunk, lanes = [], []
         if chunk:
-            out += self._send(chunk, out)
+            out += self._send(chunk, lanes, out)
         return out
 
-    def _send(self, calls: list[jobs.Call], before: list[Job]) -> list[Job]:
-        replies = fastpipe.run(self.redis, [fastpipe.pack(c.command()) for c in calls])
+    def _send(self, chunk: list[bytes], lanes: list[str], before: list[Job]) -> list[Job]:
+        replies = fastpipe.run(self.redis, chunk)
         try:
-            ids = submitted(replies, [c.lane for c in calls], self.settings.queue_full_retry_s)
+            ids = submitted(replies, lanes, self.settings.queue_full_retry_s)
         except QueueFull as full:
             full.accepted = before + [Job(self, i) for i in full.accepted]
             raise

@@ -33,7 +33,7 @@ Resync = Literal["1", "", "n"]
 _FINALIZE_RESYNC = 8  # the index of FINALIZE's resync in its ARGV (ARGV[9])
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a job ~1 us in submit_many
 class Call:
     """One call of the script `script` (a name in results/scripts.py, e.g. "FINALIZE").
 
