@@ -13,7 +13,7 @@ the table `[batch]` of the same TOML file (`[batch]` `window = 512` is
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -51,7 +51,31 @@ def _toml_table(path: str, table: str) -> dict[str, Any]:
     return found
 
 
-class Settings(BaseSettings):
+class _Sourced(BaseSettings):
+    """Arguments, then the environment, then the PLURAI_CONFIG file (its top level, or the
+    table named `toml_table`), then the defaults."""
+
+    toml_table: ClassVar[str | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = config_file()
+        if path and cls.toml_table is None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        elif path:
+            sources.append(InitSettingsSource(settings_cls, _toml_table(path, cls.toml_table)))
+        return tuple(sources)
+
+
+class Settings(_Sourced):
     model_config = SettingsConfigDict(env_prefix="PLURAI_", extra="ignore")
 
     # None: start (worker, demo) or find (clients) an embedded redis-server under data_dir.
@@ -149,21 +173,6 @@ class Settings(BaseSettings):
             raise ValueError(f"log level {v!r}: use DEBUG, INFO, WARNING or ERROR")
         return v.upper()
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = config_file()
-        if path:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
-
     def limits(self, prompt_tokens: int | None = None) -> Limits:
         """The wire limits; `prompt_tokens`: the most prompt tokens the engine serves."""
         return Limits(
@@ -186,11 +195,12 @@ class Settings(BaseSettings):
         return lane
 
 
-class BulkSettings(BaseSettings):
+class BulkSettings(_Sourced):
     """Settings of bulk batches (producer/bulk): environment variables PLURAI_BATCH_*, then
     the table [batch] of the PLURAI_CONFIG file, then the defaults below."""
 
     model_config = SettingsConfigDict(env_prefix="PLURAI_BATCH_", extra="ignore")
+    toml_table: ClassVar[str | None] = "batch"
 
     window: int = 256  # input lines with requests in flight at once, per batch
     max_line_bytes: int = 1 << 20  # a longer input line is refused
@@ -208,18 +218,3 @@ class BulkSettings(BaseSettings):
     maintain_interval_s: float = 30.0  # celery beat period of the maintenance task
     # Celery's redelivery time for unacknowledged tasks; far longer than any task (pass_s).
     visibility_timeout_s: int = 3600
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = config_file()
-        if path:
-            sources.append(InitSettingsSource(settings_cls, _toml_table(path, "batch")))
-        return tuple(sources)
