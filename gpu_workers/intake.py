@@ -274,6 +274,22 @@ class Intake:
             shown,
         ]
 
+    def hand_back(self, entries: list[Entry], failed: str = "") -> None:
+        """Re-add these jobs' entries at the tail of their lanes. `failed`: why they were
+        not finished (the worker crashed); each job's attempt then counts."""
+        for entry in entries:
+            try:
+                if failed:
+                    self.retry(entry, failed)
+                else:
+                    self.requeue(entry, entry.req.envelope.attempts)
+            except redis.RedisError:
+                log.exception(
+                    "could not hand back a job; it stays pending", extra={"job_id": entry.job_id}
+                )
+        if entries:
+            log.info("handed %d unfinished job(s) back to the queue", len(entries))
+
     def retry(self, entry: Entry, error: str) -> None:
         """A job whose processing failed: hand it back with one more failed attempt, or at
         max_deliveries attempts dead-letter it with too_many_deliveries."""

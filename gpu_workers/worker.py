@@ -382,21 +382,9 @@ class Worker:
             self.writer.collect()
         except redis.RedisError:
             log.warning("the last step's writes are unconfirmed")
-        entries = [run.entry for run in self.running.values()] + self.held
         for job_id in list(self.running):
             self.engine.abort(job_id)
-        for entry in entries:
-            try:
-                if failed:
-                    self.intake.retry(entry, failed)
-                else:
-                    self.intake.requeue(entry, entry.req.envelope.attempts)
-            except redis.RedisError:
-                log.exception(
-                    "could not hand back a job; it stays pending", extra={"job_id": entry.job_id}
-                )
-        if entries:
-            log.info("handed %d unfinished job(s) back to the queue", len(entries))
+        self.intake.hand_back([run.entry for run in self.running.values()] + self.held, failed)
         self.running.clear()
         self.held = []
 
