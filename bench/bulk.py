@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.workload import cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.celery_app import app, configure  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
@@ -174,6 +175,7 @@ def main() -> None:
         json.dumps(
             {
                 "docs": n,
+                "isa": cpu_isa(),
                 "max_tokens": a.max_tokens,
                 "context": a.context,
                 "offline_docs_per_s": round(n / off["seconds"], 2),

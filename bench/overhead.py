@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import bench_model, mixed  # noqa: E402
+from bench.workload import bench_model, cpu_isa, mixed  # noqa: E402
 
 
 def main() -> None:
@@ -123,6 +123,7 @@ def main() -> None:
         f"step {step_ms:.1f} ms, forward {fwd_ms:.1f} ms, everything else "
         f"{result['overhead_ms_median']:.2f} ms ({100 * result['overhead_share_median']:.1f}% of the step)"
     )
+    result["isa"] = cpu_isa()
     print(json.dumps(result))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import bench_model, mixed  # noqa: E402
+from bench.workload import bench_model, cpu_isa, mixed  # noqa: E402
 from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -92,6 +92,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "parallel",
+                "isa": cpu_isa(),
                 "batch": args.batch,
                 "runs": runs,
                 "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],

@@ -31,7 +31,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import bench_model  # noqa: E402
+from bench.workload import bench_model, cpu_isa  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
@@ -173,6 +173,7 @@ def main() -> None:
         f"multi-turn ({args.chats} chats x {args.turns} turns, {args.device_blocks} device blocks): "
         f"tiers off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x)"
     )
+    result["isa"] = cpu_isa()
     print(json.dumps(result))
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.workload import cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from producer.client import Client  # noqa: E402
@@ -89,6 +90,7 @@ def main() -> None:
             model = str(make_model(Path(d) / "tiny-llama", family="llama", size="tiny"))
         with EmbeddedRedis(Path(d) / "redis") as url:
             result = run(a, model, url)
+    result["isa"] = cpu_isa()
     print(json.dumps(result))
 
 

@@ -241,7 +241,7 @@ def main() -> None:
     p.add_argument("--kv-bytes", type=int, default=256 << 20)
     a = p.parse_args()
     if not (Path(a.model) / "config.json").exists():
-        from bench.workload import bench_model
+        from bench.workload import bench_model, cpu_isa  # noqa: E402
 
         bench_model(a.model)
     reqs = workload(a.jobs)
@@ -273,6 +273,7 @@ def main() -> None:
         "raw_packed_xadd_per_s": round(enq["raw_packed_xadd_per_s"]),
         "submit_many_vs_peer": round(enq["submit_many_jobs_per_s"] / enq["peer_xadd_per_s"], 3),
     }
+    result["isa"] = cpu_isa()
     print(json.dumps(result))
 
 

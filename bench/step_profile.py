@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import add_workload_args, bench_model, mixed  # noqa: E402
+from bench.workload import add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
 
 PREFILL = 1 << 30  # group key of steps that carry a prefill chunk
 
@@ -132,6 +132,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "step_profile",
+                "isa": cpu_isa(),
                 "dtype": args.dtype,
                 "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                 "steps": len(steps),

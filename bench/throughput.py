@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import Request, add_workload_args, bench_model, mixed  # noqa: E402
+from bench.workload import Request, add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
 
 
 def run_plurai(model: Path, reqs: list[Request], dtype: str) -> tuple[float, dict]:
@@ -162,6 +162,7 @@ def main() -> None:
         result["hf_cb_tok_s"] = round(useful / t, 1)
         result["ratio_vs_hf_cb"] = round(result["plurai_tok_s"] / result["hf_cb_tok_s"], 2)
         print(f"hf_cb      {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    result["isa"] = cpu_isa()
     print(json.dumps(result))
 
 

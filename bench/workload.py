@@ -37,6 +37,32 @@ def mixed(
     return out
 
 
+def cpu_isa() -> str:
+    """The widest vector ISA this CPU offers, for every bench's JSON: speed-ups must hold on
+    AVX2-only machines as well as on AVX-512 (with or without native bf16)."""
+    try:
+        flags = next(
+            (
+                line.split(":", 1)[1].split()
+                for line in open("/proc/cpuinfo")
+                if line.startswith("flags")
+            ),
+            [],
+        )
+    except OSError:
+        flags = []
+    for flag, name in (
+        ("amx_tile", "amx"),
+        ("avx512_bf16", "avx512_bf16"),
+        ("avx512f", "avx512"),
+        ("avx2", "avx2"),
+        ("asimd", "neon"),
+    ):
+        if flag in flags:
+            return name
+    return "baseline"
+
+
 def bench_model(path: str | Path = "models/bench-llama") -> Path:
     """The ~46M-parameter Llama the benchmarks run on, made once if missing."""
     from gpu_workers.models.factory import make_model
