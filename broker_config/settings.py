@@ -141,8 +141,8 @@ class Settings(_Sourced):
     takes_per_step: int | None = Field(default=None, ge=1)
 
     model_dir: str | None = None
-    # The engine's shared KV tier (EngineConfig.kv_redis_url) when --engine does not set it:
-    # here a password stays out of the process list.
+    # The shared KV tier's Redis, when `--engine kv_redis_url=` does not name one (serve.py
+    # connects it and hands it to the engine); here a password stays out of `ps`.
     kv_redis_url: str | None = None
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>
 
