@@ -26,6 +26,11 @@ from results import jobs, tokens
 
 log = logging.getLogger("plurai.worker")
 
+BAD_RECORD = (
+    "the job's record (plurai:job:<id>) or token stream (plurai:out:<id>) was written by "
+    "something other than Plurai with the wrong Redis type; submit the job again"
+)
+
 
 @dataclass
 class Entry:

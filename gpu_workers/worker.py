@@ -1,19 +1,8 @@
-"""The long-lived worker loop: entries in (intake.py), backend steps, deltas and results
-out (writer.py). `plurai worker` (serve.py) runs one.
-
-Each turn: move entries into the backend only while it can admit them, judged from their
-length metadata; step; send the step's deltas and final results in one packed write. Bad
-input never stops the loop: the job gets a terminal error result and its entry is acked.
-
-At most one entry per lane is held outside the backend (taken, waiting for room), so a
-dead worker strands little. SIGTERM (or Ctrl-C): stop taking entries, let running jobs
-finish within the grace period, then hand the rest back by re-adding their entries at the
-tail of their lanes, so any worker can take them at once.
-
-Reliability (docs/operations.md): every heartbeat the worker renews the entries it still
-owns (only a dead or stalled worker's entries grow idle and are reclaimed by others) and
-checks its jobs' records for cancel flags. Failures are counted per job: a job the backend
-raised on is handed back with one more attempt, and dead-lettered at max_deliveries.
+"""The long-lived worker loop: take entries while the backend can admit them (intake.py),
+step, send each step's deltas and results in one packed write (writer.py); bad input ends
+only its job. On SIGTERM it stops taking work, lets running jobs finish within the grace
+period and hands the rest back. The life of a job, failures counted per job, leases and
+reclaiming: docs/architecture.md ("The worker") and docs/operations.md.
 """
 
 from __future__ import annotations
@@ -34,18 +23,13 @@ from broker_config.settings import Settings
 from broker_config.text import text
 from gpu_workers.backend import Backend, RequestError, StepOutput
 from gpu_workers.heartbeat import Heartbeat
-from gpu_workers.intake import Entry, Intake
+from gpu_workers.intake import BAD_RECORD, Entry, Intake
 from gpu_workers.job import Running
 from gpu_workers.metrics import Metrics
 from gpu_workers.writer import Outage, Writer, now_ms
 from results import jobs, records
 
 log = logging.getLogger("plurai.worker")
-
-BAD_RECORD = (
-    "the job's record (plurai:job:<id>) or token stream (plurai:out:<id>) was written by "
-    "something other than Plurai with the wrong Redis type; submit the job again"
-)
 
 
 def new_worker_id() -> str:
