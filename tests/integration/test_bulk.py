@@ -42,8 +42,11 @@ def documents(n: int, seed: int = 0) -> list[str]:
 class Celery:
     """A Celery worker process (`celery -A broker_config.celery_app worker --pool solo`)."""
 
-    def __init__(self, url: str, log_dir: Path, model: Path) -> None:
+    def __init__(
+        self, url: str, log_dir: Path, model: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.url, self.log_dir, self.n, self.model = url, log_dir, 0, model
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -78,6 +81,7 @@ class Celery:
                 "PLURAI_MODEL_DIR": str(self.model),
                 "PLURAI_BATCH_PASS_S": "2",
                 "PLURAI_BATCH_MAX_LINE_BYTES": "4096",
+                **self.env,
             },
         )
 

@@ -7,9 +7,6 @@ redis-server; the last test runs a whole batch through a Celery worker and a GPU
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +19,7 @@ from broker_config.settings import BulkSettings
 from producer.bulk import drive, manage, plan, store
 from producer.client import Client
 
-from .conftest import ROOT
+from .test_bulk import Celery
 
 pytestmark = pytest.mark.integration
 
@@ -211,34 +208,10 @@ def test_results_refuse_ids_that_would_write_outside_the_folder(client, tmp_path
     assert url  # the client fixture's Redis was never needed
 
 
-class CeleryWorker:
-    def __init__(self, url: str, log: Path, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "broker_config.celery_app", "worker"]
-            + ["--pool", "solo", "-c", "1", "-n", "security@127.0.0.1", "--without-gossip"]
-            + ["--without-mingle", "--without-heartbeat"],
-            cwd=ROOT,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PLURAI_REDIS_URL": url, "PLURAI_BATCH_PASS_S": "1", **env},
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def test_end_to_end_with_celery(client, redis_url, workers, tiny_model, tmp_path):
     workers.start(1, "--engine", "max_model_len=128")
-    celery = CeleryWorker(
-        redis_url,
-        tmp_path / "celery.log",
-        {"PLURAI_MODEL_DIR": str(tiny_model), "PLURAI_BATCH_TTL_S": "600"},
-    )
+    celery = Celery(redis_url, tmp_path, tiny_model, {"PLURAI_BATCH_TTL_S": "600"})
+    celery.start()
     try:
         rows = docs(4) + ['{"id": "\\ud800", "text": "x"}']
         elsewhere = str(tmp_path / "client-side" / tiny_model.name)
@@ -246,7 +219,7 @@ def test_end_to_end_with_celery(client, redis_url, workers, tiny_model, tmp_path
         batch_id = manage.create(client, path, task=TASK, model_dir=elsewhere, max_model_len=128)
         end = time.monotonic() + 180
         while manage.info(client, batch_id)["status"] not in store.TERMINAL:
-            assert time.monotonic() < end, (tmp_path / "celery.log").read_text()[-3000:]
+            assert time.monotonic() < end, (tmp_path / "celery-0.log").read_text()[-3000:]
             time.sleep(0.2)
         info = manage.info(client, batch_id)
         assert info["status"] == "completed" and info["errors"] is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgpack
 import pytest
@@ -29,10 +30,17 @@ def engine(tiny_model) -> Iterator[Engine]:
     e.close()
 
 
-def make_worker(url: str, engine: Engine, worker_id: str = "w1", **settings: object) -> Worker:
-    w = Worker(engine, connect(url), Settings(redis_url=url, **settings), worker_id=worker_id)
-    w.start()
-    return w
+@contextmanager
+def serving(url: str, engine: Engine, **settings: object) -> Iterator[tuple[Worker, Client]]:
+    """A started worker (driven by the test through `iterate`) and a client."""
+    worker = Worker(engine, connect(url), Settings(redis_url=url, **settings), worker_id="w1")
+    worker.start()
+    client = Client(url)
+    try:
+        yield worker, client
+    finally:
+        worker.cancels.close()
+        client.close()
 
 
 def run_until(worker: Worker, done, timeout: float = 60.0) -> None:
@@ -47,10 +55,8 @@ def stream(r: redis.Redis, job_id: str) -> list[dict[bytes, bytes]]:
 
 
 def test_cancel_channel_takes_any_bytes(redis_url, engine):
-    worker = make_worker(redis_url, engine)
-    client = Client(redis_url)
-    r = worker.r
-    try:
+    with serving(redis_url, engine) as (worker, client):
+        r = worker.r
         job = client.submit("cancel noise", max_tokens=300, ignore_eos=True)
         run_until(worker, lambda: job.id in worker.running)
         for junk in (b"\xff", b"\x00" * 100_000, "é".encode(), b"", job.id.encode() + b"\xff"):
@@ -58,16 +64,11 @@ def test_cancel_channel_takes_any_bytes(redis_url, engine):
         time.sleep(0.2)
         run_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED  # none of it named the job
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_wrong_type_keys_end_only_their_job(redis_url, engine):
-    worker = make_worker(redis_url, engine)
-    client = Client(redis_url)
-    r = worker.r
-    try:
+    with serving(redis_url, engine) as (worker, client):
+        r = worker.r
         a, b, c = (client.submit(f"typed {i}", max_tokens=4) for i in range(3))
         r.delete(keys.job(a.id))
         r.set(keys.job(a.id), "not a hash")  # the record itself: no result can be written
@@ -95,15 +96,11 @@ def test_wrong_type_keys_end_only_their_job(redis_url, engine):
         e = client.submit("still serving", max_tokens=4)
         run_until(worker, lambda: e.record().final)
         assert e.record().state == records.COMPLETED
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_msgpack_bin_metadata_is_a_bad_field(redis_url, engine):
-    worker = make_worker(redis_url, engine)
-    r = worker.r
-    try:
+    with serving(redis_url, engine) as (worker, client):
+        r = worker.r
         ensure_groups(r, worker.lanes)
         body = msgpack.packb({"prompt": "hi", "metadata": {"blob": b"\x00"}}, use_bin_type=True)
         r.xadd(
@@ -119,14 +116,10 @@ def test_msgpack_bin_metadata_is_a_bad_field(redis_url, engine):
         run_until(worker, lambda: r.hget(keys.job("binmeta-0001"), "final"))
         rec = records.get(r, "binmeta-0001")
         assert rec.error_code == "bad_field" and "bytes" in rec.error_message
-    finally:
-        worker.cancels.close()
 
 
 def test_lost_cancel_message_is_honoured_at_the_heartbeat(redis_url, engine):
-    worker = make_worker(redis_url, engine, heartbeat_interval_s=0.2)
-    client = Client(redis_url)
-    try:
+    with serving(redis_url, engine, heartbeat_interval_s=0.2) as (worker, client):
         job = client.submit("cancel me quietly", max_tokens=3000, ignore_eos=True)
         run_until(worker, lambda: job.id in worker.running)
         worker.r.hset(keys.job(job.id), "cancel", "1")  # the flag, without the message
@@ -134,18 +127,13 @@ def test_lost_cancel_message_is_honoured_at_the_heartbeat(redis_url, engine):
         rec = job.record()
         assert rec.state == records.CANCELLED and rec.output_tokens < 3000
         assert not engine.has_unfinished()
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_reclaimed_entry_is_dropped_unwritten(redis_url, engine):
     """Another worker took the entry over while this one stalled: this one stops the job at
     its next heartbeat and never writes to the new run's stream."""
-    worker = make_worker(redis_url, engine)
-    client = Client(redis_url)
-    r = worker.r
-    try:
+    with serving(redis_url, engine) as (worker, client):
+        r = worker.r
         job = client.submit("stalled", max_tokens=3000, ignore_eos=True)
         run_until(worker, lambda: job.id in worker.running)
         entry = worker.running[job.id].entry
@@ -167,24 +155,19 @@ def test_reclaimed_entry_is_dropped_unwritten(redis_url, engine):
         assert not job.record().final
         pend = r.xpending_range(keys.request_stream(entry.lane), keys.GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pend] == [b"w2"]  # the lease was not taken back
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_stream_and_dead_letter_bounds(redis_url, engine):
-    worker = make_worker(
+    with serving(
         redis_url,
         engine,
         output_ttl_s=120,
         output_maxlen=16,
         max_tokens_limit=32,
         dead_letter_maxlen=5,
-    )
-    assert worker.writer.out_maxlen == 32 + 64  # never below one run's deltas
-    client = Client(redis_url)
-    r = worker.r
-    try:
+    ) as (worker, client):
+        r = worker.r
+        assert worker.writer.out_maxlen == 32 + 64  # never below one run's deltas
         job = client.submit("bounded", max_tokens=20, ignore_eos=True)
         for _ in range(400):  # earlier runs' entries (here: written by hand)
             r.xadd(keys.output(job.id), {"type": "delta", "text": "old", "token_ids": "[]"})
@@ -202,9 +185,6 @@ def test_stream_and_dead_letter_bounds(redis_url, engine):
         assert r.xlen(keys.DEAD_LETTER) < 300  # capped, about dead_letter_maxlen entries
         raw = [f for _, f in r.xrange(keys.DEAD_LETTER)][-1]
         assert json.loads(raw[b"fields"])["n"] == "299"
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_engine_fault_is_retried_then_dead_lettered(redis_url, tiny_model):
@@ -219,23 +199,20 @@ def test_engine_fault_is_retried_then_dead_lettered(redis_url, tiny_model):
             fault_token_id=7,
         )
     )
-    worker = make_worker(redis_url, engine, max_deliveries=3)
-    client = Client(redis_url)
-    try:
-        bad = client.submit(token_ids=[5, 7, 9], max_tokens=8)
-        good = client.submit(token_ids=[5, 6, 9], max_tokens=8, ignore_eos=True)
-        run_until(worker, lambda: bad.record().final and good.record().final)
-        rb, rg = bad.record(), good.record()
-        assert rb.error_code == "too_many_deliveries" and "failed 3 times" in rb.error_message
-        assert "injected" in rb.error_message
-        assert rg.state == records.COMPLETED and len(rg.token_ids) == 8
-        dead = [f for _, f in worker.r.xrange(keys.DEAD_LETTER)]
-        assert len(dead) == 1 and json.loads(dead[0][b"fields"])["attempts"] == "2"
-        assert not engine.has_unfinished()
-    finally:
-        worker.cancels.close()
-        client.close()
-        engine.close()
+    with serving(redis_url, engine, max_deliveries=3) as (worker, client):
+        try:
+            bad = client.submit(token_ids=[5, 7, 9], max_tokens=8)
+            good = client.submit(token_ids=[5, 6, 9], max_tokens=8, ignore_eos=True)
+            run_until(worker, lambda: bad.record().final and good.record().final)
+            rb, rg = bad.record(), good.record()
+            assert rb.error_code == "too_many_deliveries" and "failed 3 times" in rb.error_message
+            assert "injected" in rb.error_message
+            assert rg.state == records.COMPLETED and len(rg.token_ids) == 8
+            dead = [f for _, f in worker.r.xrange(keys.DEAD_LETTER)]
+            assert len(dead) == 1 and json.loads(dead[0][b"fields"])["attempts"] == "2"
+            assert not engine.has_unfinished()
+        finally:
+            engine.close()
 
 
 def spelled(entries: list[dict[bytes, bytes]]) -> str | None:
@@ -254,10 +231,8 @@ def spelled(entries: list[dict[bytes, bytes]]) -> str | None:
 def test_overwritten_shared_keys_do_not_stop_the_worker(redis_url, engine):
     """Plurai's own keys written with the wrong type by a client: the worker takes them
     back and serves on; nothing is charged to the jobs."""
-    worker = make_worker(redis_url, engine, heartbeat_interval_s=0.1)
-    client = Client(redis_url)
-    r = worker.r
-    try:
+    with serving(redis_url, engine, heartbeat_interval_s=0.1) as (worker, client):
+        r = worker.r
         r.set(keys.WORKERS, "x")
         r.set(keys.DEAD_LETTER, "x")
         job = client.submit("serving", max_tokens=40, ignore_eos=True)
@@ -270,19 +245,14 @@ def test_overwritten_shared_keys_do_not_stop_the_worker(redis_url, engine):
         worker.iterate()
         assert r.type(keys.WORKERS) == b"set" and r.type(keys.worker(worker.id)) == b"hash"
         assert r.xlen(keys.request_stream("standard")) == 0  # the no-id entry was acked
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_a_result_without_text_voids_earlier_deltas(redis_url, engine):
     """A job handed back after a partial run, then cancelled while queued: its stream ends
     with a reset, so its deltas spell the record's (empty) text; by the SDK's CANCEL and by
     the worker that meets the flag."""
-    worker = make_worker(redis_url, engine)
-    client = Client(redis_url)
-    r = worker.r
-    try:
+    with serving(redis_url, engine) as (worker, client):
+        r = worker.r
         by_sdk = client.submit("partial a", max_tokens=4)
         by_worker = client.submit("partial b", max_tokens=4)
         for job in (by_sdk, by_worker):  # what a run handed back leaves behind
@@ -295,17 +265,12 @@ def test_a_result_without_text_voids_earlier_deltas(redis_url, engine):
             rec = job.record()
             assert rec.state == records.CANCELLED and rec.text in ("", None)
             assert spelled(stream(r, job.id)) == ""
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_a_stream_at_the_largest_id_ends_only_its_job(redis_url, engine):
-    worker = make_worker(redis_url, engine)
-    client = Client(redis_url)
-    r = worker.r
-    top = "18446744073709551615-18446744073709551615"
-    try:
+    with serving(redis_url, engine) as (worker, client):
+        r = worker.r
+        top = "18446744073709551615-18446744073709551615"
         before = client.submit("blocked before", max_tokens=4)
         r.xadd(keys.output(before.id), {"x": "y"}, id=top)
         during = client.submit("blocked during", max_tokens=60, ignore_eos=True)
@@ -319,21 +284,13 @@ def test_a_stream_at_the_largest_id_ends_only_its_job(redis_url, engine):
         ro = other.record()
         assert ro.state == records.COMPLETED and spelled(stream(r, other.id)) == ro.text
         assert [f[b"type"] for f in stream(r, other.id)].count(b"reset") == 0
-    finally:
-        worker.cancels.close()
-        client.close()
 
 
 def test_an_entry_deleted_while_its_job_runs_still_gets_its_result(redis_url, engine):
-    worker = make_worker(redis_url, engine, heartbeat_interval_s=0.05)
-    client = Client(redis_url)
-    try:
+    with serving(redis_url, engine, heartbeat_interval_s=0.05) as (worker, client):
         job = client.submit("deleted entry", max_tokens=300, ignore_eos=True)
         run_until(worker, lambda: job.id in worker.running)
         entry = worker.running[job.id].entry
         worker.r.xdel(keys.request_stream(entry.lane), entry.entry_id)
         run_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED
-    finally:
-        worker.cancels.close()
-        client.close()
