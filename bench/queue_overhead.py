@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.workload import cpu_isa  # noqa: E402
 from broker_config import (  # noqa: E402
     fastpipe,  # noqa: E402
     keys,
@@ -241,7 +242,7 @@ def main() -> None:
     p.add_argument("--kv-bytes", type=int, default=256 << 20)
     a = p.parse_args()
     if not (Path(a.model) / "config.json").exists():
-        from bench.workload import bench_model, cpu_isa  # noqa: E402
+        from bench.workload import bench_model
 
         bench_model(a.model)
     reqs = workload(a.jobs)

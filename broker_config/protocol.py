@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 
 from broker_config.errors import CodedError, ErrorCode, valid_messages
-from broker_config.text import text
+from broker_config.text import text, valid_text
 
 VERSION = "1"
 MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
@@ -52,6 +52,7 @@ BODY_FIELDS = frozenset(
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 _INT = re.compile(rb"-?[0-9]{1,19}")  # ASCII digits only: no '1_000', ' 5', '١٢'
 INT64 = 2**63
+_LONG_INT = re.compile(rb"[0-9]{20}")  # a JSON integer that may exceed 64 bits
 MAX_FIELDS = 32  # flat fields of one entry (v1 defines 11)
 
 
@@ -190,19 +191,19 @@ def _text(fields: dict[bytes, bytes], name: str) -> str | None:
 
 
 def _int(fields: dict[bytes, bytes], name: str, required: bool = False) -> int | None:
-    text = _text(fields, name)
-    if text is None:
+    raw = fields.get(name.encode())
+    if raw is None:
         if required:
             raise WireError(Code.BAD_FIELD, f"field {name!r} is required (an integer)")
         return None
-    raw = text.encode()
-    if _INT.fullmatch(raw) is None or not -INT64 <= int(raw) < INT64:
-        raise WireError(
-            Code.BAD_FIELD,
-            f"field {name!r} must be an integer (ASCII digits, optional '-', 64-bit), "
-            f"got {text[:40]!r}",
-        )
-    return int(raw)
+    if _INT.fullmatch(raw) is not None and -INT64 <= (value := int(raw)) < INT64:
+        return value
+    shown = _text(fields, name) or ""  # not UTF-8 at all: invalid_utf8 first
+    raise WireError(
+        Code.BAD_FIELD,
+        f"field {name!r} must be an integer (ASCII digits, optional '-', 64-bit), "
+        f"got {shown[:40]!r}",
+    )
 
 
 def job_id_of(fields: dict[bytes, bytes]) -> str:
@@ -329,8 +330,8 @@ def decode_body(env: Envelope, depth: int = Limits.depth) -> dict[str, Any]:
             # Any key type is decoded so that check_json_value names the bad one.
             body = msgpack.unpackb(env.body, raw=False, strict_map_key=False)
         else:  # UTF-8 only: json.loads would also take UTF-16 and UTF-32 bytes
-            text = env.body.decode("utf-8")
-            body = json.loads(text, parse_constant=_no_constant, parse_int=_json_int)
+            hooks = {"parse_int": _json_int} if _LONG_INT.search(env.body) else {}
+            body = json.loads(env.body.decode("utf-8"), parse_constant=_no_constant, **hooks)
     except UnicodeDecodeError:
         raise WireError(
             Code.INVALID_UTF8, "the body contains a string that is not valid UTF-8"
@@ -361,7 +362,7 @@ def check_json_value(value: Any, depth: int, where: str) -> None:
         v, d, field = stack.pop()
         t = type(v)
         if t is str:
-            if not _valid_text(v):
+            if not valid_text(v):
                 raise WireError(
                     Code.INVALID_UTF8, f"{field} holds a lone surrogate (not valid Unicode text)"
                 )
@@ -398,14 +399,6 @@ def check_json_value(value: Any, depth: int, where: str) -> None:
                 f"{field}: {t.__name__} values are not allowed; use JSON types "
                 "(string, number, boolean, null, list, map)",
             )
-
-
-def _valid_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _too_large(what: str, n: int, limit: int, setting: str) -> WireError:
@@ -502,9 +495,7 @@ def parse_request(fields: dict[bytes, bytes], limits: Limits) -> Request:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise WireError(Code.BAD_FIELD, "'cache_salt' must be a non-empty string")
     if salt is not None and len(salt) > limits.cache_salt_chars:
-        raise _too_large(
-            "'cache_salt' characters", len(salt), limits.cache_salt_chars, "MAX_CACHE_SALT_CHARS"
-        )
+        raise _too_large("'cache_salt' characters", len(salt), limits.cache_salt_chars, "")
     req.cache_salt = salt
     special = body.get("special_tokens", False)
     if not isinstance(special, bool):

@@ -100,7 +100,9 @@ class Settings(_Sourced):
     queued_ttl_s: int = 7 * 24 * 3600  # job record while it waits in the queue
     idempotency_ttl_s: int = 24 * 3600
 
-    max_tokens_limit: int = 4096  # larger max_tokens is refused with max_tokens_over_limit
+    max_tokens_limit: int = (
+        Limits.max_tokens
+    )  # larger max_tokens is refused with max_tokens_over_limit
     # Sizes on the wire (docs/protocol.md, "Limits"); larger is refused with too_large.
     max_body_bytes: int = Field(default=Limits.body_bytes, ge=1)
     max_prompt_chars: int = Field(default=Limits.prompt_chars, ge=1)

@@ -67,6 +67,7 @@ class Intake:
         self.metrics, self.writer, self.limits = metrics, writer, limits
         self.model_names = model_names
         self.lanes = list(settings.lanes)
+        self._lane_of = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
         self._next_reclaim = 0.0
         self._reclaim_from = {lane: "0-0" for lane in self.lanes}  # XAUTOCLAIM cursors
@@ -127,9 +128,8 @@ class Intake:
         return got
 
     def _entries(self, reply: Any) -> list[Raw]:
-        by_stream = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
         return [
-            (by_stream[stream], entry_id, fields or {})
+            (self._lane_of[stream], entry_id, fields or {})
             for stream, entries in tokens.stream_items(reply)
             for entry_id, fields in entries
         ]

@@ -118,7 +118,9 @@ class Worker:
         try:
             self.writer.flush()
         except redis.RedisError:
-            log.exception("%d result(s) not stored; their entries stay pending")
+            log.exception(
+                "%d result(s) not stored; their entries stay pending", len(self.writer.unsent)
+            )
         # After a crash every job it ran is a suspect: its attempt counts.
         self._hand_back(failed="the worker crashed while running it" if crashed else "")
         self.cancels.close()
@@ -249,7 +251,7 @@ class Worker:
         items: list[jobs.Delta] = []
         finished: list[tuple[Running, str]] = []
         errors: list[tuple[Entry, str]] = []
-        now = time.time()
+        now, generated = time.time(), 0
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
@@ -262,13 +264,14 @@ class Worker:
                 run.first_token_s = now
                 ttft = max(0.0, now - run.entry.entered_s)
                 self.metrics.ttft.labels(run.entry.lane).observe(ttft)
-            self._generated += len(out.new_token_ids)
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            generated += len(out.new_token_ids)
             delta = run.absorb(out)
             if delta is not None:
                 items.append(delta)
             if out.finished:
                 finished.append((run, out.finish_reason or ""))
+        self._generated += generated
+        self.metrics.generation_tokens.inc(generated)
         calls = [self.writer.deltas(items)] if items else []
         for run, reason in finished:
             del self.running[run.entry.job_id]

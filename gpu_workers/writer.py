@@ -17,15 +17,12 @@ import redis
 from broker_config import fastpipe
 from broker_config.settings import Settings
 from results import jobs, records
+from results.records import now_ms
 
 log = logging.getLogger("plurai.worker")
 
 # Refusals that end by themselves (memory freed, failover done, data loaded).
 PASSING = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN"})
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def passing(e: redis.ResponseError) -> bool:

@@ -19,13 +19,11 @@ import redis.asyncio
 from broker_config.connection import connect_async, resolve_url
 from broker_config.settings import Settings
 from broker_config.text import text
-from producer.client import cancel_call
+from producer.client import _CHUNK, cancel_call
 from producer.errors import QueueFull, final, retry_pause, submitted
 from producer.request import prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
-
-_CHUNK = 5000  # jobs per pipeline round trip in submit_many
 
 
 class AsyncClient:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,7 +21,7 @@ import redis
 import redis.asyncio
 
 from broker_config import keys
-from results import scripts
+from results import records, scripts
 
 # FINALIZE's resync: when to rewrite the token stream's text before its end entry.
 RESYNC_ALWAYS = "1"  # a reset and the whole text, whatever the stream holds
@@ -52,7 +51,7 @@ class Call:
         return ["EVALSHA", sha or _digest(self.script), len(self.keys), *self.keys, *self.args]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delta:
     """One job's token-stream write in a DELTAS call: `text` and `token_ids` are new, or,
     with `reset`, the whole text so far (the stream gets a reset entry first)."""
@@ -107,10 +106,6 @@ def load(r: redis.Redis, *names: str) -> None:
 async def load_async(r: redis.asyncio.Redis, *names: str) -> None:
     for name in names:
         await r.script_load(_text(name))
-
-
-def _json_ids(ids: list[int]) -> str:
-    return json.dumps(ids, separators=(",", ":"))
 
 
 # -- the calls of a job's life ---------------------------------------------------------
@@ -185,7 +180,7 @@ def deltas(*, worker: str, maxlen: int, items: Iterable[Delta]) -> Call:
     args: list[Any] = [worker, maxlen]
     for d in items:
         k += [keys.job(d.job_id), keys.output(d.job_id)]
-        args += ["r" if d.reset else "d", d.text, _json_ids(d.token_ids)]
+        args += ["r" if d.reset else "d", d.text, records.json_ids(d.token_ids)]
     return Call("DELTAS", k, args)
 
 

@@ -7,6 +7,7 @@ States: queued → running → completed | failed | cancelled. A record with the
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,16 @@ def _parse(job_ids: list[str], replies: list[Any]) -> list[JobRecord]:
     return [JobRecord.from_hash(j, h) for j, h in zip(job_ids, replies, strict=True)]
 
 
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def json_ids(ids: list[int]) -> str:
+    """Token ids as compact JSON, as records and token streams hold them (per step: the
+    plain join is several times cheaper than json.dumps)."""
+    return "[" + ",".join(map(str, ids)) + "]"
+
+
 def final_fields(
     *,
     text: str = "",
@@ -139,7 +150,7 @@ def final_fields(
         "text",
         text,
         "token_ids",
-        json.dumps(ids, separators=(",", ":")),
+        json_ids(ids),
         "prompt_tokens",
         prompt_tokens,
         "output_tokens",

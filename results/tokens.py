@@ -33,10 +33,6 @@ class Event:
     finish_reason: str | None = None
 
 
-def delta_fields(text: str, token_ids: list[int]) -> dict[str, str]:
-    return {"type": DELTA, "text": text, "token_ids": json.dumps(token_ids, separators=(",", ":"))}
-
-
 def parse(fields: dict[Any, Any]) -> Event:
     f = {text(k): text(v) for k, v in fields.items()}
     ids = f.get("token_ids")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from broker_config.text import valid_text
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
@@ -50,7 +52,7 @@ def parse_line(
         if isinstance(obj, dict)
         else None
     )
-    cid = given if isinstance(given, str) and given and _encodable(given) else None
+    cid = given if isinstance(given, str) and given and valid_text(given) else None
     if given is not None and cid is None:  # the error line must not carry it either
         what = (
             f"a {type(given).__name__}"
@@ -70,7 +72,7 @@ def parse_line(
         )
     if not isinstance(obj, dict):
         raise LineError("invalid_request", f"{where}: expected a JSON object")
-    if not _encodable(json.dumps(obj, ensure_ascii=False)):
+    if not valid_text(json.dumps(obj, ensure_ascii=False)):
         raise LineError(
             "invalid_request",
             f"{where}: a string is not valid Unicode (a lone surrogate such as \\ud800)",
@@ -137,16 +139,6 @@ def _openai(
         options["stop"] = stops
     kind = "chat" if url == CHAT else "completion"
     return {"custom_id": cid, "kind": kind, "options": options, "model": body.get("model")}
-
-
-def _encodable(text: str) -> bool:
-    """False for text that cannot be UTF-8 (a lone surrogate, from a JSON \\ud800 escape):
-    it could be neither stored in Redis nor queued."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _message(m: Any) -> bool:

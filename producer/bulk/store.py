@@ -16,7 +16,6 @@ results/jobs.py.
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import redis
@@ -24,6 +23,7 @@ import redis
 from broker_config import keys
 from broker_config.text import text
 from results import jobs
+from results.records import now_ms
 
 VALIDATING = "validating"
 IN_PROGRESS = "in_progress"
@@ -49,10 +49,6 @@ def check_id(batch_id: str) -> str:
             f"invalid batch id {batch_id!r}: use 1 to 64 letters, digits, '_' or '-'"
         )
     return batch_id
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def get(r: redis.Redis, batch_id: str) -> dict[str, str]:
