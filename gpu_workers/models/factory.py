@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SIZES = ("tiny", "bench")
+SIZES = ("tiny", "small", "bench")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -32,6 +32,17 @@ _SIZES: dict[str, dict[str, Any]] = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        vocab=2048,
+        initializer_range=0.2,
+    ),
+    # ~0.7M parameters with head_dim 64, the smallest head vLLM's CPU attention takes:
+    # the vLLM backend's tests
+    "small": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         vocab=2048,
         initializer_range=0.2,
     ),

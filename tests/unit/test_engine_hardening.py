@@ -141,7 +141,7 @@ def old_chat_ids(engine, messages: list[dict]) -> list[int]:
 
 
 def specials(engine, ids: list[int]) -> list[int]:
-    return [t for t in ids if t in engine.special_ids]
+    return [t for t in ids if t in engine.prompts.special_ids]
 
 
 def test_special_text_in_a_prompt_is_plain_text(engine):
@@ -246,7 +246,7 @@ def test_chat_tokenization_property(engine, chat):
     assert tok.decode(ids) == text
     benign = [{**m, "content": "x"} for m in messages]
     assert specials(engine, ids) == specials(engine, old_chat_ids(engine, benign))
-    if not any(s in m["content"] for m in messages for s in engine._specials):
+    if not any(s in m["content"] for m in messages for s in engine.prompts.specials):
         assert ids == old_chat_ids(engine, messages)
 
 

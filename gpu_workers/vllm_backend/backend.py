@@ -1,0 +1,264 @@
+"""The engine interface (gpu_workers/backend.py) on vLLM's LLMEngine.
+
+    backend = VllmBackend("models/my-model", tensor_parallel=2, options={"dtype": "bfloat16"})
+    backend.add("job-1", prompt="Hello", params={"max_tokens": 8})
+    while backend.has_unfinished():
+        for out in backend.step(): ...
+
+vLLM's engine core runs in this process (its executor may still start one process per
+tensor/pipeline rank, or use Ray across nodes): the worker loop steps it between its Redis
+turns, as it steps the native engine, and reads the scheduler's figures from a stat logger
+after every step. Prompts are tokenized by the same code as the native engine's and the
+sampling fields are validated by the native SamplingParams, so both backends refuse the
+same input with the same code and message, and give vLLM the same token ids.
+
+Where vLLM's engine itself fails (its step raises), the backend cannot tell which request
+caused it: the exception reaches the worker, which hands every running job back with the
+attempt counted and exits; another worker (or this one, restarted) runs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoTokenizer
+from vllm import TokensPrompt
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.executor import Executor
+
+from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.engine.errors import ErrorCode
+from gpu_workers.engine.sampling_params import SamplingParams
+from gpu_workers.models.loader import fingerprint
+from gpu_workers.prompts import Prompts, check_options
+from gpu_workers.vllm_backend.params import logprob_entries, to_vllm
+from gpu_workers.vllm_backend.stats import Figures
+
+log = logging.getLogger(__name__)
+
+KV_URL_ENV = "PLURAI_KV_REDIS_URL"  # read by the KV connector, in every rank's process
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class _Request:
+    num_prompt: int
+    max_len: int  # prompt plus max_tokens, capped at max_model_len
+    top_logprobs: int | None
+    num_output: int = 0
+
+
+class VllmBackend:
+    def __init__(
+        self,
+        model: str,
+        *,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        options: dict[str, Any] | None = None,
+        kv_redis_url: str | None = None,
+        kv_ttl_s: int = 3600,
+        watermark: float = 0.01,
+    ) -> None:
+        """`options`: vLLM EngineArgs fields (`--vllm KEY=VALUE`). `kv_redis_url`: the Redis
+        that holds the shared KV tier (None: PLURAI_KV_REDIS_URL, else no Redis tier)."""
+        options = dict(options or {})
+        fixed = {"model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size"}
+        if fixed & set(options):
+            raise ValueError(f"give {sorted(fixed & set(options))} as worker arguments, not --vllm")
+        options.setdefault("scheduling_policy", "priority")  # lanes and job priorities
+        options.setdefault("enable_prefix_caching", True)
+        self.model_fingerprint = fingerprint(model)
+        if kv_redis_url:
+            os.environ[KV_URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
+        try:
+            args = EngineArgs(
+                model=model,
+                tensor_parallel_size=tensor_parallel,
+                pipeline_parallel_size=pipeline_parallel,
+                disable_log_stats=False,
+                **options,
+            )
+        except TypeError as e:
+            raise ValueError(f"unknown vLLM engine option: {e}") from e
+        config = args.create_engine_config()
+        cache = config.cache_config
+        # blocks of another backend, dtype or block size are never mixed up with these
+        self.kv_fingerprint = hashlib.blake2b(
+            f"{self.model_fingerprint}|vllm|{config.model_config.dtype}|{cache.block_size}".encode(),
+            digest_size=16,
+        ).hexdigest()
+        self.kv = None  # the KV connector's counters, with the Redis tier on
+        if os.environ.get(KV_URL_ENV) and config.kv_transfer_config is None:
+            from gpu_workers.vllm_backend import connector
+
+            self.kv = connector.COUNTERS
+            config.kv_transfer_config = KVTransferConfig(
+                kv_connector="PluraiConnector",
+                kv_connector_module_path=connector.__name__,
+                kv_role="kv_both",
+                kv_connector_extra_config={"fingerprint": self.kv_fingerprint, "ttl_s": kv_ttl_s},
+            )
+        self.figures = Figures()
+        self.engine = LLMEngine(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_stats=True,
+            stat_loggers=[lambda *_: self.figures],
+            multiprocess_mode=False,
+        )
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_gpu_blocks or 0
+        self.max_model_len = config.model_config.max_model_len
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.watermark = watermark
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        vocab = config.model_config.get_vocab_size()
+        self.prompts = Prompts(tokenizer, vocab, self.max_model_len)
+        self.reqs: dict[str, _Request] = {}
+        self.added = 0  # requests added since the last step (not in vLLM's figures yet)
+        self.steps = 0
+
+    # -- requests -----------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        special_tokens: bool = False,
+    ) -> None:
+        if request_id in self.reqs:
+            raise RequestError(
+                ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
+            )
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params or {})
+        check_options(priority, cache_salt, special_tokens)
+        ids = self.prompts.tokenize(prompt, token_ids, messages, special_tokens)
+        request = TokensPrompt(prompt_token_ids=ids)
+        if cache_salt is not None:
+            request["cache_salt"] = cache_salt
+        try:
+            self.engine.add_request(request_id, request, to_vllm(params), priority=priority)
+        except (ValueError, TypeError) as e:  # what vLLM refuses beyond the shared checks
+            raise RequestError(ErrorCode.INVALID_PARAMS, f"vLLM refused the request: {e}") from e
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        self.reqs[request_id] = _Request(len(ids), max_len, params.logprobs)
+        self.added += 1
+
+    def abort(self, request_id: str) -> bool:
+        if self.reqs.pop(request_id, None) is None:
+            return False
+        self.engine.abort_request([request_id])
+        return True
+
+    def step(self) -> list[StepOutput]:
+        outputs = self.engine.step()
+        self.steps += 1
+        self.added = 0
+        out = []
+        for o in outputs:
+            req = self.reqs.get(o.request_id)
+            if req is None:  # aborted since
+                continue
+            c = o.outputs[0]
+            new = list(c.token_ids)
+            req.num_output += len(new)
+            reason, error = None, None
+            if o.finished:
+                del self.reqs[o.request_id]
+                reason = c.finish_reason if c.finish_reason in FINISH_REASONS else "error"
+                if reason == "error":
+                    error = f"vLLM ended the request: {c.finish_reason} ({c.stop_reason})"
+            out.append(
+                StepOutput(
+                    o.request_id,
+                    new,
+                    c.text,
+                    o.finished,
+                    reason,
+                    req.num_prompt,
+                    req.num_output,
+                    o.num_cached_tokens or 0,
+                    logprob_entries(new, c.logprobs, req.top_logprobs or 0)
+                    if req.top_logprobs is not None
+                    else None,
+                    error,
+                )
+            )
+        return out
+
+    # -- capacity -----------------------------------------------------------------
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request of this size fits: vLLM has nothing waiting, a sequence slot is
+        free, and the blocks in use now plus what every request here may still grow by
+        (to its max_tokens) plus this one leave the watermark free."""
+        if len(self.reqs) >= self.max_num_seqs or self.figures.waiting > 0:
+            return False
+        used = round(self.figures.kv_usage * self.num_blocks)
+        growth = 0
+        for r in self.reqs.values():
+            held = self._blocks(r.num_prompt + r.num_output) if r.num_output else 0
+            growth += self._blocks(r.max_len) - held
+        need = self._blocks(min(prompt_tokens + max_tokens, self.max_model_len))
+        return used + growth + need <= self.num_blocks * (1 - self.watermark)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs) or self.engine.has_unfinished_requests()
+
+    @property
+    def num_running(self) -> int:
+        return self.figures.running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.figures.waiting + self.added
+
+    def stats(self) -> dict[str, Any]:
+        f, bs = self.figures, self.block_size
+        used = round(f.kv_usage * self.num_blocks)
+        tier = {}
+        if self.kv is not None:
+            tier = {
+                "kv_redis_hits": self.kv.hits,
+                "kv_bad_entries": self.kv.bad,
+                "kv_redis_saved": self.kv.saved,
+            }
+        return {
+            "blocks_total": self.num_blocks,
+            "blocks_free": self.num_blocks - used,
+            "blocks_used": used,
+            "tokens_stored": sum(r.num_prompt + r.num_output for r in self.reqs.values()),
+            "slots_allocated": used * bs,
+            "prefix_hit_blocks": f.prefix_hits // bs,
+            "prefix_lookup_blocks": f.prefix_queries // bs,
+            "running": f.running,
+            "waiting": f.waiting + self.added,
+            "preemptions": f.preemptions,
+            "steps": self.steps,
+            "prompt_tokens": f.prompt_tokens,
+            "generated_tokens": f.generated_tokens,
+            **tier,
+        }
+
+    def close(self) -> None:
+        """Stop vLLM's executor (its rank processes) and the connector's Redis writer."""
+        shutdown = getattr(self.engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

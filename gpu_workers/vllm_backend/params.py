@@ -1,0 +1,48 @@
+"""The wire's sampling fields (validated by the native SamplingParams, so both backends
+refuse the same input with the same code and message) as vLLM's SamplingParams."""
+
+from __future__ import annotations
+
+from vllm import SamplingParams as VllmParams
+from vllm.sampling_params import RequestOutputKind
+
+from gpu_workers.engine.sampling_params import SamplingParams
+
+
+def to_vllm(p: SamplingParams) -> VllmParams:
+    return VllmParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,  # 0 disables it in both
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=p.seed,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        skip_special_tokens=p.skip_special_tokens,
+        output_kind=RequestOutputKind.DELTA,  # each step's new tokens and text only
+    )
+
+
+def logprob_entries(
+    token_ids: list[int], logprobs: list[dict] | None, top: int
+) -> list[dict] | None:
+    """vLLM's per-token {token id: Logprob} maps in the wire's form, the same as the native
+    engine's: {"token_id", "logprob", "top": [[id, logprob], ...] (rank order, N entries)}."""
+    if logprobs is None:
+        return None
+    out = []
+    for t, d in zip(token_ids, logprobs, strict=True):
+        entry: dict = {"token_id": t, "logprob": float(d[t].logprob)}
+        if top:
+            ranked = sorted(
+                ((lp.rank, i, lp.logprob) for i, lp in d.items() if lp.rank and lp.rank <= top)
+            )
+            entry["top"] = [[int(i), float(v)] for _, i, v in ranked]
+        out.append(entry)
+    return out

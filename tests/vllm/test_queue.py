@@ -1,0 +1,208 @@
+"""A vLLM worker on the queue beside a native one (real redis-server, worker processes):
+the bad-input matrix gives the same codes, a cancel frees the request, 100 mixed jobs end
+with exactly one result each and the vLLM worker's greedy results equal vLLM's own offline
+`LLM.generate`, and a SIGKILLed vLLM worker's jobs complete once on the native one."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker_config import keys
+from producer.client import Client
+from results import records, wait
+from tests.integration.faults import FAST, LANES, count_final, end_entries, final_records, pending
+from tests.integration.test_worker_bad_input import CASES, entry
+from tests.vllm.conftest import MAX_MODEL_LEN, OPTIONS, NativeWorkers, VllmWorkers
+
+pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
+
+LIMIT = 200  # max_tokens limit: long enough to cancel a job mid-generation
+ENV = {**FAST, "PLURAI_MAX_TOKENS_LIMIT": str(LIMIT)}
+
+
+class Fleet:
+    def __init__(self, url: str, model: Path, logs: Path) -> None:
+        (logs / "vllm").mkdir()
+        (logs / "native").mkdir()
+        self.vllm = VllmWorkers(url, model, logs / "vllm")
+        self.native = NativeWorkers(url, model, logs / "native")
+        self.url, self.r = url, redis.Redis.from_url(url)
+        self.client = Client(url)
+        self.model = model
+
+
+@pytest.fixture(scope="module")
+def fleet(module_redis_url: str, small_model: Path, tmp_path_factory) -> Iterator[Fleet]:
+    f = Fleet(module_redis_url, small_model, tmp_path_factory.mktemp("logs"))
+    f.vllm.start(1, "--worker-id", "vllm", "--vllm", "max_num_seqs=16", env=ENV)
+    yield f
+    f.vllm.stop()
+    f.native.stop()
+
+
+def test_bad_input_matrix_same_codes(fleet: Fleet) -> None:
+    """The pipeline's bad-input matrix (tests/integration/test_worker_bad_input.py) on the
+    vLLM worker alone; its max_tokens limit is LIMIT here."""
+    cases = [c for c in CASES if c[0] != "max_tokens over limit"]
+    cases.append(
+        (
+            "max_tokens over limit",
+            entry(max_tokens=str(LIMIT + 1)),
+            "max_tokens_over_limit",
+            str(LIMIT),
+        )
+    )
+    cases = [
+        (name, fields, code, hint.replace("255", str(MAX_MODEL_LEN - 1)))
+        for name, fields, code, hint in cases
+    ]
+    stream = keys.request_stream("standard")
+    for _, fields, _, _ in cases:
+        fleet.r.xadd(stream, fields)
+    good = entry({"prompt": "still serving", "temperature": 0})
+    fleet.r.xadd(stream, good)
+    recs = wait.wait_many(fleet.r, [c[1]["id"] for c in cases] + [good["id"]], timeout=120)
+    got = [
+        (c[0], rec.state, rec.error_code, c[3] in (rec.error_message or ""))
+        for c, rec in zip(cases, recs[:-1], strict=True)
+    ]
+    assert got == [(c[0], records.FAILED, c[2], True) for c in cases]
+    assert recs[-1].state == records.COMPLETED and recs[-1].output_tokens == 4
+    assert {rec.worker for rec in recs} == {"vllm"}
+
+
+def figures(r: redis.Redis, worker: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(keys.worker(worker)).items()}
+
+
+def test_cancel_mid_generation_frees_the_request(fleet: Fleet) -> None:
+    job = fleet.client.submit(prompt="a long story", max_tokens=LIMIT, ignore_eos=True)
+    give_up = time.monotonic() + 60
+    while sum(1 for _, f in fleet.r.xrange(keys.output(job.id)) if f[b"type"] == b"delta") < 2:
+        assert time.monotonic() < give_up, "no tokens streamed"
+        time.sleep(0.005)
+    job.cancel()
+    rec = wait.wait(fleet.r, job.id, timeout=30)
+    assert rec.state == records.CANCELLED and 0 < (rec.output_tokens or 0) < LIMIT
+    give_up = time.monotonic() + 20
+    while (f := figures(fleet.r, "vllm")).get("running") != "0" or f.get("kv_blocks_used") != "0":
+        assert time.monotonic() < give_up, f"the request still holds the engine: {f}"
+        time.sleep(0.1)
+    after = fleet.client.submit(prompt="after the cancel", max_tokens=5).result(timeout=60)
+    assert after.state == records.COMPLETED and after.output_tokens == 5
+
+
+def mixed(i: int) -> dict:
+    """Job i of the mixed load: greedy text, chat and token-id prompts, seeded sampling,
+    stop strings, logprobs, every lane, priorities, streaming on and off."""
+    common = {"lane": LANES[i % 3], "priority": i % 7 - 3, "stream": i % 4 != 0}
+    kind = i % 5
+    if kind == 0:
+        return {**common, "prompt": f"greedy text number {i} about rivers", "max_tokens": 16}
+    if kind == 1:
+        return {**common, "messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": 12}
+    if kind == 2:
+        return {
+            **common,
+            "token_ids": [5 + (i * 7 + k) % 1500 for k in range(40 + i)],
+            "max_tokens": 10,
+        }
+    if kind == 3:
+        return {
+            **common,
+            "prompt": f"sampled {i}",
+            "max_tokens": 8,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "seed": i,
+        }
+    return {
+        **common,
+        "prompt": f"with logprobs {i}",
+        "max_tokens": 6,
+        "logprobs": 2,
+        "stop": ["zz"],
+    }
+
+
+def reference(model: Path, jobs: list[dict]) -> list[list[int]]:
+    """vLLM's own offline greedy tokens for the jobs, from the same token ids."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from gpu_workers.prompts import Prompts
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = Prompts(tok, len(tok), MAX_MODEL_LEN)
+    ids = [prompts.tokenize(j.get("prompt"), j.get("token_ids"), j.get("messages")) for j in jobs]
+    llm = LLM(model=str(model), **OPTIONS)
+    params = [
+        SamplingParams(temperature=0, max_tokens=j["max_tokens"], stop=j.get("stop")) for j in jobs
+    ]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+    del llm
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_mixed_fleet_100_jobs(fleet: Fleet) -> None:
+    reqs = [mixed(i) for i in range(100)]
+    # half while the vLLM worker serves alone, half once the native one shares the queue
+    jobs = fleet.client.submit_many(reqs[:50])
+    fleet.native.start(1, "--worker-id", "native", env=ENV)
+    jobs += fleet.client.submit_many(reqs[50:])
+    ids = [j.id for j in jobs]
+    recs = final_records(fleet.url, ids)
+    assert [rec.state for rec in recs] == [records.COMPLETED] * 100
+    assert end_entries(fleet.r, ids) == [1] * 100
+    assert pending(fleet.r) == 0
+    by = {w: [i for i, rec in enumerate(recs) if rec.worker == w] for w in ("vllm", "native")}
+    assert by["vllm"] and by["native"] and len(by["vllm"]) + len(by["native"]) == 100
+    for i in by["vllm"]:
+        rec = recs[i]
+        assert rec.output_tokens == len(rec.token_ids or []) <= reqs[i]["max_tokens"]
+        if "logprobs" in reqs[i]:
+            assert [e["token_id"] for e in rec.logprobs or []] == rec.token_ids
+            assert all(len(e["top"]) == 2 for e in rec.logprobs or [])
+    greedy = [i for i in by["vllm"] if "temperature" not in reqs[i]]
+    assert len(greedy) >= 10
+    want = reference(fleet.model, [reqs[i] for i in greedy])
+    assert [recs[i].token_ids for i in greedy] == want
+
+
+def test_sigkill_vllm_worker_jobs_complete_on_native(fleet: Fleet) -> None:
+    (victim,) = fleet.vllm.procs
+    jobs = fleet.client.submit_many(
+        [
+            {"prompt": f"crash job {i}", "max_tokens": 30, "ignore_eos": True, "lane": LANES[i % 3]}
+            for i in range(100)
+        ]
+    )
+    ids = [j.id for j in jobs]
+    give_up = time.monotonic() + 120
+    while not (count_final(fleet.r, ids) >= 5 and pending(fleet.r, "vllm") > 0):
+        assert time.monotonic() < give_up, "the vLLM worker never ran jobs"
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    stranded = {
+        fleet.r.xrange(keys.request_stream(lane), p["message_id"], p["message_id"])[0][1][
+            b"id"
+        ].decode()
+        for lane in LANES
+        for p in fleet.r.xpending_range(
+            keys.request_stream(lane), keys.GROUP, "-", "+", 200, "vllm"
+        )
+    }
+    assert stranded
+    recs = final_records(fleet.url, ids)
+    assert [rec.state for rec in recs] == [records.COMPLETED] * 100
+    assert all(rec.output_tokens == 30 for rec in recs)
+    assert end_entries(fleet.r, ids) == [1] * 100
+    assert pending(fleet.r) == 0
+    assert {rec.worker for rec in recs if rec.id in stranded} == {"native"}
