@@ -77,6 +77,20 @@ class VllmBackend:
         self.model_fingerprint = fingerprint(model)
         if kv_redis_url:
             os.environ[KV_URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
+        self.kv = None  # the KV connector's counters, with the Redis tier on
+        if os.environ.get(KV_URL_ENV) and "kv_transfer_config" not in options:
+            from gpu_workers.vllm_backend import connector
+
+            self.kv = connector.COUNTERS
+            # given to EngineArgs (not set on the config afterwards), so that vLLM adapts
+            # the rest of its config to a connector
+            options["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="PluraiConnector",
+                kv_connector_module_path=connector.__name__,
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",  # a block that fails to load is a miss
+                kv_connector_extra_config={"ttl_s": kv_ttl_s},
+            )
         try:
             args = EngineArgs(
                 model=model,
@@ -94,17 +108,8 @@ class VllmBackend:
             f"{self.model_fingerprint}|vllm|{config.model_config.dtype}|{cache.block_size}".encode(),
             digest_size=16,
         ).hexdigest()
-        self.kv = None  # the KV connector's counters, with the Redis tier on
-        if os.environ.get(KV_URL_ENV) and config.kv_transfer_config is None:
-            from gpu_workers.vllm_backend import connector
-
-            self.kv = connector.COUNTERS
-            config.kv_transfer_config = KVTransferConfig(
-                kv_connector="PluraiConnector",
-                kv_connector_module_path=connector.__name__,
-                kv_role="kv_both",
-                kv_connector_extra_config={"fingerprint": self.kv_fingerprint, "ttl_s": kv_ttl_s},
-            )
+        if self.kv is not None:  # read by the connector when the engine starts, below
+            config.kv_transfer_config.kv_connector_extra_config["fingerprint"] = self.kv_fingerprint
         self.figures = Figures()
         self.engine = LLMEngine(
             vllm_config=config,
@@ -235,11 +240,7 @@ class VllmBackend:
         used = round(f.kv_usage * self.num_blocks)
         tier = {}
         if self.kv is not None:
-            tier = {
-                "kv_redis_hits": self.kv.hits,
-                "kv_bad_entries": self.kv.bad,
-                "kv_redis_saved": self.kv.saved,
-            }
+            tier = {"kv_redis_hits": f.remote_hits // bs, "kv_bad_entries": self.kv.bad}
         return {
             "blocks_total": self.num_blocks,
             "blocks_free": self.num_blocks - used,

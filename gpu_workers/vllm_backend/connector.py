@@ -93,8 +93,11 @@ URL_ENV = "PLURAI_KV_REDIS_URL"
 
 @dataclass
 class Counters:
-    """Process-wide counts, valid for the worker's metrics when vLLM's engine core (its
-    scheduler and its rank-0 worker) runs in the worker's own process."""
+    """Process-wide counts of the connector halves that run in this process. The worker
+    runs vLLM's scheduler in its own process, so `misses` and `bad` (the lookup's) are the
+    worker's; `hits`, `saved` and `dropped` are counted by the rank processes' halves
+    (vLLM's CPU executor runs even rank 0 in a process of its own); the backend reports
+    Redis hits from vLLM's own connector figures instead."""
 
     hits: int = 0  # blocks loaded from Redis into vLLM's cache
     misses: int = 0  # prompt blocks looked up and not loaded (absent, bad, or after one)

@@ -330,13 +330,6 @@ def test_rank_fingerprints() -> None:
     assert all(len(f) == len(FINGERPRINT) for f in ranks)
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    server = EmbeddedRedis(tmp_path / "redis")
-    yield server.start()
-    server.stop()
-
-
 def test_lookup_takes_the_leading_run_of_good_blocks(redis_url: str) -> None:
     tier = RedisTier(redis.Redis.from_url(redis_url), FINGERPRINT, secret=None)
     store = connector.Store(tier, SHAPE, torch.float32)

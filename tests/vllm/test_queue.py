@@ -1,7 +1,8 @@
 """A vLLM worker on the queue beside a native one (real redis-server, worker processes):
 the bad-input matrix gives the same codes, a cancel frees the request, 100 mixed jobs end
 with exactly one result each and the vLLM worker's greedy results equal vLLM's own offline
-`LLM.generate`, and a SIGKILLed vLLM worker's jobs complete once on the native one."""
+`LLM.generate`, a SIGKILLed vLLM worker's jobs complete once on the native one, and a fresh
+vLLM worker's first job loads the prefix the first one computed from Redis."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 
 LIMIT = 200  # max_tokens limit: long enough to cancel a job mid-generation
 ENV = {**FAST, "PLURAI_MAX_TOKENS_LIMIT": str(LIMIT)}
+LONG = [5 + (k * 13) % 1900 for k in range(220)]  # a prompt holding one full vLLM block (128)
 
 
 class Fleet:
@@ -35,15 +37,25 @@ class Fleet:
         self.url, self.r = url, redis.Redis.from_url(url)
         self.client = Client(url)
         self.model = model
+        self.env: dict[str, str] = {}
+        self.first: records.JobRecord | None = None  # LONG, run by the first vLLM worker
 
 
 @pytest.fixture(scope="module")
 def fleet(module_redis_url: str, small_model: Path, tmp_path_factory) -> Iterator[Fleet]:
     f = Fleet(module_redis_url, small_model, tmp_path_factory.mktemp("logs"))
-    f.vllm.start(1, "--worker-id", "vllm", "--vllm", "max_num_seqs=16", env=ENV)
+    # the vLLM workers share KV blocks through the queue's Redis
+    env = {**ENV, "PLURAI_KV_REDIS_URL": module_redis_url}
+    f.env = env
+    f.vllm.start(1, "--worker-id", "vllm", "--vllm", "max_num_seqs=16", env=env)
     yield f
     f.vllm.stop()
     f.native.stop()
+
+
+def test_first_run_of_a_long_prompt(fleet: Fleet) -> None:
+    fleet.first = fleet.client.submit(token_ids=LONG, max_tokens=8).result(timeout=60)
+    assert fleet.first.worker == "vllm" and fleet.first.cached_tokens == 0
 
 
 def test_bad_input_matrix_same_codes(fleet: Fleet) -> None:
@@ -206,3 +218,18 @@ def test_sigkill_vllm_worker_jobs_complete_on_native(fleet: Fleet) -> None:
     assert end_entries(fleet.r, ids) == [1] * 100
     assert pending(fleet.r) == 0
     assert {rec.worker for rec in recs if rec.id in stranded} == {"native"}
+
+
+def test_fresh_vllm_worker_loads_the_prefix_from_redis(fleet: Fleet) -> None:
+    """After the first vLLM worker is gone, a fresh one (empty local cache) takes LONG's
+    block from Redis: cached_tokens > 0 and the same tokens as the first worker's."""
+    fleet.native.stop()
+    fleet.vllm.start(1, "--worker-id", "vllm-b", env=fleet.env)
+    rec = fleet.client.submit(token_ids=LONG, max_tokens=8).result(timeout=60)
+    assert fleet.first is not None
+    assert rec.worker == "vllm-b" and (rec.cached_tokens or 0) >= 128
+    assert rec.token_ids == fleet.first.token_ids
+    give_up = time.monotonic() + 10  # the next heartbeat carries the hit
+    while float(figures(fleet.r, "vllm-b").get("prefix_hit_rate", 0)) <= 0:
+        assert time.monotonic() < give_up, str(figures(fleet.r, "vllm-b"))
+        time.sleep(0.1)
