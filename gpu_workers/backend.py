@@ -1,6 +1,5 @@
-"""The one engine interface the worker talks to. The native engine (gpu_workers/engine) is
-its first implementation; another backend implements the same few calls and the worker
-does not change.
+"""The one engine interface the worker talks to. The native engine (gpu_workers/engine) and
+vLLM (gpu_workers/vllm_backend) implement the same few calls; the worker does not change.
 
 A backend refuses bad input for one request with `RequestError` (stable `code`, a
 `message` that says what to fix) and nothing else is affected; an exception met while
