@@ -112,3 +112,35 @@ def batch_all(batch_id: str) -> list[str]:
         batch_output(batch_id),
         batch_errors(batch_id),
     ]
+
+
+# -- API keys and quotas of the HTTP gateway (gateway/auth.py) ------------------------
+
+API_KEYS = f"{PREFIX}:apikeys"  # hash: public key id -> SHA-256 (hex) of the key's secret
+
+
+def api_key(key_hash: str) -> str:
+    """An API key's record (hash), named by the SHA-256 (hex) of its secret. The secret
+    itself is stored nowhere."""
+    return f"{PREFIX}:apikey:{key_hash}"
+
+
+def quota_window(key_id: str) -> str:
+    """An API key's admissions of the last minute (sorted set): '<job id>:<tokens>' ->
+    admitted unix ms (Redis' clock)."""
+    return f"{PREFIX}:quota:{key_id}:window"
+
+
+def quota_tokens(key_id: str) -> str:
+    """The sum of the tokens of the admissions in `quota_window` (string, an integer)."""
+    return f"{PREFIX}:quota:{key_id}:tokens"
+
+
+def quota_running(key_id: str) -> str:
+    """An API key's running jobs (sorted set): job id -> lease expiry unix ms."""
+    return f"{PREFIX}:quota:{key_id}:running"
+
+
+def quota_all(key_id: str) -> list[str]:
+    """Every quota key of one API key, for revocation."""
+    return [quota_window(key_id), quota_tokens(key_id), quota_running(key_id)]

@@ -1,0 +1,372 @@
+"""Gateway quotas in a real redis-server (the ADMIT script): exact counts under concurrent
+callers in two processes, a sliding minute, tokens, concurrent jobs and their leases,
+revocation at once, damaged records, and no secret in Redis or in logs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio
+
+from broker_config import keys
+from broker_config.settings import Settings
+from gateway import auth, keys_cli
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
+
+
+@pytest.fixture
+def url(module_redis_url: str) -> Iterator[str]:
+    r = redis.Redis.from_url(module_redis_url)
+    r.flushall()
+    r.script_flush()
+    yield module_redis_url
+    r.close()
+
+
+def run(url: str, fn, *args, decode: bool = False, **kw):
+    """fn(async client, *args) in a fresh event loop."""
+
+    async def go():
+        r = redis.asyncio.Redis.from_url(url, decode_responses=decode)
+        try:
+            return await fn(r, *args, **kw)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(go())
+
+
+def new_key(url: str, **limits) -> tuple[str, auth.Key]:
+    with redis.Redis.from_url(url) as r:
+        return auth.create_key(r, "acme", settings=SETTINGS, **limits)
+
+
+def job(i: int | str) -> str:
+    return f"test-job-{i}"
+
+
+# Each process authenticates, says it is ready, waits for the go, then admits 10 requests at
+# once on 10 connections.
+CHILD = r"""
+import asyncio, json, sys
+import redis.asyncio
+from gateway import auth
+
+url, secret, tag = sys.argv[1:4]
+
+async def main():
+    r = redis.asyncio.Redis.from_url(url)
+    key = await auth.authenticate(r, secret)
+    assert key is not None
+    await r.rpush("test:ready", tag)
+    assert await r.blpop(["test:go"], timeout=60)
+    got = await asyncio.gather(*(auth.admit(r, key, 7, f"{tag}-job-{i:04d}") for i in range(10)))
+    print(json.dumps([[v.admitted, v.limit, v.retry_after_s] for v in got]))
+    await r.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_rpm_is_exact_across_two_processes(url):
+    secret, key = new_key(url, rpm=10)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, url, secret, tag],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for tag in ("p1", "p2")
+    ]
+    r = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 60
+    while r.llen("test:ready") < 2:
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    r.rpush("test:go", 1, 1)
+    verdicts = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err.decode()
+        verdicts += json.loads(out)
+    admitted = [v for v in verdicts if v[0]]
+    refused = [v for v in verdicts if not v[0]]
+    assert len(admitted) == 10 and len(refused) == 10
+    assert all(v[1] == "rpm" and 0 < v[2] <= 60 for v in refused)
+    assert r.zcard(keys.quota_window(key.id)) == 10
+    assert int(r.get(keys.quota_tokens(key.id))) == 70
+    # the 11th from a third client, within the minute: refused too
+    eleventh = run(url, auth.admit, key, 1, job("p3"))
+    assert not eleventh.admitted and eleventh.limit == "rpm" and eleventh.retry_after >= 1
+    r.close()
+
+
+def test_refusals_count_nothing_and_retries_count_once(url):
+    _, key = new_key(url, rpm=3, tpm=100)
+    r = redis.Redis.from_url(url)
+
+    async def go(ar):
+        v1 = await auth.admit(ar, key, 30, job(1))
+        assert v1.admitted and v1.remaining_requests == 2 and v1.remaining_tokens == 70
+        again = await auth.admit(ar, key, 30, job(1))  # the same admission, retried
+        assert again.admitted and again.remaining_requests == 2
+        assert (await auth.admit(ar, key, 80, job(2))).limit == "tpm"
+        assert (await auth.admit(ar, key, 80, job(2))).limit == "tpm"
+        assert (await auth.admit(ar, key, 70, job(3))).admitted
+        assert (await auth.admit(ar, key, 0, job(4))).admitted
+        refused = await auth.admit(ar, key, 0, job(5))
+        assert refused.limit == "rpm" and refused.remaining_requests == 0
+
+    run(url, go)
+    assert r.zcard(keys.quota_window(key.id)) == 3
+    assert int(r.get(keys.quota_tokens(key.id))) == 100
+    assert 0 < r.pttl(keys.quota_window(key.id)) <= auth.WINDOW_MS
+    r.close()
+
+
+def test_tokens_per_minute(url):
+    _, key = new_key(url, tpm=100)
+
+    async def go(ar):
+        first = await auth.admit(ar, key, 60, job(1))
+        assert first.admitted and first.remaining_tokens == 40 and first.remaining_requests is None
+        over = await auth.admit(ar, key, 50, job(2))
+        assert not over.admitted and over.limit == "tpm" and 0 < over.retry_after_s <= 60
+        assert over.remaining_tokens == 40
+        assert (await auth.admit(ar, key, 40, job(3))).remaining_tokens == 0
+        assert (await auth.admit(ar, key, 1, job(4))).limit == "tpm"
+        huge = await auth.admit(ar, key, 101, job(5))  # can never fit
+        assert huge.limit == "tpm" and "more than the key's 100 tokens" in huge.message
+
+    run(url, go)
+
+
+def test_the_minute_slides(url, monkeypatch):
+    monkeypatch.setattr(auth, "WINDOW_MS", 1000)
+    _, key = new_key(url, rpm=2, tpm=10)
+
+    async def go(ar):
+        assert (await auth.admit(ar, key, 4, job(1))).admitted
+        await asyncio.sleep(0.5)
+        assert (await auth.admit(ar, key, 4, job(2))).admitted
+        refused = await auth.admit(ar, key, 1, job(3))
+        # the first admission leaves the window in about 0.5 s: that is the wait
+        assert refused.limit == "rpm" and 0 < refused.retry_after_s <= 0.5
+        await asyncio.sleep(refused.retry_after_s + 0.05)
+        assert (await auth.admit(ar, key, 4, job(4))).admitted  # job 1 left the window
+        assert (await auth.admit(ar, key, 1, job(5))).limit == "rpm"  # job 2 has not yet
+        await asyncio.sleep(0.55)
+        # only job 4 (4 tokens) is left: 7 more are too many until it leaves as well
+        tpm = await auth.admit(ar, key, 7, job(6))
+        assert tpm.limit == "tpm" and 0 < tpm.retry_after_s <= 0.46
+        assert (await auth.admit(ar, key, 6, job(7))).admitted
+
+    run(url, go)
+
+
+def test_concurrent_jobs_release_and_renew(url):
+    _, key = new_key(url, concurrent=2)
+    r = redis.Redis.from_url(url)
+
+    async def go(ar):
+        assert (await auth.admit(ar, key, 10, job("a"))).admitted
+        assert (await auth.admit(ar, key, 10, job("b"))).admitted
+        full = await auth.admit(ar, key, 10, job("c"))
+        assert full.limit == "concurrent" and 0 < full.retry_after_s <= 1
+        assert r.zcard(keys.quota_running(key.id)) == 2  # the refusal took no slot
+        assert await auth.release(ar, key, job("a"))
+        assert not await auth.release(ar, key, job("a"))
+        assert (await auth.admit(ar, key, 10, job("c"))).admitted
+        assert await auth.renew(ar, key, job("b"), 120)
+        assert not await auth.renew(ar, key, job("a"), 120)  # released: no slot to renew
+        assert r.zscore(keys.quota_running(key.id), job("a")) is None
+        assert r.pttl(keys.quota_running(key.id)) > 60_000  # the longest lease keeps the set
+
+    run(url, go)
+    r.close()
+
+
+def test_leases_expire_unless_renewed(url):
+    _, key = new_key(url, concurrent=1)
+
+    async def go(ar):
+        assert (await auth.admit(ar, key, 1, job("crashed"), lease_s=0.6)).admitted
+        assert (await auth.admit(ar, key, 1, job("next"), lease_s=0.6)).limit == "concurrent"
+        await asyncio.sleep(0.7)  # its gateway died: the lease ends, the slot is free again
+        assert (await auth.admit(ar, key, 1, job("next"), lease_s=0.6)).admitted
+        assert not await auth.renew(ar, key, job("crashed"), 10)
+        assert await auth.renew(ar, key, job("next"), 10)
+        await asyncio.sleep(0.4)
+        assert (await auth.admit(ar, key, 1, job("third"))).limit == "concurrent"  # renewed
+        assert await auth.release(ar, key, job("next"))
+        assert (await auth.admit(ar, key, 1, job("third"))).admitted
+
+    run(url, go)
+
+
+def test_revoked_key_is_refused_at_once(url):
+    secret, key = new_key(url, rpm=5, concurrent=1)
+    r = redis.Redis.from_url(url)
+
+    async def use(ar):
+        assert await auth.authenticate(ar, secret) == key
+        assert (await auth.admit(ar, key, 1, job(1))).admitted
+
+    run(url, use)
+    assert auth.revoke(r, key.id)
+    assert run(url, auth.authenticate, secret) is None
+    assert run(url, auth.authenticate, secret, decode=True) is None
+    assert r.keys("*") == []  # record, index entry and counters all gone
+    assert not auth.any_keys(r)
+    r.close()
+
+
+def test_damaged_records_and_counters(url, caplog):
+    secret, key = new_key(url, rpm=2, tpm=50, concurrent=1)
+    h = auth.hash_secret(secret)
+    r = redis.Redis.from_url(url)
+    with caplog.at_level(logging.DEBUG):
+        r.hset(keys.api_key(h), "lanes", "")
+        assert run(url, auth.authenticate, secret) is None
+        r.hset(keys.api_key(h), mapping={"lanes": "standard", "tpm": b"\xff"})
+        assert run(url, auth.authenticate, secret) is None
+        assert run(url, auth.authenticate, secret, decode=True) is None
+        r.delete(keys.api_key(h))
+        r.rpush(keys.api_key(h), "x")
+        assert run(url, auth.authenticate, secret) is None
+        r.delete(keys.api_key(h))
+        assert run(url, auth.authenticate, secret) is None  # unknown: nothing logged
+        # counters of the wrong type, or a wrong total, are reset, not fatal
+        r.set(keys.quota_window(key.id), "x")
+        r.hset(keys.quota_running(key.id), "a", "b")
+        r.set(keys.quota_tokens(key.id), "many")
+        assert run(url, auth.admit, key, 10, job(1)).admitted
+        assert int(r.get(keys.quota_tokens(key.id))) == 10
+        assert run(url, auth.release, key, job(1))
+        r.set(keys.quota_tokens(key.id), "-5")  # recounted from the window
+        assert run(url, auth.admit, key, 10, job(2)).remaining_tokens == 30
+    assert caplog.text.count("treated as unknown") == 4
+    assert secret not in caplog.text and h not in caplog.text
+    r.close()
+
+
+def test_scripts_reload_after_a_flush(url):
+    _, key = new_key(url, rpm=5, concurrent=1)
+    r = redis.Redis.from_url(url)
+    assert run(url, auth.admit, key, 1, job(1)).admitted
+    r.script_flush()  # e.g. a restarted or failed-over Redis
+    assert run(url, auth.renew, key, job(1), 5)
+    r.script_flush()
+    assert not run(url, auth.admit, key, 1, job(2)).admitted
+    r.close()
+
+
+def cli(url: str, *argv: str, capsys) -> tuple[int, str, str]:
+    p = argparse.ArgumentParser(prog="plurai keys")
+    keys_cli.add_arguments(p)
+    code = keys_cli.main(p.parse_args([*argv, "--url", url]))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_and_no_secret_anywhere(url, capsys, caplog):
+    caplog.set_level(logging.DEBUG)
+    code, out, err = cli(
+        url,
+        "create",
+        "--tenant",
+        "acme",
+        "--lanes",
+        "interactive,standard",
+        "--rpm",
+        "3",
+        "--concurrent",
+        "2",
+        capsys=capsys,
+    )
+    assert code == 0
+    secret = out.strip()
+    assert auth._SECRET.fullmatch(secret) and secret not in err
+    h = auth.hash_secret(secret)
+    kid = h[:12]
+    assert f"created key {kid} for tenant acme" in err
+
+    code, out, err = cli(url, "create", "--tenant", "globex", "--lanes", "gold", capsys=capsys)
+    assert code == 2 and "unknown lane" in err and out == ""
+    code, out, err = cli(url, "create", "--tenant", "bad:name", capsys=capsys)
+    assert code == 2 and "tenant" in err
+
+    key = run(url, auth.authenticate, secret)
+    assert key.lanes == ("interactive", "standard") and key.rpm == 3 and key.concurrent == 2
+
+    async def use(ar):
+        assert (await auth.admit(ar, key, 12, job(1))).admitted
+        assert await auth.renew(ar, key, job(1), 30)
+        assert (await auth.admit(ar, key, 12, job(2))).admitted
+        assert await auth.release(ar, key, job(2))
+
+    run(url, use)
+
+    code, out, err = cli(url, "list", capsys=capsys)
+    assert code == 0 and kid in out and "acme" in out and "interactive,standard" in out
+    code, listed, _ = cli(url, "list", "--json", capsys=capsys)
+    assert json.loads(listed)[0] == {
+        "id": kid,
+        "tenant": "acme",
+        "lanes": ["interactive", "standard"],
+        "default_lane": "standard",
+        "rpm": 3,
+        "tpm": 0,
+        "concurrent": 2,
+        "created_ms": key.created_ms,
+    }
+    for text in (out, listed):
+        assert secret not in text and h not in text
+
+    # nowhere in Redis: no key name, no value (the hash names the record, nothing more)
+    r = redis.Redis.from_url(url)
+    dump = []
+    for name in r.scan_iter("*"):
+        kind = r.type(name).decode()
+        value = {
+            "string": r.get,
+            "hash": r.hgetall,
+            "zset": lambda n: r.zrange(n, 0, -1, withscores=True),
+            "list": lambda n: r.lrange(n, 0, -1),
+            "set": r.smembers,
+        }[kind](name)
+        dump.append(repr((name, value)))
+    blob = "\n".join(dump)
+    assert keys.api_key(h) in blob
+    assert secret not in blob and secret[3:] not in blob and secret[3:20] not in blob
+    assert secret not in caplog.text
+
+    code, out, err = cli(url, "revoke", kid, capsys=capsys)
+    assert code == 0 and f"revoked key {kid}" in err
+    assert run(url, auth.authenticate, secret) is None
+    code, out, err = cli(url, "revoke", kid, capsys=capsys)
+    assert code == 1 and "no key" in err
+    code, out, err = cli(url, "list", "--json", capsys=capsys)
+    assert json.loads(out) == []
+    r.close()
+
+
+def test_cli_reports_an_unreachable_redis(capsys):
+    code, out, err = cli("redis://:hunter2@127.0.0.1:1/0", "list", capsys=capsys)
+    assert code == 1 and "Redis error" in err and "hunter2" not in err

@@ -1,0 +1,265 @@
+"""API keys of the gateway without Lua: secrets and hashes, records read back and checked,
+tenant scoping, lane choice (fakeredis; the quota script runs in
+tests/integration/test_gateway_quota.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+import fakeredis
+import pytest
+
+from broker_config import keys
+from broker_config.protocol import Limits
+from broker_config.settings import Settings
+from gateway import auth
+
+SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
+
+
+def make_key(**kw) -> auth.Key:
+    fields = dict(id="0123456789ab", tenant="acme", lanes=("standard",), default_lane="standard")
+    return auth.Key(**{**fields, **kw})
+
+
+def authenticate(server: fakeredis.FakeServer, secret, decode: bool = False):
+    async def go():
+        r = fakeredis.FakeAsyncRedis(server=server, decode_responses=decode)
+        try:
+            return await auth.authenticate(r, secret)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def r(server):
+    return fakeredis.FakeRedis(server=server)
+
+
+def test_secret_shape_and_hash():
+    a, b = auth.new_secret(), auth.new_secret()
+    assert a != b and a.startswith("pk-") and len(a) == 46
+    assert auth._SECRET.fullmatch(a)
+    h = auth.hash_secret(a)
+    assert h == hashlib.sha256(a.encode()).hexdigest()
+    assert auth.key_id(h) == h[:12]
+
+
+def test_bearer():
+    assert auth.bearer("Bearer pk-abc") == "pk-abc"
+    assert auth.bearer("bearer   pk-abc ") == "pk-abc"
+    assert auth.bearer("Basic dXNlcg==") is None
+    assert auth.bearer("Bearer ") is None
+    assert auth.bearer(None) is None and auth.bearer("") is None
+
+
+def test_create_stores_only_the_hash(r, server):
+    secret, key = auth.create_key(r, "acme", rpm=10, tpm=1000, concurrent=2, settings=SETTINGS)
+    h = auth.hash_secret(secret)
+    assert key.id == h[:12] and key.tenant == "acme"
+    assert key.lanes == ("interactive", "standard", "batch") and key.default_lane == "standard"
+    assert r.hget(keys.API_KEYS, key.id) == h.encode()
+    assert set(r.keys("*")) == {keys.API_KEYS.encode(), keys.api_key(h).encode()}
+    for k in r.keys("*"):
+        blob = repr(r.hgetall(k)).encode() + k
+        assert secret.encode() not in blob and secret[3:].encode() not in blob
+    for decode in (False, True):
+        assert authenticate(server, secret, decode) == key
+    assert authenticate(server, auth.new_secret()) is None
+    assert auth.any_keys(r)
+
+
+def test_create_checks_its_arguments(r):
+    with pytest.raises(ValueError, match="tenant"):
+        auth.create_key(r, "a:b", settings=SETTINGS)
+    with pytest.raises(ValueError, match="tenant"):
+        auth.create_key(r, "x" * 65, settings=SETTINGS)
+    with pytest.raises(ValueError, match="tenant"):
+        auth.create_key(r, "", settings=SETTINGS)
+    with pytest.raises(ValueError, match="unknown lane"):
+        auth.create_key(r, "acme", lanes=["gold"], settings=SETTINGS)
+    with pytest.raises(ValueError, match="default lane"):
+        auth.create_key(r, "acme", lanes=["batch"], default_lane="standard", settings=SETTINGS)
+    with pytest.raises(ValueError, match="rpm"):
+        auth.create_key(r, "acme", rpm=-1, settings=SETTINGS)
+    with pytest.raises(ValueError, match="concurrent"):
+        auth.create_key(r, "acme", concurrent=True, settings=SETTINGS)
+    assert not auth.any_keys(r)
+    _, key = auth.create_key(r, "acme.eu_1-x", lanes=["batch", "interactive"], settings=SETTINGS)
+    assert key.default_lane == "batch"  # the configured default is not allowed: the first
+
+
+def test_malformed_secrets_never_reach_redis():
+    class NoRedis:
+        async def hgetall(self, name):
+            raise AssertionError("no Redis call for a malformed secret")
+
+    for bad in (None, "", "pk-", "pk-short", "sk-" + "a" * 43, "pk-" + "a" * 200, "pk-a b" * 8, 42):
+        assert asyncio.run(auth.authenticate(NoRedis(), bad)) is None
+
+
+def record(key_hash: str, **over) -> dict[str, str]:
+    base = {
+        "id": key_hash[:12],
+        "tenant": "acme",
+        "lanes": "interactive,standard",
+        "default_lane": "standard",
+        "rpm": "10",
+        "tpm": "0",
+        "concurrent": "0",
+        "created_ms": "1700000000000",
+    }
+    return {k: v for k, v in {**base, **over}.items() if v is not None}
+
+
+DAMAGED = [
+    {"id": "ffffffffffff"},
+    {"id": None},
+    {"tenant": ""},
+    {"tenant": "a:b"},
+    {"tenant": "x" * 65},
+    {"lanes": ""},
+    {"lanes": "standard,standard"},
+    {"lanes": "a b"},
+    {"default_lane": "batch"},
+    {"rpm": "-1"},
+    {"rpm": "1e3"},
+    {"rpm": " 5"},
+    {"tpm": "9" * 16},
+    {"concurrent": "١٢"},
+    {"created_ms": None},
+]
+
+
+@pytest.mark.parametrize("over", DAMAGED)
+def test_damaged_records_are_unknown_keys(server, r, caplog, over):
+    secret = auth.new_secret()
+    h = auth.hash_secret(secret)
+    assert auth.parse_record(h, record(h)).rpm == 10
+    r.hset(keys.api_key(h), mapping=record(h, **over))
+    with caplog.at_level(logging.DEBUG):
+        for decode in (False, True):
+            assert authenticate(server, secret, decode) is None
+    assert "damaged record" in caplog.text and h[:12] in caplog.text
+    assert secret not in caplog.text and h not in caplog.text
+
+
+def test_records_not_utf8_or_not_a_hash(server, r, caplog):
+    secret = auth.new_secret()
+    h = auth.hash_secret(secret)
+    r.hset(keys.api_key(h), mapping={**record(h), "tenant": b"\xff\xfe"})
+    with caplog.at_level(logging.DEBUG):
+        assert authenticate(server, secret, decode=False) is None
+        assert authenticate(server, secret, decode=True) is None
+        r.delete(keys.api_key(h))
+        r.set(keys.api_key(h), "not a hash")
+        assert authenticate(server, secret) is None
+    assert "not a hash" in caplog.text and secret not in caplog.text
+
+
+def test_list_and_revoke(r, server, capsys):
+    s1, k1 = auth.create_key(r, "acme", rpm=5, settings=SETTINGS)
+    s2, k2 = auth.create_key(r, "globex", lanes=["batch"], settings=SETTINGS)
+    r.hset(keys.API_KEYS, "00000000dead", "not-a-hash")  # damaged index entry
+    r.hset(keys.API_KEYS, "../../x", "y")  # not an id: ignored
+    found, broken = auth.list_keys(r)
+    assert {k.id for k in found} == {k1.id, k2.id} and broken == ["00000000dead"]
+    r.hset(keys.api_key(auth.hash_secret(s2)), "rpm", "lots")
+    found, broken = auth.list_keys(r)
+    assert [k.id for k in found] == [k1.id] and broken == sorted(["00000000dead", k2.id])
+
+    assert auth.revoke(r, k1.id)
+    assert authenticate(server, s1) is None
+    assert not auth.revoke(r, k1.id) and not auth.revoke(r, "nonsense")
+    assert auth.revoke(r, "00000000dead") and auth.revoke(r, k2.id)
+    r.hdel(keys.API_KEYS, "../../x")
+    assert not auth.any_keys(r)
+
+
+def test_any_keys_fails_closed(r, server):
+    r.set(keys.API_KEYS, "garbage")  # damaged index: still "keys configured"
+    assert auth.any_keys(r)
+
+    async def go():
+        ar = fakeredis.FakeAsyncRedis(server=server)
+        try:
+            return await auth.any_keys_async(ar)
+        finally:
+            await ar.aclose()
+
+    assert asyncio.run(go())
+
+
+def test_scoped_idempotency_keys():
+    a, b = make_key(tenant="acme"), make_key(tenant="globex")
+    assert auth.scoped_idempotency_key(a, "k1") != auth.scoped_idempotency_key(b, "k1")
+    assert auth.scoped_idempotency_key(a, "k1") == auth.scoped_idempotency_key(a, "k1")
+    assert auth.scoped_idempotency_key(a, None) is None
+    assert auth.scoped_idempotency_key(None, "k1") == "k1"
+    # no tenant can forge another's scope: tenant names hold no ':'
+    assert auth.scoped_idempotency_key(make_key(tenant="a"), "b:c") != auth.scoped_idempotency_key(
+        make_key(tenant="a.b"), "c"
+    )
+
+
+def test_tenant_salts():
+    a, b = make_key(tenant="acme"), make_key(tenant="globex")
+    assert auth.tenant_salt(a, None) == "acme" and auth.tenant_salt(a, "") == "acme"
+    assert auth.tenant_salt(a, "s") == "acme:s"
+    assert auth.tenant_salt(a, "s") != auth.tenant_salt(b, "s")
+    assert auth.tenant_salt(a, "globex") != auth.tenant_salt(b, None)
+    assert auth.tenant_salt(None, "s") == "s" and auth.tenant_salt(None, None) is None
+    longest = make_key(tenant="t" * auth.TENANT_CHARS)
+    for salt in ("x" * Limits.cache_salt_chars, "y" * (Limits.cache_salt_chars - 10)):
+        got = auth.tenant_salt(longest, salt)
+        assert len(got) <= Limits.cache_salt_chars and got.startswith("t" * 64 + ":")
+    assert auth.tenant_salt(longest, "x" * 256) != auth.tenant_salt(longest, "x" * 255)
+
+
+def test_lane_for():
+    key = make_key(lanes=("interactive", "standard"), default_lane="interactive")
+    assert auth.lane_for(key, None, SETTINGS) == "interactive"
+    assert auth.lane_for(key, "standard", SETTINGS) == "standard"
+    with pytest.raises(auth.LaneError, match="not allowed for this API key"):
+        auth.lane_for(key, "batch", SETTINGS)
+    with pytest.raises(ValueError, match="not configured"):  # a lane since removed
+        auth.lane_for(key, "interactive", Settings(lanes=["standard"], default_lane="standard"))
+    assert auth.lane_for(None, None, SETTINGS) == "standard"
+    assert auth.lane_for(None, "batch", SETTINGS) == "batch"
+    with pytest.raises(auth.LaneError, match="unknown lane"):
+        auth.lane_for(None, "gold", SETTINGS)
+
+
+def test_admit_checks_arguments_and_skips_redis_without_limits():
+    class NoRedis:
+        def __getattr__(self, name):
+            raise AssertionError("no Redis call for a key without limits")
+
+    free = make_key()
+    verdict = asyncio.run(auth.admit(NoRedis(), free, 100, "job-0001"))
+    assert verdict.admitted and verdict.limit is None
+    assert asyncio.run(auth.renew(NoRedis(), free, "job-0001"))
+    assert not asyncio.run(auth.release(NoRedis(), free, "job-0001"))
+    limited = make_key(rpm=1)
+    for tokens, job, lease in (
+        (-1, "job-0001", 1),
+        (1.5, "job-0001", 1),
+        (1, "j:1", 1),
+        (1, "job-0001", 0),
+    ):
+        with pytest.raises(ValueError):
+            asyncio.run(auth.admit(NoRedis(), limited, tokens, job, lease_s=lease))
+
+
+def test_verdict_retry_after_header():
+    assert auth.Verdict(False, "rpm", 0.001).retry_after == 1
+    assert auth.Verdict(False, "rpm", 5.2).retry_after == 6
