@@ -153,6 +153,13 @@ class Settings(_Sourced):
     # host) a free one is used and logged; a port set explicitly must be free.
     metrics_port: int = DEFAULT_METRICS_PORT
     metrics_host: str = "0.0.0.0"
+    # The OpenAI-compatible HTTP gateway (`plurai gateway`). Without API keys it serves
+    # loopback clients only.
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(default=8000, ge=0, le=65535)
+    gateway_max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
+    # max_tokens of a request that gives neither max_tokens nor max_completion_tokens
+    gateway_default_max_tokens: int = Field(default=256, ge=1)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = (
         "text"  # json: one object per line (broker_config/logs.py)

@@ -246,6 +246,12 @@ def cmd_worker(rest: list[str]) -> int:
     return worker.main(rest)
 
 
+def cmd_gateway(rest: list[str]) -> int:
+    from gateway import serve as gateway
+
+    return gateway.main(rest)
+
+
 def cmd_make_model(rest: list[str]) -> int:
     from gpu_workers.models import factory
 
@@ -314,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
         "worker", help="serve the queue with an engine (plurai worker --help)", add_help=False
     )
     sub.add_parser(
+        "gateway", help="the OpenAI-compatible HTTP API (plurai gateway --help)", add_help=False
+    )
+    sub.add_parser(
         "make-model", help="write a random-weight model (plurai make-model --help)", add_help=False
     )
     return p
@@ -323,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
         return cmd_worker(argv[1:])
+    if argv and argv[0] == "gateway":
+        return cmd_gateway(argv[1:])
     if argv and argv[0] == "make-model":
         return cmd_make_model(argv[1:])
     args = build_parser().parse_args(argv)

@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -401,6 +402,8 @@ class Worker:
             generation_tokens=self._generated,
             tokens_per_s=rate,
             metrics_port=self.metrics_port,
+            model_id=Path(self.settings.model_dir).name if self.settings.model_dir else "",
+            max_model_len=self.engine.max_model_len,
         )
         for entry in self.beat.renew([run.entry for run in self.running.values()] + self.held):
             run = self.running.get(entry.job_id)

@@ -297,6 +297,10 @@ class Engine:
         p = seq.params
         seq.append(token)
         if logprob is not None:
+            # token texts for OpenAI-shaped answers: the gateway has no tokenizer
+            logprob["token"] = self.tokenizer.decode([token])
+            if "top" in logprob:
+                logprob["top_tokens"] = [self.tokenizer.decode([t]) for t, _ in logprob["top"]]
             seq.logprobs.append(logprob)
         detok = seq.detok
         assert detok is not None

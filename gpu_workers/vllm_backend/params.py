@@ -33,16 +33,20 @@ def logprob_entries(
     token_ids: list[int], logprobs: list[dict] | None, top: int
 ) -> list[dict] | None:
     """vLLM's per-token {token id: Logprob} maps in the wire's form, the same as the native
-    engine's: {"token_id", "logprob", "top": [[id, logprob], ...] (rank order, N entries)}."""
+    engine's: {"token_id", "logprob", "token" (its text), "top": [[id, logprob], ...] (rank
+    order, N entries), "top_tokens": their texts}."""
     if logprobs is None:
         return None
     out = []
     for t, d in zip(token_ids, logprobs, strict=True):
-        entry: dict = {"token_id": t, "logprob": float(d[t].logprob)}
+        entry: dict = {"token_id": t, "logprob": float(d[t].logprob), "token": d[t].decoded_token}
         if top:
             ranked = sorted(
-                ((lp.rank, i, lp.logprob) for i, lp in d.items() if lp.rank and lp.rank <= top)
+                (lp.rank, i, lp.logprob, lp.decoded_token)
+                for i, lp in d.items()
+                if lp.rank and lp.rank <= top
             )
-            entry["top"] = [[int(i), float(v)] for _, i, v in ranked]
+            entry["top"] = [[int(i), float(v)] for _, i, v, _ in ranked]
+            entry["top_tokens"] = [text for *_, text in ranked]
         out.append(entry)
     return out

@@ -3,8 +3,9 @@
 
 - no import cycle between the project's modules;
 - imports run one way, downward: broker_config at the bottom, then kv_store and results
-  (side by side: neither imports the other), then gpu_workers, then producer, with cli/
-  (the `plurai` command, which also starts workers) on top. producer is the client SDK,
+  (side by side: neither imports the other), then gpu_workers, then producer, then
+  gateway (the HTTP API, a client of the queue through producer), with cli/ (the `plurai`
+  command, which also starts workers and gateways) on top. producer is the client SDK,
   what a client installs: it imports nothing of gpu_workers. ALLOWED spells it out: a
   package may import its own modules and those of the packages listed for it, nothing else.
 
@@ -26,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "results": {"broker_config"},
     "gpu_workers": {"broker_config", "kv_store", "results"},
     "producer": {"broker_config", "kv_store", "results"},  # never gpu_workers
-    "cli": {"broker_config", "kv_store", "results", "gpu_workers", "producer"},
+    "gateway": {"broker_config", "results", "producer"},  # a client of the queue, as producer
+    "cli": {"broker_config", "kv_store", "results", "gpu_workers", "producer", "gateway"},
 }
 
 
@@ -143,6 +145,7 @@ def test_modules_found():
         "results",
         "gpu_workers",
         "producer",
+        "gateway",
         "cli",
     }
     assert "gpu_workers.engine.engine" in MODULES and "cli.main" in MODULES

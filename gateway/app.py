@@ -1,0 +1,338 @@
+"""The gateway: OpenAI's HTTP API in front of the queue.
+
+Each request becomes a job (producer.aio), and the answer is read back from Redis: the
+job's record for a whole response, its token stream for `stream: true`. The gateway keeps
+no state of its own, so any number of them can serve one Redis.
+
+A streamed response starts only once the job's first token (or its end) is in Redis, so a
+job the worker refuses still gets an HTTP error status with its code rather than a 200
+stream that ends in an error. A job that restarts on another worker (its worker died)
+continues the same stream: the text the new run repeats is skipped (results.tokens.
+TextFollower); if the new run differs (sampling without a seed), the stream ends with an
+error event, code `job_restarted`. Logprobs of a stream come on its closing chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import redis
+import redis.asyncio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from broker_config import keys
+from broker_config.settings import Settings
+from gateway import openai
+from gateway.metrics import GatewayMetrics
+from gateway.models import Models
+from gateway.openai import BadRequest, Job, error_body
+from producer.aio import AsyncClient
+from producer.errors import QueueFull
+from results import records, tokens, wait
+from results.records import JobRecord
+
+log = logging.getLogger("plurai.gateway")
+
+SSE = "text/event-stream"
+
+
+def error(
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    retry_after: float | None = None,
+    kind: str | None = None,
+) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse(error_body(message, code, param, kind), status, headers=headers)
+
+
+class Gateway:
+    def __init__(self, settings: Settings, url: str) -> None:
+        self.settings = settings
+        self.url = url
+        self.client: AsyncClient | None = None
+        self.models: Models | None = None
+        self.metrics = GatewayMetrics()
+        self.max_request_bytes = settings.gateway_max_request_bytes
+        self.tasks: set[asyncio.Task] = set()  # cancels sent after a client left
+
+    @asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        self.client = AsyncClient(self.url, settings=self.settings)
+        self.models = Models(self.client.redis)
+        try:
+            yield
+        finally:
+            await self.client.aclose()
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The JSON object of the request, read up to the size cap."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise BadRequest(
+                f"the request body is over {self.max_request_bytes} bytes",
+                code="too_large",
+                status=413,
+            )
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.max_request_bytes:
+                raise BadRequest(
+                    f"the request body is over {self.max_request_bytes} bytes",
+                    code="too_large",
+                    status=413,
+                )
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise BadRequest(f"the body is not valid JSON: {e}", code="bad_body") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object", code="bad_body")
+        try:  # JSON escapes can spell lone surrogates, which no UTF-8 text holds
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "the body holds a lone surrogate (\\ud800-\\udfff): send valid UTF-8 text",
+                code="invalid_utf8",
+            ) from None
+        return body
+
+    def _cancel_later(self, job_id: str) -> None:
+        """Cancel a job whose client left, from outside the request's own (ending) task."""
+        assert self.client is not None
+        task = asyncio.get_running_loop().create_task(self.client.job(job_id).cancel())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- endpoints ----------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        route = "chat" if chat else "completions"
+        start = time.perf_counter()
+        response = await self._generate(request, chat)
+        self.metrics.done(route, response.status_code, time.perf_counter() - start)
+        return response
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        assert self.client is not None and self.models is not None
+        try:
+            body = await self.body(request)
+            default_max = self.settings.gateway_default_max_tokens
+            job = (
+                openai.chat_job(body, default_max)
+                if chat
+                else openai.completion_job(body, default_max)
+            )
+        except BadRequest as e:
+            return error(e.status, e.message, e.code, e.param)
+        try:
+            names = await self.models.names()
+        except redis.RedisError:
+            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+        if not names:
+            return error(
+                503,
+                "no worker is serving any model now",
+                "no_workers",
+                retry_after=5,
+                kind="server_error",
+            )
+        if job.model not in names:
+            return error(
+                404,
+                f"the model {job.model!r} is not served; see GET /v1/models",
+                "model_not_found",
+                "model",
+            )
+        try:
+            aj = await self.client.submit(**job.options)
+        except QueueFull as e:
+            return error(429, str(e), "queue_full", retry_after=e.retry_after)
+        except (TypeError, ValueError) as e:  # what prepare refuses (lane, priority, sizes)
+            return error(400, str(e), "bad_field")
+        except redis.RedisError:
+            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+        if job.stream:
+            return await self.stream(request, job, aj.id)
+        return await self.whole(request, job, aj.id)
+
+    async def whole(self, request: Request, job: Job, job_id: str) -> Response:
+        """Wait for the job's result; a client that leaves first cancels it (unless the
+        request asked for `background`)."""
+        assert self.client is not None
+        result = asyncio.ensure_future(wait.wait_many_async(self.client.redis, [job_id], None))
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not result.done():
+            result.cancel()
+            if not job.background:
+                self._cancel_later(job_id)
+            return Response(status_code=499)  # nobody reads it
+        (rec,) = result.result()
+        return self.answer(job, rec)
+
+    def answer(self, job: Job, rec: JobRecord) -> Response:
+        if rec.state == records.COMPLETED:
+            return JSONResponse(openai.completion(job, rec))
+        if rec.state == records.CANCELLED:
+            return error(409, f"job {rec.id} was cancelled", "cancelled")
+        code = rec.error_code or "internal"
+        status = openai.STATUS.get(code, 500)
+        return error(
+            status,
+            rec.error_message or code,
+            code,
+            kind="invalid_request_error" if status < 500 else "server_error",
+        )
+
+    async def stream(self, request: Request, job: Job, job_id: str) -> Response:
+        assert self.client is not None
+        r = self.client.redis
+        events = tokens.events_async(r, job_id, block_ms=5000)
+        follower = tokens.TextFollower()
+        first = ""
+        async for ev in events:  # up to the first text, or the end
+            first = follower.feed(ev)
+            if first or ev.type == tokens.END:
+                break
+        else:
+            ev = None
+        if ev is not None and ev.type == tokens.END:
+            rec = await records.get_async(r, job_id)
+            if rec.state != records.COMPLETED:
+                await events.aclose()
+                return self.answer(job, rec)
+        created = int(time.time())
+        return StreamingResponse(
+            self._sse(job, job_id, created, first, ev, events, follower),
+            media_type=SSE,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _sse(
+        self,
+        job: Job,
+        job_id: str,
+        created: int,
+        first: str,
+        ev: tokens.Event | None,
+        events: AsyncIterator[tokens.Event],
+        follower: tokens.TextFollower,
+    ) -> AsyncIterator[bytes]:
+        assert self.client is not None
+        ended = False
+        self.metrics.open_streams.inc()
+        try:
+            async with aclosing(events):  # type: ignore[type-var]
+                yield _event(openai.chunk(job, job_id, created, first, first=True))
+                if ev is None or ev.type != tokens.END:
+                    async for ev in events:
+                        try:
+                            delta = follower.feed(ev)
+                        except tokens.JobRestarted as e:
+                            ended = True
+                            yield _event(error_body(str(e), "job_restarted", kind="server_error"))
+                            yield b"data: [DONE]\n\n"
+                            return
+                        if delta:
+                            yield _event(openai.chunk(job, job_id, created, delta))
+                        if ev.type == tokens.END:
+                            break
+            ended = True
+            rec = await records.get_async(self.client.redis, job_id)
+            if rec.state != records.COMPLETED:
+                message = rec.error_message or f"the job ended {rec.state}"
+                yield _event(error_body(message, rec.error_code or rec.state, kind="server_error"))
+            else:
+                last = openai.chunk(job, job_id, created, None, rec.finish_reason or "stop")
+                # the token stream carries no logprobs: they come whole, on the last chunk
+                last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
+                yield _event(last)
+                if job.include_usage:
+                    yield _event(openai.usage_chunk(job, rec, created))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.metrics.open_streams.dec()
+            if not ended and not job.background:  # the client left mid-stream
+                self._cancel_later(job_id)
+
+    async def list_models(self, request: Request) -> Response:
+        assert self.models is not None
+        try:
+            live = await self.models.live()
+        except redis.RedisError:
+            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": m.created,
+                "owned_by": "plurai",
+                "max_model_len": m.max_model_len,
+                "workers": m.workers,
+            }
+            for m in live
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        assert self.client is not None
+        try:
+            await self.client.redis.ping()
+            workers = await self.client.redis.scard(keys.WORKERS)
+        except redis.RedisError:
+            return JSONResponse({"status": "redis unavailable"}, 503)
+        return JSONResponse({"status": "ok", "workers": workers})
+
+    async def metrics_page(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_app(settings: Settings, url: str) -> Starlette:
+    gw = Gateway(settings, url)
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", gw.chat, methods=["POST"]),
+            Route("/v1/completions", gw.completions, methods=["POST"]),
+            Route("/v1/models", gw.list_models, methods=["GET"]),
+            Route("/health", gw.health, methods=["GET"]),
+            Route("/metrics", gw.metrics_page, methods=["GET"]),
+        ],
+        lifespan=gw.lifespan,
+    )
+    app.state.gateway = gw
+    return app

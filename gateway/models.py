@@ -1,0 +1,60 @@
+"""The models the live workers serve, from their heartbeats (refreshed at most once a
+second, so a burst of requests costs Redis one look)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio
+
+from broker_config import keys
+from broker_config.text import text
+
+REFRESH_S = 1.0
+
+
+@dataclass
+class Model:
+    id: str  # the model directory's name
+    max_model_len: int
+    names: set[str] = field(default_factory=set)  # every name a job may give it by
+    workers: int = 0
+    created: int = 0  # the earliest heartbeat's worker start, unix seconds
+
+
+class Models:
+    def __init__(self, r: redis.asyncio.Redis) -> None:
+        self.r = r
+        self.cached: list[Model] = []
+        self.at = -REFRESH_S
+
+    async def live(self) -> list[Model]:
+        if time.monotonic() - self.at < REFRESH_S:
+            return self.cached
+        ids = [text(w) for w in await self.r.smembers(keys.WORKERS)]
+        pipe = self.r.pipeline(transaction=False)
+        for w in ids:
+            pipe.hmget(keys.worker(w), "model", "model_id", "max_model_len", "state", "beat_ms")
+        by_id: dict[str, Model] = {}
+        for reply in await pipe.execute(raise_on_error=False):
+            if not isinstance(reply, list):
+                continue  # a key of another type: not a worker's
+            model, model_id, max_len, state, beat = (text(v) if v else "" for v in reply)
+            if not model or state != "serving":
+                continue  # expired, or stopping
+            names = set(model.split(","))
+            mid = model_id or min(names, key=len)
+            m = by_id.setdefault(
+                mid, Model(mid, int(max_len) if max_len.isdigit() else 0, created=10**10)
+            )
+            m.names |= names | {mid}
+            m.workers += 1
+            if beat.isdigit():
+                m.created = min(m.created, int(beat) // 1000)
+        self.cached = sorted(by_id.values(), key=lambda m: m.id)
+        self.at = time.monotonic()
+        return self.cached
+
+    async def names(self) -> set[str]:
+        return {n for m in await self.live() for n in m.names}

@@ -1,0 +1,83 @@
+"""The `plurai gateway` entry: settings, the Redis URL, then uvicorn serving the app.
+
+plurai gateway [--host 127.0.0.1] [--port 8000] [--url redis://...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+from typing import Any
+
+from broker_config import logs
+from broker_config.connection import redact, resolve_url
+from broker_config.settings import Settings
+
+log = logging.getLogger("plurai.gateway")
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="address to listen on (PLURAI_GATEWAY_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (PLURAI_GATEWAY_PORT, default 8000; 0: any)")
+    p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL, else the embedded one)")
+    p.add_argument("--workers", type=int, default=1, help="gateway processes on this port")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (PLURAI_LOG_LEVEL)")
+    p.add_argument(
+        "--log-format", choices=logs.FORMATS, help="text or json lines (PLURAI_LOG_FORMAT)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="plurai gateway", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for name, field in (
+        ("host", "gateway_host"),
+        ("port", "gateway_port"),
+        ("url", "redis_url"),
+        ("log_level", "log_level"),
+        ("log_format", "log_format"),
+    ):
+        if getattr(args, name) is not None:
+            overrides[field] = getattr(args, name)
+    settings = Settings(**overrides)
+    logs.setup(settings.log_level, settings.log_format)
+    try:
+        url = resolve_url(settings.redis_url, settings)
+    except ValueError as e:
+        raise SystemExit(f"plurai gateway: {e}") from e
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings, url)
+    log.info(
+        "gateway on http://%s:%d (queue %s)",
+        settings.gateway_host,
+        settings.gateway_port,
+        redact(url),
+    )
+    uvicorn.run(
+        app,
+        host=settings.gateway_host,
+        port=settings.gateway_port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""The HTTP gateway with the official `openai` client: a real gateway process, a real
+redis-server and real workers. Chat and completions, streamed and not, equal the same
+request through the Python SDK; usage equals the job record; bad input gets the documented
+status and Plurai's code; a client leaving mid-stream cancels its job; a stream survives
+its worker's SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from broker_config import keys
+from producer.client import Client
+from results import records, wait
+
+from .conftest import ROOT
+from .faults import FAST
+
+pytestmark = pytest.mark.integration
+
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    def __init__(self, url: str, log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "gateway", "--url", url, "--port", str(self.port)],
+            cwd=ROOT,
+            stdout=open(log, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        give_up = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(self.base + "/health", timeout=1)
+                return
+            except httpx.HTTPError:
+                assert self.proc.poll() is None, log.read_text()
+                assert time.monotonic() < give_up, "the gateway never answered"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class Stack:
+    def __init__(self, url: str, gateway: Gateway, model: str, workers) -> None:
+        self.url, self.gateway, self.model, self.workers = url, gateway, model, workers
+        self.api = openai.OpenAI(base_url=gateway.base + "/v1", api_key="unused", max_retries=0)
+        self.sdk = Client(url)
+        self.r = redis.Redis.from_url(url)
+
+
+@pytest.fixture(scope="module")
+def stack(module_redis_url, tiny_model, tmp_path_factory, workers_class) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("logs")
+    w = workers_class(module_redis_url, tiny_model, logs)
+    w.start(2, "--engine", f"max_model_len={MAX_MODEL_LEN}", env=FAST)
+    gw = Gateway(module_redis_url, logs / "gateway.log")
+    yield Stack(module_redis_url, gw, tiny_model.name, w)
+    gw.stop()
+    w.stop()
+
+
+def record(s: Stack, response_id: str) -> records.JobRecord:
+    return records.get(s.r, response_id.split("-", 1)[1])
+
+
+def test_models_lists_the_served_model(stack: Stack) -> None:
+    models = stack.api.models.list().data
+    assert [m.id for m in models] == [stack.model]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_chat_equals_the_sdk(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    out = stack.api.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=12, temperature=0
+    )
+    direct = stack.sdk.submit(messages=messages, max_tokens=12, temperature=0).result(timeout=60)
+    assert out.choices[0].message.content == direct.text
+    assert out.choices[0].finish_reason == direct.finish_reason
+    rec = record(stack, out.id)
+    assert out.usage.prompt_tokens == rec.prompt_tokens
+    assert out.usage.completion_tokens == rec.output_tokens == 12
+    assert out.usage.prompt_tokens_details.cached_tokens == rec.cached_tokens
+
+
+def test_completion_stream_equals_the_sdk(stack: Stack) -> None:
+    prompt = "Once upon a time"
+    chunks = list(
+        stack.api.completions.create(
+            model=stack.model,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    direct = stack.sdk.submit(prompt, max_tokens=16, temperature=0).result(timeout=60)
+    assert text == direct.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == 16
+    assert usage.prompt_tokens == record(stack, chunks[0].id).prompt_tokens
+
+
+def test_chat_stream_and_logprobs(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    stream = stack.api.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    whole = stack.api.chat.completions.create(
+        model=stack.model,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        seed=3,
+        stop=["\n\n\n"],
+        presence_penalty=0.0,
+    )
+    assert whole.choices[0].message.content == text
+    lps = whole.choices[0].logprobs.content
+    assert len(lps) == 10 and all(len(t.top_logprobs) == 2 for t in lps)
+    assert "".join(t.token for t in lps).startswith(text[:3])
+
+
+BAD = [
+    ({"temperature": "hot"}, 400, "invalid_params"),
+    ({"top_p": 0}, 400, "invalid_params"),
+    ({"max_tokens": 0}, 400, "bad_field"),
+    ({"max_tokens": 10**6}, 400, "max_tokens_over_limit"),
+    ({"temprature": 0.5}, 400, "bad_field"),
+    ({"prompt": ""}, 400, "invalid_prompt"),
+    ({"prompt": 42}, 400, "invalid_prompt"),
+    ({"prompt": [5] * (MAX_MODEL_LEN + 10)}, 400, "prompt_too_long"),
+    ({"prompt": [5, 99999]}, 400, "token_out_of_vocab"),
+    ({"prompt": "caf\ud800"}, 400, "invalid_utf8"),
+    ({"model": "gpt-17"}, 404, "model_not_found"),
+    ({"n": 2}, 400, "bad_field"),
+    ({"tools": []}, 400, "bad_field"),
+    ({"stream": "yes"}, 400, "bad_field"),
+]
+
+
+@pytest.mark.parametrize(("fields", "status", "code"), BAD, ids=[str(b[0])[:40] for b in BAD])
+def test_bad_input_gets_its_status_and_code(stack: Stack, fields, status, code) -> None:
+    body = {"model": stack.model, "prompt": "hello", "max_tokens": 4, **fields}
+    for stream in (False, True):
+        r = httpx.post(
+            stack.gateway.base + "/v1/completions",
+            content=json.dumps({**body, "stream": fields.get("stream", stream)}),
+            timeout=60,
+        )
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["code"] == code and err["message"]
+
+
+def test_malformed_and_huge_bodies(stack: Stack) -> None:
+    url = stack.gateway.base + "/v1/chat/completions"
+    r = httpx.post(url, content=b"{model: x", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_body"
+    r = httpx.post(url, content=b"[1, 2]", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_body"
+    r = httpx.post(url, content=b"x" * (100 << 20), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    # the gateway still serves
+    ok = stack.api.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert ok.usage.completion_tokens == 3
+
+
+def beats(r: redis.Redis) -> list[dict[bytes, bytes]]:
+    return [r.hgetall(keys.worker(w.decode())) for w in r.smembers(keys.WORKERS)]
+
+
+def test_leaving_mid_stream_cancels_the_job(stack: Stack) -> None:
+    body = {
+        "model": stack.model,
+        "prompt": "a long one",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
+    with httpx.stream(
+        "POST", stack.gateway.base + "/v1/completions", json=body, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    job_id = json.loads(first[6:])["id"].split("-", 1)[1]
+    rec = wait.wait(stack.r, job_id, timeout=30)
+    assert rec.state == records.CANCELLED and (rec.output_tokens or 0) < 200
+    give_up = time.monotonic() + 15
+    while any(b.get(b"kv_blocks_used", b"0") != b"0" for b in beats(stack.r)):
+        assert time.monotonic() < give_up, "the cancelled job still holds KV blocks"
+        time.sleep(0.1)
+
+
+def test_stream_survives_its_worker_sigkill(stack: Stack) -> None:
+    """The job restarts on the other worker; greedy, so the new run repeats the text
+    already sent and the stream goes on from there: one clean, complete answer."""
+    body = {
+        "model": stack.model,
+        "prompt": "the survivor",
+        "max_tokens": 240,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
+    pids = {p.pid: p for p in stack.workers.procs}
+    text, killed, finish = "", False, None
+    with httpx.stream(
+        "POST", stack.gateway.base + "/v1/completions", json=body, timeout=120
+    ) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            finish = event["choices"][0]["finish_reason"] or finish
+            if not killed:
+                job_id = event["id"].split("-", 1)[1]
+                owner = records.get(stack.r, job_id).worker or ""
+                victim = next(p for pid, p in pids.items() if f"-{pid}-" in owner)
+                victim.send_signal(signal.SIGKILL)
+                killed = True
+    assert killed and finish == "length"
+    direct = stack.sdk.submit("the survivor", max_tokens=240, ignore_eos=True, temperature=0)
+    assert text == direct.result(timeout=120).text
+    rec = records.get(stack.r, job_id)
+    assert rec.output_tokens == 240 and rec.worker != owner
