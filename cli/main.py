@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )
     add_batch_parser(sub)
+    from gateway import keys_cli
+
+    k = sub.add_parser("keys", help="the gateway's API keys (create, list, revoke)")
+    keys_cli.add_arguments(k)
+    k.set_defaults(func=keys_cli.main)
     # These two parse their own arguments, so their heavy imports happen only when used.
     sub.add_parser(
         "worker", help="serve the queue with an engine (plurai worker --help)", add_help=False

@@ -29,15 +29,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from broker_config import keys
+from broker_config import keys, protocol
 from broker_config.settings import Settings
-from gateway import openai
+from broker_config.text import text
+from gateway import auth, openai
+from gateway.auth import Key
 from gateway.metrics import GatewayMetrics
 from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
+from gateway.serve import loopback
 from producer.aio import AsyncClient
-from producer.errors import QueueFull
-from results import records, tokens, wait
+from producer.errors import queue_full
+from producer.request import prepare
+from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
 log = logging.getLogger("plurai.gateway")
@@ -66,6 +70,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.max_request_bytes = settings.gateway_max_request_bytes
         self.tasks: set[asyncio.Task] = set()  # cancels sent after a client left
+        # without API keys, only a gateway listening on loopback serves (open)
+        self.loopback = loopback(settings.gateway_host)
+        self.keyed = (False, -1.0)  # whether keys exist, and when that was read
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -111,12 +118,41 @@ class Gateway:
             ) from None
         return body
 
-    def _cancel_later(self, job_id: str) -> None:
-        """Cancel a job whose client left, from outside the request's own (ending) task."""
+    async def authorize(self, request: Request) -> Key | None:
+        """The request's API key, or None on an open gateway (no keys exist, and it listens
+        on loopback only). Raises Unauthorized. Whether keys exist is read at most once a
+        second; the key itself on every request, so a revoked key fails at once."""
         assert self.client is not None
-        task = asyncio.get_running_loop().create_task(self.client.job(job_id).cancel())
+        r = self.client.redis
+        exist, at = self.keyed
+        if time.monotonic() - at > 1.0:
+            exist = await auth.any_keys_async(r)
+            self.keyed = (exist, time.monotonic())
+        if not exist:
+            if self.loopback:
+                return None
+            raise Unauthorized(
+                "this gateway listens beyond localhost and has no API keys yet: "
+                "create one with `plurai keys create --tenant NAME`"
+            )
+        secret = auth.bearer(request.headers.get("authorization"))
+        if secret is None:
+            raise Unauthorized("an API key is required: Authorization: Bearer <key>")
+        key = await auth.authenticate(r, secret)
+        if key is None:
+            raise Unauthorized("the API key is not valid (unknown or revoked)")
+        return key
+
+    def _later(self, work: Any) -> None:
+        """Run `work` (a coroutine) outside the request's own task, which may be ending."""
+        task = asyncio.get_running_loop().create_task(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _cancel_later(self, job_id: str) -> None:
+        """Cancel a job whose client left."""
+        assert self.client is not None
+        self._later(self.client.job(job_id).cancel())
 
     # -- endpoints ----------------------------------------------------------------------
 
@@ -135,6 +171,12 @@ class Gateway:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         assert self.client is not None and self.models is not None
+        try:
+            key = await self.authorize(request)
+        except Unauthorized as e:
+            return error(401, str(e), "invalid_api_key", kind="authentication_error")
+        except redis.RedisError:
+            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
         try:
             body = await self.body(request)
             default_max = self.settings.gateway_default_max_tokens
@@ -164,17 +206,40 @@ class Gateway:
                 "model_not_found",
                 "model",
             )
+        options = job.options
         try:
-            aj = await self.client.submit(**job.options)
-        except QueueFull as e:
-            return error(429, str(e), "queue_full", retry_after=e.retry_after)
-        except (TypeError, ValueError) as e:  # what prepare refuses (lane, priority, sizes)
+            options["lane"] = auth.lane_for(key, options.pop("lane", None), self.settings)
+        except auth.LaneError as e:
+            return error(400, str(e), "lane_not_allowed", "lane")
+        if key is not None:
+            options["cache_salt"] = auth.tenant_salt(key, options.get("cache_salt"))
+        idem = request.headers.get("idempotency-key")
+        if idem:
+            options["idempotency_key"] = auth.scoped_idempotency_key(key, idem)
+        try:
+            call = prepare(self.settings, **options)
+        except (TypeError, ValueError) as e:  # what prepare refuses (priority, sizes)
             return error(400, str(e), "bad_field")
+        lease = Lease(self.client.redis, key, call.job_id)
+        try:
+            refused = await lease.admit(_tokens(options))
+            if refused is not None:
+                return refused
+            try:
+                job_id = text(await jobs.run_async(self.client.redis, call))
+            except redis.ResponseError as e:
+                full = queue_full(e, call.lane, self.settings.queue_full_retry_s)
+                if full is None:
+                    raise
+                return error(429, str(full), "queue_full", retry_after=full.retry_after)
+            if job.stream:
+                return await self.stream(request, job, job_id, lease)
+            return await self.whole(request, job, job_id)
         except redis.RedisError:
             return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
-        if job.stream:
-            return await self.stream(request, job, aj.id)
-        return await self.whole(request, job, aj.id)
+        finally:
+            if not lease.streaming:
+                await lease.close()
 
     async def whole(self, request: Request, job: Job, job_id: str) -> Response:
         """Wait for the job's result; a client that leaves first cancels it (unless the
@@ -208,7 +273,7 @@ class Gateway:
             kind="invalid_request_error" if status < 500 else "server_error",
         )
 
-    async def stream(self, request: Request, job: Job, job_id: str) -> Response:
+    async def stream(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
         assert self.client is not None
         r = self.client.redis
         events = tokens.events_async(r, job_id, block_ms=5000)
@@ -226,8 +291,9 @@ class Gateway:
                 await events.aclose()
                 return self.answer(job, rec)
         created = int(time.time())
+        lease.streaming = True  # the stream closes it when it ends
         return StreamingResponse(
-            self._sse(job, job_id, created, first, ev, events, follower),
+            self._sse(job, job_id, created, first, ev, events, follower, lease),
             media_type=SSE,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -241,6 +307,7 @@ class Gateway:
         ev: tokens.Event | None,
         events: AsyncIterator[tokens.Event],
         follower: tokens.TextFollower,
+        lease: Lease,
     ) -> AsyncIterator[bytes]:
         assert self.client is not None
         ended = False
@@ -278,11 +345,15 @@ class Gateway:
             self.metrics.open_streams.dec()
             if not ended and not job.background:  # the client left mid-stream
                 self._cancel_later(job_id)
+            self._later(lease.close())
 
     async def list_models(self, request: Request) -> Response:
         assert self.models is not None
         try:
+            await self.authorize(request)
             live = await self.models.live()
+        except Unauthorized as e:
+            return error(401, str(e), "invalid_api_key", kind="authentication_error")
         except redis.RedisError:
             return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
         data = [
@@ -310,6 +381,67 @@ class Gateway:
     async def metrics_page(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
+
+
+class Unauthorized(Exception):
+    """No valid API key where one is needed (401)."""
+
+
+def _tokens(options: dict[str, Any]) -> int:
+    """What a request counts against a tokens/min quota: its prompt estimate (the same as
+    the queue's length metadata) plus its max_tokens."""
+    if "token_ids" in options:
+        prompt = len(options["token_ids"])
+    else:
+        prompt = protocol.estimate_prompt_tokens(
+            {k: options[k] for k in ("prompt", "messages") if k in options}
+        )
+    return prompt + options["max_tokens"]
+
+
+class Lease:
+    """A request's quota: admitted (counted) before its job is queued, its concurrency slot
+    renewed while the response is open and released when it ends."""
+
+    def __init__(self, r: redis.asyncio.Redis, key: Key | None, job_id: str) -> None:
+        self.r, self.key, self.job_id = r, key, job_id
+        self.streaming = False
+        self.renewing: asyncio.Task | None = None
+
+    async def admit(self, tokens_: int) -> Response | None:
+        """None when admitted; else the 429 to answer."""
+        if self.key is None or not self.key.limited:
+            return None
+        verdict = await auth.admit(self.r, self.key, tokens_, self.job_id)
+        if not verdict.admitted:
+            return error(
+                429,
+                verdict.message or f"over the key's {verdict.limit} limit",
+                "rate_limit_exceeded",
+                verdict.limit,
+                retry_after=verdict.retry_after,
+                kind="rate_limit_error",
+            )
+        if self.key.concurrent:
+            self.renewing = asyncio.ensure_future(self._renew())
+        return None
+
+    async def _renew(self) -> None:
+        assert self.key is not None
+        while True:
+            await asyncio.sleep(auth.LEASE_S / 3)
+            await auth.renew(self.r, self.key, self.job_id)
+
+    async def close(self) -> None:
+        if self.renewing is None:
+            return
+        self.renewing.cancel()
+        self.renewing = None
+        assert self.key is not None
+        try:
+            await auth.release(self.r, self.key, self.job_id)
+        except redis.RedisError:  # the slot's lease runs out instead
+            log.warning("could not release a concurrency slot; it expires")
 
 
 async def _disconnect(request: Request) -> None:

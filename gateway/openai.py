@@ -170,6 +170,8 @@ def _common(body: dict[str, Any], default_max_tokens: int) -> tuple[dict[str, An
         v = body.get(name)
         if v is not None and not isinstance(v, str):
             raise BadRequest(f"{name} must be a string", param=name)
+        if v is not None:
+            options[name] = v
     if body.get("metadata") is not None:
         if not isinstance(body["metadata"], dict):
             raise BadRequest("metadata must be an object", param="metadata")

@@ -59,7 +59,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"plurai gateway: {e}") from e
     import uvicorn
 
+    from broker_config.connection import connect
+    from gateway import auth
     from gateway.app import create_app
+
+    try:
+        keyed = auth.any_keys(connect(url))
+    except Exception as e:  # noqa: BLE001 - any failure here is reported, not raised
+        raise SystemExit(f"plurai gateway: cannot reach Redis: {redact(str(e))}") from e
+    if not keyed and loopback(settings.gateway_host):
+        log.warning(
+            "no API keys: open to clients on this machine only "
+            "(`plurai keys create --tenant NAME` makes requests need a key)"
+        )
+    elif not keyed:
+        log.warning(
+            "no API keys, and listening on %s: every request is refused until one is "
+            "created (`plurai keys create --tenant NAME`)",
+            settings.gateway_host,
+        )
 
     app = create_app(settings, url)
     log.info(

@@ -40,11 +40,14 @@ def free_port() -> int:
 
 
 class Gateway:
-    def __init__(self, url: str, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, url: str, log: Path, env: dict[str, str] | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        cmd = ["gateway", "--url", url, "--host", host, "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "gateway", "--url", url, "--port", str(self.port)],
+            [sys.executable, "-m", "cli", *cmd],
             cwd=ROOT,
             stdout=open(log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,

@@ -1,0 +1,94 @@
+"""API keys at the gateway: two gateway processes share one key's requests/min quota (the
+11th request within the minute gets 429 from either), a revoked key gets 401 at once, a
+key's lanes hold, and a gateway without keys serves no one beyond localhost."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from gateway import auth
+from results import records
+
+from .test_gateway import Gateway
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def served(module_redis_url, tiny_model, tmp_path_factory, workers_class) -> Iterator[dict]:
+    logs = tmp_path_factory.mktemp("logs")
+    r = redis.Redis.from_url(module_redis_url)
+    limited, _ = auth.create_key(r, "acme", rpm=10)
+    batch_only, _ = auth.create_key(r, "bulkco", lanes=["batch"], default_lane="batch")
+    w = workers_class(module_redis_url, tiny_model, logs)
+    w.start(1)
+    gateways = [Gateway(module_redis_url, logs / f"gateway-{i}.log") for i in range(2)]
+    yield {
+        "r": r,
+        "gateways": gateways,
+        "limited": limited,
+        "batch_only": batch_only,
+        "model": tiny_model.name,
+    }
+    for g in gateways:
+        g.stop()
+    w.stop()
+
+
+def ask(gateway: Gateway, model: str, key: str | None, **extra) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": model, "prompt": "hi", "max_tokens": 2, **extra}
+    return httpx.post(gateway.base + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def test_a_key_is_required_once_keys_exist(served) -> None:
+    g, model = served["gateways"][0], served["model"]
+    for key in (None, "pk-not-a-real-key-at-all-aaaaaaaaaaaaaaaaaaaaaaaa", "sk-other"):
+        resp = ask(g, model, key)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    resp = httpx.get(g.base + "/v1/models", timeout=10)
+    assert resp.status_code == 401
+
+
+def test_requests_per_minute_across_two_gateways(served) -> None:
+    gateways, model, key = served["gateways"], served["model"], served["limited"]
+    codes = [ask(gateways[i % 2], model, key).status_code for i in range(10)]
+    assert codes == [200] * 10
+    for g in gateways:  # the 11th, from either process
+        resp = ask(g, model, key)
+        assert resp.status_code == 429, resp.text
+        assert resp.json()["error"]["code"] == "rate_limit_exceeded"
+        assert int(resp.headers["Retry-After"]) >= 1
+
+
+def test_lanes_of_a_key(served) -> None:
+    g, model, key = served["gateways"][1], served["model"], served["batch_only"]
+    resp = ask(g, model, key)
+    assert resp.status_code == 200
+    job_id = resp.json()["id"].split("-", 1)[1]
+    assert records.get(served["r"], job_id).lane == "batch"
+    resp = ask(g, model, key, lane="interactive")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "lane_not_allowed"
+
+
+def test_revoked_key_gets_401_at_once(served) -> None:
+    g, model, key = served["gateways"][0], served["model"], served["batch_only"]
+    assert ask(g, model, key).status_code == 200
+    assert auth.revoke(served["r"], auth.key_id(auth.hash_secret(key)))
+    for other in served["gateways"]:
+        assert ask(other, model, key).status_code == 401
+
+
+def test_no_keys_beyond_localhost_serves_no_one(redis_url, tmp_path) -> None:
+    g = Gateway(redis_url, tmp_path / "gateway.log", host="0.0.0.0")
+    try:
+        resp = ask(g, "any", None)
+        assert resp.status_code == 401
+        assert "plurai keys create" in resp.json()["error"]["message"]
+        assert "every request is refused" in (tmp_path / "gateway.log").read_text()
+    finally:
+        g.stop()
