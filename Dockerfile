@@ -1,4 +1,4 @@
-# One image for every Plurai service (worker, and later celery and metrics).
+# One image for every Plurai service (worker, gateway, Celery).
 FROM python:3.11-slim
 WORKDIR /app
 # Pass TORCH=torch==2.13.0 --index-url ... to pick a CPU or CUDA build explicitly.
@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY cli cli
 COPY producer producer
 COPY broker_config broker_config
+COPY gateway gateway
 COPY gpu_workers gpu_workers
 COPY kv_store kv_store
 COPY results results

@@ -30,7 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to listen on (PLURAI_GATEWAY_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (PLURAI_GATEWAY_PORT, default 8000; 0: any)")
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL, else the embedded one)")
-    p.add_argument("--workers", type=int, default=1, help="gateway processes on this port")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (PLURAI_LOG_LEVEL)")
     p.add_argument(
         "--log-format", choices=logs.FORMATS, help="text or json lines (PLURAI_LOG_FORMAT)"

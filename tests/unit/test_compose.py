@@ -45,7 +45,8 @@ def argv(service: dict) -> list[str]:
 
 def test_every_plurai_service_runs_a_real_entry_point():
     ours = {n: s for n, s in services().items() if s.get("image") == "plurai" or "build" in s}
-    assert set(ours) == {"worker", "celery-worker", "celery-beat"}
+    assert set(ours) == {"worker", "gateway", "celery-worker", "celery-beat"}
+    flag = {"worker": "--model", "gateway": "--port"}
     for name, service in ours.items():
         args = argv(service)
         if args[0] == "plurai":
@@ -58,7 +59,7 @@ def test_every_plurai_service_runs_a_real_entry_point():
                 capture_output=True,
                 text=True,
             )
-            assert run.returncode == 0 and "--model" in run.stdout, (name, run.stderr[-500:])
+            assert run.returncode == 0 and flag[name] in run.stdout, (name, run.stderr[-500:])
         else:
             assert args[:2] == ["celery", "-A"], name
             app = importlib.import_module(args[2]).app

@@ -1,0 +1,228 @@
+"""The HTTP gateway against the SDK straight to Redis, on the same workers in one run:
+short streaming jobs from concurrent clients, once through the gateway with the official
+`openai` client and once through producer.aio's AsyncClient. Jobs/s and TTFT p50/p99 of
+each (TTFT: from the request's start to its first text), and the gateway's CPU time per
+request, from which its own request rate follows (what one gateway process could serve if
+the workers were never the limit).
+
+    python bench/gateway.py [--jobs 1000] [--clients 64] [--max-tokens 8] [--workers 1]
+
+The last line is one JSON object of measured figures and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.workload import cpu_isa  # noqa: E402
+from broker_config import keys  # noqa: E402
+from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from producer.aio import AsyncClient  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"request {i}: say something short" for i in range(n)]
+
+
+async def through_gateway(
+    base: str, model: str, a: argparse.Namespace
+) -> tuple[float, list[float]]:
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    todo = iter(prompts(a.jobs))
+    ttfts: list[float] = []
+
+    async def client() -> None:
+        for p in todo:
+            t = time.perf_counter()
+            first = None
+            stream = await api.completions.create(
+                model=model, prompt=p, max_tokens=a.max_tokens, temperature=0, stream=True
+            )
+            async for c in stream:
+                if first is None and c.choices and c.choices[0].text:
+                    first = time.perf_counter() - t
+            ttfts.append(first if first is not None else time.perf_counter() - t)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(a.clients)))
+    dt = time.perf_counter() - t
+    await api.close()
+    return dt, ttfts
+
+
+async def direct(url: str, a: argparse.Namespace) -> tuple[float, list[float]]:
+    todo = iter(prompts(a.jobs))
+    ttfts: list[float] = []
+    async with AsyncClient(url) as sdk:
+
+        async def client() -> None:
+            for p in todo:
+                t = time.perf_counter()
+                first = None
+                job = await sdk.submit(p, max_tokens=a.max_tokens, temperature=0)
+                async for text in job.stream():
+                    if first is None and text:
+                        first = time.perf_counter() - t
+                ttfts.append(first if first is not None else time.perf_counter() - t)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(a.clients)))
+        return time.perf_counter() - t, ttfts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    ap.add_argument("--jobs", type=int, default=1000)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="each path this many times, alternating")
+    ap.add_argument("--unloaded", type=int, default=200, help="jobs from one client, each path")
+    a = ap.parse_args()
+    if not (Path(a.model) / "config.json").exists():
+        from gpu_workers.models.factory import make_model
+
+        make_model(a.model, family="llama")
+    model = Path(a.model).name
+    env = {**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", "PLURAI_LOG_LEVEL": "WARNING"}
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
+                + ["--metrics-port", "-1", "--engine", "threads=1"],
+                cwd=ROOT,
+                env=env,
+            )
+            for _ in range(a.workers)
+        ]
+        port = free_port()
+        gw = subprocess.Popen(
+            [sys.executable, "-m", "cli", "gateway", "--url", url, "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            import httpx
+            import redis
+
+            r = redis.Redis.from_url(url)
+            while r.scard(keys.WORKERS) < a.workers:
+                time.sleep(0.2)
+            while True:
+                try:
+                    httpx.get(base + "/health", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            asyncio.run(direct(url, argparse.Namespace(**{**vars(a), "jobs": 64})))  # warm up
+            asyncio.run(through_gateway(base, model, argparse.Namespace(**{**vars(a), "jobs": 64})))
+            # one client at a time: the latency the gateway adds, with nothing queued
+            one = argparse.Namespace(**{**vars(a), "jobs": a.unloaded, "clients": 1})
+            idle = {"gateway": [], "direct": []}
+            for _ in range(a.rounds):
+                idle["gateway"] += asyncio.run(through_gateway(base, model, one))[1]
+                idle["direct"] += asyncio.run(direct(url, one))[1]
+            runs: dict[str, list] = {"gateway": [], "direct": []}
+            gw_cpu = 0.0
+            client_cpu = {"gateway": 0.0, "direct": 0.0}
+            for _ in range(a.rounds):
+                c0, p0 = cpu_s(gw.pid), time.process_time()
+                runs["gateway"].append(asyncio.run(through_gateway(base, model, a)))
+                gw_cpu += cpu_s(gw.pid) - c0
+                client_cpu["gateway"] += time.process_time() - p0
+                p0 = time.process_time()
+                runs["direct"].append(asyncio.run(direct(url, a)))
+                client_cpu["direct"] += time.process_time() - p0
+        finally:
+            gw.terminate()
+            for p in procs:
+                p.terminate()
+            for p in [gw, *procs]:
+                p.wait(timeout=60)
+    res: dict[str, dict] = {}
+    for name, rs in runs.items():
+        rates = [a.jobs / dt for dt, _ in rs]
+        ttfts = [x for _, t in rs for x in t]
+        res[name] = {
+            "jobs_per_s": statistics.median(rates),
+            "ttft_p50_ms": 1000 * statistics.median(ttfts),
+            "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
+        }
+        print(
+            f"{name:8s} {res[name]['jobs_per_s']:.1f} jobs/s (runs {[round(x, 1) for x in rates]}), "
+            f"TTFT p50 {res[name]['ttft_p50_ms']:.2f} ms p99 {res[name]['ttft_p99_ms']:.2f} ms"
+        )
+    idle_ms = {k: 1000 * statistics.median(v) for k, v in idle.items()}
+    print(
+        f"one client: TTFT p50 gateway {idle_ms['gateway']:.2f} ms, direct "
+        f"{idle_ms['direct']:.2f} ms (added {idle_ms['gateway'] - idle_ms['direct']:.2f} ms)"
+    )
+    cpu_ms = 1000 * gw_cpu / (a.jobs * a.rounds)
+    client_ms = {k: 1000 * v / (a.jobs * a.rounds) for k, v in client_cpu.items()}
+    print(f"gateway CPU {cpu_ms:.3f} ms per request: {1000 / cpu_ms:.0f} requests/s per process")
+    print(
+        f"client CPU per job: openai {client_ms['gateway']:.3f} ms, SDK {client_ms['direct']:.3f} ms"
+    )
+    out = {
+        "jobs": a.jobs,
+        "clients": a.clients,
+        "max_tokens": a.max_tokens,
+        "workers": a.workers,
+        "cpus": os.cpu_count(),
+        "isa": cpu_isa(),
+        "gateway_jobs_per_s": round(res["gateway"]["jobs_per_s"], 1),
+        "direct_jobs_per_s": round(res["direct"]["jobs_per_s"], 1),
+        "gateway_vs_direct": round(res["gateway"]["jobs_per_s"] / res["direct"]["jobs_per_s"], 3),
+        "gateway_ttft_p50_ms": round(res["gateway"]["ttft_p50_ms"], 2),
+        "gateway_ttft_p99_ms": round(res["gateway"]["ttft_p99_ms"], 2),
+        "direct_ttft_p50_ms": round(res["direct"]["ttft_p50_ms"], 2),
+        "direct_ttft_p99_ms": round(res["direct"]["ttft_p99_ms"], 2),
+        "added_ttft_p50_ms_loaded": round(
+            res["gateway"]["ttft_p50_ms"] - res["direct"]["ttft_p50_ms"], 2
+        ),
+        "unloaded_gateway_ttft_p50_ms": round(idle_ms["gateway"], 2),
+        "unloaded_direct_ttft_p50_ms": round(idle_ms["direct"], 2),
+        "added_ttft_p50_ms": round(idle_ms["gateway"] - idle_ms["direct"], 2),
+        "gateway_cpu_ms_per_request": round(cpu_ms, 3),
+        "gateway_requests_per_s_per_process": round(1000 / cpu_ms),
+        "openai_client_cpu_ms_per_job": round(client_ms["gateway"], 3),
+        "sdk_client_cpu_ms_per_job": round(client_ms["direct"], 3),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
