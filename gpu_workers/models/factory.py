@@ -4,17 +4,31 @@ trained locally, written as an ordinary Hugging Face model directory.
 Tests, the demo and the benchmarks run on these, since no model hub is reachable.
 The tokenizer is byte-level BPE trained on a seeded synthetic corpus, so every machine
 builds the same files for the same arguments.
+
+With `train`, the model and its tokenizer are instead trained for a few seconds on the
+public-domain text shipped beside this module (train.py), so that its answers read like
+words; the result is cached in the directory. FACTORY_FILE records what a directory holds,
+and describe() says it in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import hashlib
+import json
+import math
+import os
 import random
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gpu_workers.models.train import CORPUS_TITLE, TrainConfig, corpus_digest
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SIZES = ("tiny", "small", "bench")
@@ -105,8 +119,14 @@ def corpus(seed: int = 0, sentences: int = 30000) -> list[str]:
     return lines
 
 
+# written last into every factory model's directory: what it is, and the cache key
+FACTORY_FILE = "plurai_factory.json"
+# part of the cache key: bump when training changes in a way its arguments do not show
+TRAIN_VERSION = 1
+
+
 @functools.lru_cache(maxsize=4)
-def _tokenizer_json(vocab: int, seed: int) -> str:
+def _tokenizer_json(vocab: int, seed: int, source: str = "synthetic") -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -118,16 +138,24 @@ def _tokenizer_json(vocab: int, seed: int) -> str:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(corpus(seed), trainer)
+    if source == "synthetic":
+        tok.train_from_iterator(corpus(seed), trainer)
+    elif source == "text":
+        from gpu_workers.models.train import corpus_text, paragraphs
+
+        tok.train_from_iterator(paragraphs(corpus_text()), trainer)
+    else:
+        raise ValueError(f"unknown tokenizer source {source!r}")
     return tok.to_str()
 
 
-def make_tokenizer(vocab: int, seed: int = 0) -> Any:
+def make_tokenizer(vocab: int, seed: int = 0, source: str = "synthetic") -> Any:
+    """source: "synthetic" (the seeded syllable corpus) or "text" (the shipped text)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab, seed)),
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab, seed, source)),
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
@@ -184,8 +212,13 @@ def make_model(
     size: str = "tiny",
     seed: int = 0,
     max_shard_size: str | None = None,
+    train: bool | TrainConfig = False,
 ) -> Path:
-    """Write a random-weight model directory; returns its path."""
+    """Write a random-weight model directory; returns its path.
+
+    train: True (or a TrainConfig) trains the model, and a tokenizer, on the shipped text
+    first (see train.py). A directory that already holds the model these same arguments
+    train is returned as it is."""
     from transformers import AutoModelForCausalLM
 
     if family not in FAMILIES:
@@ -193,17 +226,128 @@ def make_model(
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {SIZES}")
     path = Path(path)
-    tok = make_tokenizer(_SIZES[size]["vocab"], seed)
+    cfg_train = TrainConfig() if train is True else train or None
+    key = _key(family, size, seed, max_shard_size, cfg_train)
+    if cfg_train is not None and is_cached(path, key):
+        return path
+    deadline = time.monotonic() + (cfg_train.seconds if cfg_train else 0)
+    source = "text" if cfg_train else "synthetic"
+    tok = make_tokenizer(_SIZES[size]["vocab"], seed, source)
     cfg = model_config(family, size, len(tok), tok.eos_token_id)
+    if cfg_train:
+        cfg.initializer_range = cfg_train.init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.eos_token_id
+    record: dict[str, Any] = {"key": key, "family": family, "size": size, "seed": seed}
+    if cfg_train:
+        from gpu_workers.models.train import train as run_training
+
+        result = run_training(model, tok, cfg_train, seed, deadline)
+        # chats end at <|im_end|>, as the model learned from the chat-shaped text
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        model.generation_config.eos_token_id = [tok.eos_token_id, im_end]
+        record["trained_on"] = CORPUS_TITLE
+        record.update(dataclasses.asdict(result))
+        record["train"] = dataclasses.asdict(cfg_train)
     path.mkdir(parents=True, exist_ok=True)
+    # gone while the files change, so that a build cut short is not taken as cached
+    (path / FACTORY_FILE).unlink(missing_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     tok.save_pretrained(str(path))
+    tmp = path / (FACTORY_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path / FACTORY_FILE)
     return path
+
+
+def _key(
+    family: str, size: str, seed: int, max_shard_size: str | None, train: TrainConfig | None
+) -> str:
+    args = {
+        "family": family,
+        "size": size,
+        "seed": seed,
+        "max_shard_size": max_shard_size,
+        "train": dataclasses.asdict(train) if train else None,
+    }
+    if train:
+        args["corpus"] = corpus_digest()
+        args["version"] = TRAIN_VERSION
+    return hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def factory_record(model_dir: str | Path) -> dict[str, Any] | None:
+    """What FACTORY_FILE says of a directory, or None (not made by the factory)."""
+    try:
+        record = json.loads((Path(model_dir) / FACTORY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def is_cached(path: str | Path, key: str) -> bool:
+    """Whether the directory holds a whole factory model built with this key."""
+    from gpu_workers.models.loader import weight_files
+
+    record = factory_record(path)
+    if record is None or record.get("key") != key:
+        return False
+    try:
+        return bool(weight_files(path)) and (Path(path) / "tokenizer.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def describe(model_dir: str | Path) -> str:
+    """One line on what a model directory holds, e.g. "tiny-llama: 0.3M-parameter Llama
+    trained 20 s on Alice's Adventures in Wonderland (loss 3.9), local tokenizer"."""
+    path = Path(model_dir)
+    name = path.resolve().name
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        kind = _ARCH_NAMES.get(cfg.get("model_type"), cfg.get("model_type") or "model")
+    except (OSError, ValueError):
+        return f"{name}: not a model directory (no readable config.json)"
+    what = f"{_count(_parameters(path))}-parameter {kind}"
+    record = factory_record(path)
+    if record is None:
+        return f"{name}: {what}"
+    if not record.get("trained_on"):
+        return f"{name}: {what} with random weights, local tokenizer"
+    return (
+        f"{name}: {what} trained {record['seconds']:.0f} s on {record['trained_on']} "
+        f"(loss {record['loss']:.1f}), local tokenizer"
+    )
+
+
+_ARCH_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def _parameters(path: Path) -> int:
+    """Parameter count from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    from gpu_workers.models.loader import weight_files
+
+    n = 0
+    try:
+        for f in weight_files(path):
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                    n += math.prod(st.get_slice(k).get_shape())
+    except (OSError, ValueError):
+        return 0
+    return n
+
+
+def _count(n: int) -> str:
+    """0.3M, 46M, 1.2B."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.1f}M"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,9 +355,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", choices=FAMILIES, default="llama")
     p.add_argument("--size", choices=SIZES, default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help=f"train it, and its tokenizer, for a few seconds on {CORPUS_TITLE} "
+        "(shipped with the package) so that it writes words; cached in DIR",
+    )
+    p.add_argument(
+        "--train-seconds",
+        type=float,
+        help="time budget of --train, tokenizer included: on a slow machine training stops "
+        f"early (default {TrainConfig.seconds:g})",
+    )
+    p.add_argument(
+        "--train-steps", type=int, help=f"steps of --train (default {TrainConfig.steps})"
+    )
 
 
 def cli(args: argparse.Namespace) -> int:
-    path = make_model(args.dir, family=args.family, size=args.size, seed=args.seed)
-    print(f"wrote a random-weight {args.family} model ({args.size}) to {path}")
+    given = {"steps": args.train_steps, "seconds": args.train_seconds}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not args.train:
+        if given:
+            print("--train-seconds and --train-steps go with --train", file=sys.stderr)
+            return 2
+        path = make_model(args.dir, family=args.family, size=args.size, seed=args.seed)
+        print(f"wrote a random-weight {args.family} model ({args.size}) to {path}")
+        return 0
+    try:
+        train = TrainConfig(**given)
+    except ValueError as e:
+        print(f"make-model: {e}", file=sys.stderr)
+        return 2
+    key = _key(args.family, args.size, args.seed, None, train)
+    cached = is_cached(args.dir, key)
+    path = make_model(args.dir, family=args.family, size=args.size, seed=args.seed, train=train)
+    print(f"{describe(path)}; {'already in' if cached else 'written to'} {path}")
     return 0
