@@ -1,14 +1,16 @@
 """`make demo`: the whole pipeline on one machine, with nothing installed but this package.
 
-Starts an embedded redis-server, makes the tiny random-weight model if it is missing,
-starts a worker process, submits a handful of documents at mixed priorities, streams one
-answer, prints the rest and a throughput line, then stops the worker and Redis.
-(The tiny model has random weights: its text is gibberish, produced the real way.)
+Starts an embedded redis-server, makes the tiny model if it is missing (trained for about
+25 s on a public-domain book, so its answers read like words; cached afterwards), starts a
+worker process, submits a handful of documents at mixed priorities, streams one answer,
+prints the rest and a throughput line; then starts the HTTP gateway and streams one chat
+answer through it with the official `openai` client; then stops everything.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,12 +45,66 @@ def wait_for_worker(client: Client, proc: subprocess.Popen[bytes], timeout: floa
         time.sleep(0.2)
 
 
-def main() -> int:
-    if not (MODEL / "config.json").exists():
-        print(f"making the tiny model in {MODEL} ...", flush=True)
-        from gpu_workers.models.factory import make_model
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-        make_model(MODEL, family="llama", size="tiny")
+
+def through_gateway(url: str) -> bool:
+    """Start a gateway on the demo's Redis and stream one chat answer with `openai`."""
+    try:
+        import httpx
+        from openai import OpenAI
+    except ImportError:
+        print("(pip install openai to see the same queue through the HTTP gateway)")
+        return True
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "cli", "gateway", "--url", url, "--port", str(port)]
+        + ["--log-level", "WARNING"]
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(base + "/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                if gateway.poll() is not None or time.monotonic() > deadline:
+                    print("the gateway did not start")
+                    return False
+                time.sleep(0.1)
+        api = OpenAI(base_url=base + "/v1", api_key="none needed on localhost")
+        question = "Who did Alice meet in the garden?"
+        print(f"\nthe same queue over HTTP (plurai gateway on {base}, the openai client):")
+        print(f"> {question}\n< ", end="", flush=True)
+        stream = api.chat.completions.create(
+            model=MODEL.name,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=48,
+            temperature=0.8,
+            seed=1,
+            stream=True,
+        )
+        for chunk in stream:
+            if chunk.choices:
+                print(chunk.choices[0].delta.content or "", end="", flush=True)
+        print()
+        return True
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+
+
+def main() -> int:
+    from gpu_workers.models.factory import describe, make_model
+
+    if not (MODEL / "plurai_factory.json").exists():
+        print(f"training the tiny model in {MODEL} (about 25 s, once) ...", flush=True)
+    make_model(MODEL, family="llama", size="tiny", train=True)  # a cached build returns at once
+    print(f"model: {describe(MODEL)}", flush=True)
     with (
         tempfile.TemporaryDirectory(prefix="plurai-demo-") as data,
         EmbeddedRedis(Path(data) / "redis") as url,
@@ -81,7 +137,8 @@ def main() -> int:
                     lane=lane,
                     priority=i % 3,
                     metadata={"doc": i},
-                    ignore_eos=True,
+                    temperature=0.8,
+                    seed=i,
                 )
                 for i, (lane, text) in enumerate(DOCS)
             ]
@@ -95,14 +152,16 @@ def main() -> int:
             records = client.wait_all(jobs, timeout=300)
             elapsed = time.perf_counter() - start
             for i, rec in enumerate(records[1:], start=1):
-                print(f"[doc {i} | {rec.lane:<11} | {rec.state}] {(rec.text or '')[:70]!r}")
+                line = " ".join((rec.text or "").split())[:70]
+                print(f"[doc {i} | {rec.lane:<11} | {rec.state}] {line}")
             tokens = sum(rec.output_tokens or 0 for rec in records)
             print(
                 f"\n{len(records)} jobs, {tokens} tokens in {elapsed:.2f}s: "
                 f"{tokens / elapsed:.1f} tokens/s, {len(records) / elapsed:.2f} jobs/s"
             )
             client.close()
-            return 0 if all(rec.state == "completed" for rec in records) else 1
+            ok = all(rec.state == "completed" for rec in records)
+            return 0 if through_gateway(url) and ok else 1
         finally:
             worker.terminate()
             try:
