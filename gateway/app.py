@@ -32,7 +32,7 @@ from starlette.routing import Route
 from broker_config import keys, protocol
 from broker_config.settings import Settings
 from broker_config.text import text
-from gateway import auth, openai
+from gateway import auth, batches, openai
 from gateway.auth import Key
 from gateway.metrics import GatewayMetrics
 from gateway.models import Models
@@ -329,6 +329,16 @@ class Gateway:
                         if ev.type == tokens.END:
                             break
             ended = True
+            if (
+                ev
+                and ev.state == records.COMPLETED
+                and not job.include_usage
+                and job.logprobs is None
+            ):
+                # the end entry says all the closing chunk needs: no record to read
+                yield _event(openai.chunk(job, job_id, created, None, ev.finish_reason or "stop"))
+                yield b"data: [DONE]\n\n"
+                return
             rec = await records.get_async(self.client.redis, job_id)
             if rec.state != records.COMPLETED:
                 message = rec.error_message or f"the job ended {rec.state}"
@@ -463,6 +473,7 @@ def create_app(settings: Settings, url: str) -> Starlette:
             Route("/v1/models", gw.list_models, methods=["GET"]),
             Route("/health", gw.health, methods=["GET"]),
             Route("/metrics", gw.metrics_page, methods=["GET"]),
+            *batches.routes(gw),
         ],
         lifespan=gw.lifespan,
     )
