@@ -20,8 +20,11 @@ import httpx
 import openai
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker_config import keys
+from gateway import openai as openai_shapes
 from producer.client import Client
 from results import records, wait
 
@@ -265,3 +268,37 @@ def test_stream_survives_its_worker_sigkill(stack: Stack) -> None:
     assert text == direct.result(timeout=120).text
     rec = records.get(stack.r, job_id)
     assert rec.output_tokens == 240 and rec.worker != owner
+
+
+FIELDS = sorted(set(openai_shapes.CHAT) | set(openai_shapes.COMPLETION) | {"tools", "x"})
+VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    body=st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=6),
+    chat=st.booleans(),
+    stream=st.booleans(),
+)
+def test_client_input_never_gets_a_500(stack: Stack, body: dict, chat: bool, stream: bool) -> None:
+    """Hostile bodies (every known field with values of any JSON type): never a 500, always
+    OpenAI's error shape when refused."""
+    body = {"model": stack.model, "max_tokens": 2, **body}
+    if stream:
+        body["stream"] = True
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(stack.gateway.base + path, content=json.dumps(body), timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text, body)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert err["code"] and err["message"]
