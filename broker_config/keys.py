@@ -114,6 +114,20 @@ def batch_all(batch_id: str) -> list[str]:
     ]
 
 
+# -- files of the gateway's Files API (gateway/batches.py) ----------------------------
+
+
+def file(file_id: str) -> str:
+    """An uploaded file's bytes (string); expires with its `file_meta`."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_meta(file_id: str) -> str:
+    """An uploaded file's metadata (hash): filename, bytes, created_at, expires_at, purpose,
+    tenant ('' without an API key). The file exists while this record does."""
+    return f"{PREFIX}:file:{file_id}:meta"
+
+
 # -- API keys and quotas of the HTTP gateway (gateway/auth.py) ------------------------
 
 API_KEYS = f"{PREFIX}:apikeys"  # hash: public key id -> SHA-256 (hex) of the key's secret

@@ -1,16 +1,20 @@
-"""What `plurai batch` does: create a batch from a file or folder, cancel it, read it."""
+"""What `plurai batch` does: create a batch from a file or folder (or from lines, as the
+gateway's Batches API does), cancel it, read it."""
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from broker_config import keys
 from broker_config.settings import BulkSettings
-from broker_config.text import text
-from producer.bulk import store
+from broker_config.text import text, valid_text
+from producer.bulk import finalize, store
+from producer.bulk.inputs import URLS
 from producer.bulk.plan import Task
 from producer.client import Client
 
@@ -33,7 +37,13 @@ def read_input(path: Path, documents: bool) -> list[str]:
             for p in files
         ]
     with open(path, encoding="utf-8", errors="replace") as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
+        return list(lines_of(f))
+
+
+def lines_of(f: Iterable[str]) -> Iterator[str]:
+    """The non-empty lines of a text stream, without their line ends: the input lines of a
+    JSONL file (open it with newline=None, as read_input does, so that \\r\\n ends a line)."""
+    return (line.rstrip("\n") for line in f if line.strip())
 
 
 def model_context(model_dir: str) -> int:
@@ -43,49 +53,103 @@ def model_context(model_dir: str) -> int:
 
 def create(
     client: Client,
-    path: Path,
+    source: Path | Iterable[str],
     *,
     task: Task | None = None,
     model_dir: str | None = None,
     max_model_len: int | None = None,
     metadata: dict[str, Any] | None = None,
+    endpoint: str | None = None,
+    fields: Mapping[str, str] | None = None,
 ) -> str:
     """Upload the input, create the batch record (validating) and start it; returns its id.
-    Documents (a task given) need the model directory, for its tokenizer."""
+
+    `source`: a file or folder (read_input), or the input lines themselves (read once, a
+    thousand at a time). Documents (a task given) need the model directory, for its
+    tokenizer. `endpoint`: the one url the OpenAI lines may name (the Batches API's rule); a
+    line naming the other one gets an error line (invalid_url). `fields`: more fields of
+    the batch record (the gateway's tenant, input file id); they cannot replace its own."""
     from producer.bulk.tasks import kick
 
     bs = BulkSettings()
-    lines = read_input(path, task is not None)
-    batch_id = "batch_" + secrets.token_hex(12)
-    now = store.now_ms()
-    meta: dict[str, Any] = {
-        "status": store.VALIDATING,
-        "input": str(path),
-        "created_ms": now,
-        "expires_ms": now + bs.completion_window_s * 1000,
-        "total": len(lines),
-        "completed": 0,
-        "failed": 0,
-        "gen": 0,
-    }
-    if task is not None:
+    meta: dict[str, Any] = {}
+    if task is not None:  # before anything is written
         if not model_dir:
             raise ValueError("documents need the model directory: --model DIR (PLURAI_MODEL_DIR)")
         meta["task"] = json.dumps(task.to_dict())
         meta["model_dir"] = str(Path(model_dir).resolve())
         meta["max_model_len"] = max_model_len or model_context(model_dir)
+    batch_id = "batch_" + secrets.token_hex(12)
+    r = client.redis
+    lines = read_input(source, task is not None) if isinstance(source, Path) else source
+    total = 0
+    wrong: dict[str, str] = {}  # line index -> its error line
+    it = iter(lines)
+    try:
+        while chunk := list(islice(it, 1000)):
+            pipe = r.pipeline(transaction=False)
+            pipe.rpush(keys.batch_input(batch_id), *chunk)
+            pipe.expire(keys.batch_input(batch_id), bs.running_ttl_s)
+            pipe.execute()
+            if endpoint is not None:
+                for i, line in enumerate(chunk, total):
+                    err = _other_endpoint(line, i + 1, endpoint, bs.max_line_bytes)
+                    if err is not None:
+                        wrong[str(i)] = finalize.error_line(batch_id, i, *err)
+            total += len(chunk)
+    except BaseException:  # the source failed midway: no batch, and no lines kept for it
+        r.delete(keys.batch_input(batch_id))
+        raise
+    now = store.now_ms()
+    meta |= {
+        "status": store.VALIDATING,
+        "created_ms": now,
+        "expires_ms": now + bs.completion_window_s * 1000,
+        "total": total,
+        "completed": 0,
+        "failed": len(wrong),
+        "gen": 0,
+    }
+    if isinstance(source, Path):
+        meta["input"] = str(source)
     if metadata:
         meta["metadata"] = json.dumps(metadata)
-    r = client.redis
-    pipe = r.pipeline(transaction=False)
-    for start in range(0, len(lines), 1000):
-        pipe.rpush(keys.batch_input(batch_id), *lines[start : start + 1000])
+    meta = {**(fields or {}), **meta}
+    # one transaction: the batch is never seen (resumed, validated) without its error lines
+    pipe = r.pipeline(transaction=True)
+    if wrong:
+        # the lines' one result each, written before validation: the driver skips lines
+        # that have one, and a later record_line of the same line changes nothing
+        pipe.hset(keys.batch_lines(batch_id), mapping=wrong)
     pipe.hset(keys.batch(batch_id), mapping=meta)
     pipe.zadd(keys.BATCHES, {batch_id: now})
     store.expire_pipe(pipe, batch_id, bs.running_ttl_s)
     pipe.execute()
     kick(client, batch_id)
     return batch_id
+
+
+def _other_endpoint(
+    line: str, number: int, endpoint: str, max_line_bytes: int
+) -> tuple[str | None, str, str] | None:
+    """(custom_id, code, message) of an OpenAI line whose url is the other supported
+    endpoint; None for any other line (parse_line judges it)."""
+    if len(line) > max_line_bytes:
+        return None  # line_too_large, without parsing it here
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    url = obj.get("url")
+    if url == endpoint or url not in URLS:
+        return None
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid or not valid_text(cid):
+        return None  # its custom_id error comes first
+    message = f"line {number}: url {url!r} is not the batch's endpoint {endpoint!r}"
+    return cid, "invalid_url", message
 
 
 def cancel(client: Client, batch_id: str) -> str:
@@ -96,6 +160,8 @@ def cancel(client: Client, batch_id: str) -> str:
     )
     if status is None:
         raise UnknownBatch(f"no batch {batch_id}")
+    if status == store.CANCELLING:  # the batch runs (its record has its running TTL)
+        client.redis.hsetnx(keys.batch(batch_id), "cancelling_ms", store.now_ms())
     return status
 
 
