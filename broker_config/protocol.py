@@ -6,6 +6,7 @@ engine dependency so clients import it cheaply; the worker adds the engine's own
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -106,6 +107,19 @@ class WireError(CodedError):
 
 class NoJobId(WireError):
     """The entry has no usable job id, so no result can be written for it."""
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """A tenant's cache salt: its name, or a client's own salt scoped under it ('tenant:salt',
+    or 'tenant:sha256:<hex>' where that would exceed the salt length), so that two tenants'
+    requests never share cached prefixes, whatever salts they pick."""
+    if not cache_salt:
+        return tenant
+    scoped = f"{tenant}:{cache_salt}"
+    if len(scoped) <= Limits.cache_salt_chars:
+        return scoped
+    digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{tenant}:sha256:{digest}"
 
 
 def new_job_id() -> str:

@@ -44,8 +44,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.protocol import Limits, valid_job_id
+from broker_config import keys, protocol
+from broker_config.protocol import valid_job_id
 from broker_config.settings import Settings
 
 log = logging.getLogger("plurai.gateway")
@@ -396,13 +396,7 @@ def tenant_salt(key: Key | None, cache_salt: str | None) -> str | None:
     the client's salt (protocol limits) before. Without an API key: as given."""
     if key is None:
         return cache_salt
-    if not cache_salt:
-        return key.tenant
-    scoped = f"{key.tenant}:{cache_salt}"
-    if len(scoped) <= Limits.cache_salt_chars:
-        return scoped
-    digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{key.tenant}:sha256:{digest}"
+    return protocol.tenant_salt(key.tenant, cache_salt)
 
 
 # -- quotas ----------------------------------------------------------------------------

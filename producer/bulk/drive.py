@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.client import NEVER_DECODE
 
-from broker_config import keys
+from broker_config import keys, protocol
 from broker_config.settings import BulkSettings, Settings
 from broker_config.text import text
 from producer.bulk import finalize, plan, store
@@ -162,6 +162,7 @@ class Driver:
         self.model_dir, self.problem = configured_model(meta)
         self.model_name = PurePath(self.model_dir or meta.get("model_dir", "")).name
         self.max_model_len = int(meta.get("max_model_len", 0) or 0)
+        self.tenant = meta.get("tenant") or None  # a batch made through the gateway with a key
         active = sorted(int(text(i)) for i in self.r.smembers(keys.batch_active(batch_id)))
         self.state: dict[int, dict[str, Any]] = {}
         self.finished: set[str] = set()
@@ -302,7 +303,10 @@ class Driver:
         for i, (level, opts) in plans.items():
             for c, o in enumerate(opts):
                 key = keys.bulk_idempotency(self.id, self.reqs[i]["custom_id"], level, c)
-                order.append((i, {**o, "lane": LANE, "stream": False, "idempotency_key": key}))
+                o = {**o, "lane": LANE, "stream": False, "idempotency_key": key}
+                if self.tenant:  # the tenant's cache prefixes only, as through the gateway
+                    o["cache_salt"] = protocol.tenant_salt(self.tenant, o.get("cache_salt"))
+                order.append((i, o))
         while True:
             try:
                 jobs = self.client.submit_many([o for _, o in order])
