@@ -158,3 +158,10 @@ def quota_running(key_id: str) -> str:
 def quota_all(key_id: str) -> list[str]:
     """Every quota key of one API key, for revocation."""
     return [quota_window(key_id), quota_tokens(key_id), quota_running(key_id)]
+
+
+def gateway_wake(gateway_id: str) -> str:
+    """A gateway's own wake-up stream (gateway/streams.py): one entry tells its shared
+    reader to start reading a newly followed token stream. Capped at one entry; expires
+    when the gateway stops touching it."""
+    return f"{PREFIX}:gateway:{gateway_id}:wake"

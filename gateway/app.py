@@ -27,17 +27,16 @@ import redis.asyncio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from broker_config import keys, protocol
 from broker_config.settings import Settings
 from broker_config.text import text
-from gateway import auth, batches, openai
-from gateway.auth import Key
+from gateway import auth, openai
+from gateway.auth import Key, Unauthorized
 from gateway.metrics import GatewayMetrics
 from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
-from gateway.serve import loopback
+from gateway.streams import Streams
 from producer.aio import AsyncClient
 from producer.errors import queue_full
 from producer.request import prepare
@@ -67,17 +66,19 @@ class Gateway:
         self.url = url
         self.client: AsyncClient | None = None
         self.models: Models | None = None
+        self.streams: Streams | None = None
         self.metrics = GatewayMetrics()
         self.max_request_bytes = settings.gateway_max_request_bytes
         self.tasks: set[asyncio.Task] = set()  # cancels sent after a client left
         # without API keys, only a gateway listening on loopback serves (open)
-        self.loopback = loopback(settings.gateway_host)
+        self.loopback = auth.loopback(settings.gateway_host)
         self.keyed = (False, -1.0)  # whether keys exist, and when that was read
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self.client = AsyncClient(self.url, settings=self.settings)
         self.models = Models(self.client.redis)
+        self.streams = Streams(self.client.redis)
         try:
             yield
         finally:
@@ -276,7 +277,8 @@ class Gateway:
     async def stream(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
         assert self.client is not None
         r = self.client.redis
-        events = tokens.events_async(r, job_id, block_ms=5000)
+        assert self.streams is not None
+        events = self.streams.events(job_id)
         follower = tokens.TextFollower()
         first = ""
         async for ev in events:  # up to the first text, or the end
@@ -393,10 +395,6 @@ class Gateway:
         return Response(body, media_type=content_type)
 
 
-class Unauthorized(Exception):
-    """No valid API key where one is needed (401)."""
-
-
 def _tokens(options: dict[str, Any]) -> int:
     """What a request counts against a tokens/min quota: its prompt estimate (the same as
     the queue's length metadata) plus its max_tokens."""
@@ -462,20 +460,3 @@ async def _disconnect(request: Request) -> None:
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def create_app(settings: Settings, url: str) -> Starlette:
-    gw = Gateway(settings, url)
-    app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", gw.chat, methods=["POST"]),
-            Route("/v1/completions", gw.completions, methods=["POST"]),
-            Route("/v1/models", gw.list_models, methods=["GET"]),
-            Route("/health", gw.health, methods=["GET"]),
-            Route("/metrics", gw.metrics_page, methods=["GET"]),
-            *batches.routes(gw),
-        ],
-        lifespan=gw.lifespan,
-    )
-    app.state.gateway = gw
-    return app

@@ -32,6 +32,7 @@ its lease.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import math
 import re
@@ -65,6 +66,21 @@ _LANE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _DIGITS = re.compile(r"[0-9]{1,15}")
 MAX_LANES = 32
 _FIELDS = ("id", "tenant", "lanes", "default_lane", "rpm", "tpm", "concurrent", "created_ms")
+
+
+class Unauthorized(Exception):
+    """No valid API key where one is needed (401)."""
+
+
+def loopback(host: str) -> bool:
+    """Whether a gateway listening on `host` serves this machine only (and so may run
+    without keys)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class LaneError(ValueError):

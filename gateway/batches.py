@@ -50,7 +50,7 @@ from broker_config.connection import connect
 from broker_config.settings import BulkSettings
 from broker_config.text import text, valid_text
 from gateway import auth
-from gateway.auth import Key
+from gateway.auth import Key, Unauthorized
 from gateway.openai import BadRequest, error_body
 from producer.bulk import drive, inputs, manage, store
 from producer.client import Client
@@ -99,6 +99,9 @@ _ENDED_AT = {
 
 class FileGone(Exception):
     """The stored file expired or was deleted while it was read."""
+
+
+SCAN_BATCHES = 5000  # batch ids one list page may look at (other tenants' are skipped)
 
 
 def _error(
@@ -372,8 +375,6 @@ class Batches:
     async def caller(self, request: Request) -> Key | None:
         """The request's API key (None: an open gateway); a 401 without a valid one where
         one is needed."""
-        from gateway.app import Unauthorized  # app.py imports this module
-
         try:
             return await self.gw.authorize(request)
         except Unauthorized as e:
@@ -635,6 +636,49 @@ class Batches:
         return JSONResponse(batch_object(batch_id, await self.batch_meta(batch_id, key)))
 
     @_endpoint("batches")
+    async def list_batches(self, request: Request) -> Response:
+        """Newest first, `limit` (1..100, default 20) after the batch `after`; a tenant sees
+        its own. At most SCAN_BATCHES ids are looked at per page."""
+        key = await self.caller(request)
+        q = request.query_params
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise BadRequest("limit must be an integer in [1, 100]", param="limit")
+        start = 0
+        after = q.get("after")
+        if after:
+            rank = (
+                await self.r.zrevrank(keys.BATCHES, after)
+                if store.BATCH_ID.fullmatch(after)
+                else None
+            )
+            if rank is None:
+                raise _not_found("batch", after, "after")
+            start = rank + 1
+        found: list[dict[str, Any]] = []
+        more = False
+        for offset in range(start, start + SCAN_BATCHES, 100):
+            ids = [text(i) for i in await self.r.zrevrange(keys.BATCHES, offset, offset + 99)]
+            for batch_id in ids:
+                meta = await self._hash(keys.batch(batch_id))
+                if meta and _visible(meta, key):
+                    if len(found) == int(limit):
+                        more = True
+                        break
+                    found.append(batch_object(batch_id, meta))
+            if more or len(ids) < 100:
+                break
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": found,
+                "first_id": found[0]["id"] if found else None,
+                "last_id": found[-1]["id"] if found else None,
+                "has_more": more,
+            }
+        )
+
+    @_endpoint("batches")
     async def cancel_batch(self, request: Request) -> Response:
         key = await self.caller(request)
         batch_id = request.path_params["batch_id"]
@@ -654,6 +698,7 @@ def routes(gw: Gateway) -> list[Route]:
         Route("/v1/files/{file_id}", api.delete_file, methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", api.file_content, methods=["GET"]),
         Route("/v1/batches", api.create_batch, methods=["POST"]),
+        Route("/v1/batches", api.list_batches, methods=["GET"]),
         Route("/v1/batches/{batch_id}", api.get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", api.cancel_batch, methods=["POST"]),
     ]

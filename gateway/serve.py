@@ -6,24 +6,42 @@ plurai gateway [--host 127.0.0.1] [--port 8000] [--url redis://...]
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker_config import logs
 from broker_config.connection import redact, resolve_url
 from broker_config.settings import Settings
 
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
 log = logging.getLogger("plurai.gateway")
 
 
-def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def create_app(settings: Settings, url: str) -> Starlette:
+    """The gateway's ASGI app: the completions endpoints (app.py) and files and batches
+    (batches.py) on one Gateway."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from gateway import batches
+    from gateway.app import Gateway
+
+    gw = Gateway(settings, url)
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", gw.chat, methods=["POST"]),
+            Route("/v1/completions", gw.completions, methods=["POST"]),
+            Route("/v1/models", gw.list_models, methods=["GET"]),
+            Route("/health", gw.health, methods=["GET"]),
+            Route("/metrics", gw.metrics_page, methods=["GET"]),
+            *batches.routes(gw),
+        ],
+        lifespan=gw.lifespan,
+    )
+    app.state.gateway = gw
+    return app
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,13 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from broker_config.connection import connect
     from gateway import auth
-    from gateway.app import create_app
 
     try:
         keyed = auth.any_keys(connect(url))
     except Exception as e:  # noqa: BLE001 - any failure here is reported, not raised
         raise SystemExit(f"plurai gateway: cannot reach Redis: {redact(str(e))}") from e
-    if not keyed and loopback(settings.gateway_host):
+    if not keyed and auth.loopback(settings.gateway_host):
         log.warning(
             "no API keys: open to clients on this machine only "
             "(`plurai keys create --tenant NAME` makes requests need a key)"

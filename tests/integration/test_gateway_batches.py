@@ -349,3 +349,16 @@ def test_tenants_see_only_their_own(redis_url: str, tmp_path: Path) -> None:
         assert anonymous.json()["error"]["type"] == "authentication_error"
     finally:
         gw.stop()
+
+
+def test_list_batches_newest_first_in_pages(stack: Stack, tmp_path: Path) -> None:
+    made = []
+    for i in range(3):
+        made.append(submit(stack, write_jsonl(tmp_path / f"l{i}.jsonl", [chat_line(i)])).id)
+        time.sleep(0.01)  # creation times order the list
+    page = stack.api.batches.list(limit=2)
+    assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
+    rest = stack.api.batches.list(limit=2, after=page.data[-1].id)
+    assert rest.data[0].id == made[0]
+    r = httpx.get(stack.gateway.base + "/v1/batches?limit=0", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"

@@ -1,0 +1,97 @@
+"""One reader for every token stream a gateway is sending: a single blocking XREAD over all
+of them, whose entries go to each stream's queue.
+
+Following each stream with its own blocking XREAD costs a round trip per stream per engine
+step; a worker writes the deltas of all its running jobs at once, so one XREAD over every
+followed stream returns them together. A stream that starts being followed while the
+reader is blocked is picked up at once: the reader's XREAD also watches this gateway's
+wake-up stream, which `follow` writes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from broker_config import keys
+from results import tokens
+
+log = logging.getLogger("plurai.gateway")
+
+BLOCK_MS = 5000
+WAKE_TTL_S = 60
+
+
+class Follow:
+    """A followed token stream: its position and the events read but not yet taken."""
+
+    def __init__(self, job_id: str) -> None:
+        self.reader = tokens.Reader(job_id)
+        self.queue: asyncio.Queue[tokens.Event | BaseException] = asyncio.Queue()
+
+
+class Streams:
+    def __init__(self, r: redis.asyncio.Redis) -> None:
+        self.r = r
+        self.wake_key = keys.gateway_wake(secrets.token_hex(8))
+        self.wake_id = "$"
+        self.followed: dict[str, Follow] = {}  # stream key -> its follower
+        self.task: asyncio.Task | None = None
+        self.idle = asyncio.Event()  # set while nothing is followed
+
+    async def events(self, job_id: str) -> AsyncIterator[tokens.Event]:
+        """Every event of the job's stream from its start, until `end`."""
+        f = Follow(job_id)
+        if f.reader.key in self.followed:  # the same job twice (one idempotency key)
+            async for ev in tokens.events_async(self.r, job_id, block_ms=BLOCK_MS):
+                yield ev
+            return
+        self.followed[f.reader.key] = f
+        try:
+            if self.task is None or self.task.done():
+                self.task = asyncio.ensure_future(self._run())
+            self.idle.set()  # wake a reader waiting for work
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+            pipe.expire(self.wake_key, WAKE_TTL_S)
+            await pipe.execute()
+            while True:
+                ev = await f.queue.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.type == tokens.END:
+                    return
+        finally:
+            self.followed.pop(f.reader.key, None)
+
+    async def _run(self) -> None:
+        while True:
+            if not self.followed:
+                self.idle.clear()
+                await self.idle.wait()
+                continue
+            request: dict[Any, Any] = {k: f.reader.last_id for k, f in self.followed.items()}
+            request[self.wake_key] = self.wake_id
+            try:
+                reply = await self.r.xread(request, count=256, block=BLOCK_MS)
+            except redis.RedisError as e:  # every follower learns of it, and retries
+                for f in list(self.followed.values()):
+                    f.queue.put_nowait(e)
+                await asyncio.sleep(0.2)
+                continue
+            for stream, entries in tokens.stream_items(reply):
+                key = stream.decode() if isinstance(stream, bytes) else str(stream)
+                if key == self.wake_key:
+                    self.wake_id = entries[-1][0]
+                    continue
+                f = self.followed.get(key)
+                if f is not None:
+                    for ev in f.reader.feed([(stream, entries)]):
+                        f.queue.put_nowait(ev)
