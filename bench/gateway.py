@@ -81,6 +81,32 @@ async def through_gateway(
     return dt, ttfts
 
 
+async def raw_http(base: str, model: str, a: argparse.Namespace) -> tuple[float, list[float]]:
+    """The gateway with a bare HTTP client (httpx): what the gateway adds, apart from the
+    `openai` library's own time."""
+    import httpx
+
+    todo = iter(prompts(a.jobs))
+    ttfts: list[float] = []
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+
+        async def client() -> None:
+            for p in todo:
+                body = {"model": model, "prompt": p, "max_tokens": a.max_tokens}
+                t = time.perf_counter()
+                first = None
+                body |= {"temperature": 0, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if first is None and line.startswith("data: {"):
+                            first = time.perf_counter() - t
+                ttfts.append(first if first is not None else time.perf_counter() - t)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(a.clients)))
+        return time.perf_counter() - t, ttfts
+
+
 async def direct(url: str, a: argparse.Namespace) -> tuple[float, list[float]]:
     todo = iter(prompts(a.jobs))
     ttfts: list[float] = []
@@ -151,9 +177,10 @@ def main() -> None:
             asyncio.run(through_gateway(base, model, argparse.Namespace(**{**vars(a), "jobs": 64})))
             # one client at a time: the latency the gateway adds, with nothing queued
             one = argparse.Namespace(**{**vars(a), "jobs": a.unloaded, "clients": 1})
-            idle = {"gateway": [], "direct": []}
+            idle = {"gateway": [], "direct": [], "http": []}
             for _ in range(a.rounds):
                 idle["gateway"] += asyncio.run(through_gateway(base, model, one))[1]
+                idle["http"] += asyncio.run(raw_http(base, model, one))[1]
                 idle["direct"] += asyncio.run(direct(url, one))[1]
             runs: dict[str, list] = {"gateway": [], "direct": []}
             gw_cpu = 0.0
@@ -187,8 +214,9 @@ def main() -> None:
         )
     idle_ms = {k: 1000 * statistics.median(v) for k, v in idle.items()}
     print(
-        f"one client: TTFT p50 gateway {idle_ms['gateway']:.2f} ms, direct "
-        f"{idle_ms['direct']:.2f} ms (added {idle_ms['gateway'] - idle_ms['direct']:.2f} ms)"
+        f"one client: TTFT p50 gateway {idle_ms['gateway']:.2f} ms (bare HTTP client "
+        f"{idle_ms['http']:.2f} ms), direct {idle_ms['direct']:.2f} ms "
+        f"(added {idle_ms['gateway'] - idle_ms['direct']:.2f} ms)"
     )
     cpu_ms = 1000 * gw_cpu / (a.jobs * a.rounds)
     client_ms = {k: 1000 * v / (a.jobs * a.rounds) for k, v in client_cpu.items()}
@@ -216,6 +244,8 @@ def main() -> None:
         "unloaded_gateway_ttft_p50_ms": round(idle_ms["gateway"], 2),
         "unloaded_direct_ttft_p50_ms": round(idle_ms["direct"], 2),
         "added_ttft_p50_ms": round(idle_ms["gateway"] - idle_ms["direct"], 2),
+        "unloaded_bare_http_ttft_p50_ms": round(idle_ms["http"], 2),
+        "added_ttft_p50_ms_bare_http": round(idle_ms["http"] - idle_ms["direct"], 2),
         "gateway_cpu_ms_per_request": round(cpu_ms, 3),
         "gateway_requests_per_s_per_process": round(1000 / cpu_ms),
         "openai_client_cpu_ms_per_job": round(client_ms["gateway"], 3),

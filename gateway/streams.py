@@ -44,6 +44,7 @@ class Streams:
         self.followed: dict[str, Follow] = {}  # stream key -> its follower
         self.task: asyncio.Task | None = None
         self.idle = asyncio.Event()  # set while nothing is followed
+        self.blocked = False  # whether the reader waits in XREAD now
 
     async def events(self, job_id: str) -> AsyncIterator[tokens.Event]:
         """Every event of the job's stream from its start, until `end`."""
@@ -56,11 +57,12 @@ class Streams:
         try:
             if self.task is None or self.task.done():
                 self.task = asyncio.ensure_future(self._run())
-            self.idle.set()  # wake a reader waiting for work
-            pipe = self.r.pipeline(transaction=False)
-            pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
-            pipe.expire(self.wake_key, WAKE_TTL_S)
-            await pipe.execute()
+            self.idle.set()  # a reader waiting for work takes this stream in its next read
+            if self.blocked:  # a reader blocked on other streams must read again
+                pipe = self.r.pipeline(transaction=False)
+                pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self.wake_key, WAKE_TTL_S)
+                await pipe.execute()
             while True:
                 ev = await f.queue.get()
                 if isinstance(ev, BaseException):
@@ -80,8 +82,11 @@ class Streams:
             request: dict[Any, Any] = {k: f.reader.last_id for k, f in self.followed.items()}
             request[self.wake_key] = self.wake_id
             try:
+                self.blocked = True
                 reply = await self.r.xread(request, count=256, block=BLOCK_MS)
+                self.blocked = False
             except redis.RedisError as e:  # every follower learns of it, and retries
+                self.blocked = False
                 for f in list(self.followed.values()):
                     f.queue.put_nowait(e)
                 await asyncio.sleep(0.2)
