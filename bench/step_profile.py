@@ -126,7 +126,8 @@ def main() -> None:
     forward_total = sum(s[3] for s in steps)
     print(
         f"forward {forward_total:.2f} s, of which the same steps' matmuls alone take "
-        f"{gemm_total:.2f} s; everything else {total - gemm_total:.2f} s"
+        f"{gemm_total:.2f} s; everything else {total - gemm_total:.2f} s; "
+        f"run / matmul-only = {total / gemm_total:.2f}"
     )
     print(
         json.dumps(
@@ -141,6 +142,8 @@ def main() -> None:
                 "forward_s": round(forward_total, 3),
                 "gemm_only_s": round(gemm_total, 3),
                 "non_gemm_s": round(total - gemm_total, 3),
+                # the run over its matmul-only time: 1.0 would be all GEMM
+                "run_over_gemm": round(total / gemm_total, 3),
                 "groups": {
                     names[k]: {"steps": n, "forward_s": round(f, 3), "step_s": round(st, 3)}
                     for k, (n, f, st) in sorted(groups.items())
