@@ -18,9 +18,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
@@ -46,6 +46,7 @@ from results.records import JobRecord
 log = logging.getLogger("plurai.gateway")
 
 SSE = "text/event-stream"
+T = TypeVar("T")
 
 
 def error(
@@ -56,8 +57,14 @@ def error(
     retry_after: float | None = None,
     kind: str | None = None,
 ) -> JSONResponse:
+    """An OpenAI error response (its type by default: the client's fault below 500)."""
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return JSONResponse(error_body(message, code, param, kind), status, headers=headers)
+
+
+def unavailable() -> JSONResponse:
+    return unavailable()
 
 
 class Gateway:
@@ -82,6 +89,7 @@ class Gateway:
         try:
             yield
         finally:
+            await self.streams.close()
             await self.client.aclose()
 
     # -- plumbing ---------------------------------------------------------------------
@@ -148,7 +156,12 @@ class Gateway:
         """Run `work` (a coroutine) outside the request's own task, which may be ending."""
         task = asyncio.get_running_loop().create_task(work)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._done_later)
+
+    def _done_later(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a cancel or release after a response failed: %r", task.exception())
 
     def _cancel_later(self, job_id: str) -> None:
         """Cancel a job whose client left."""
@@ -177,7 +190,7 @@ class Gateway:
         except Unauthorized as e:
             return error(401, str(e), "invalid_api_key", kind="authentication_error")
         except redis.RedisError:
-            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+            return unavailable()
         try:
             body = await self.body(request)
             default_max = self.settings.gateway_default_max_tokens
@@ -191,7 +204,7 @@ class Gateway:
         try:
             names = await self.models.names()
         except redis.RedisError:
-            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+            return unavailable()
         if not names:
             return error(
                 503,
@@ -237,7 +250,7 @@ class Gateway:
                 return await self.stream(request, job, job_id, lease)
             return await self.whole(request, job, job_id)
         except redis.RedisError:
-            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+            return unavailable()
         finally:
             if not lease.streaming:
                 await lease.close()
@@ -246,19 +259,20 @@ class Gateway:
         """Wait for the job's result; a client that leaves first cancels it (unless the
         request asked for `background`)."""
         assert self.client is not None
-        result = asyncio.ensure_future(wait.wait_many_async(self.client.redis, [job_id], None))
-        gone = asyncio.ensure_future(_disconnect(request))
         try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not result.done():
-            result.cancel()
-            if not job.background:
-                self._cancel_later(job_id)
-            return Response(status_code=499)  # nobody reads it
-        (rec,) = result.result()
+            (rec,) = await _unless_gone(
+                request, wait.wait_many_async(self.client.redis, [job_id], None)
+            )
+        except _Gone:
+            return self._left(job, job_id)
         return self.answer(job, rec)
+
+    def _left(self, job: Job, job_id: str) -> Response:
+        """The client left before its answer: cancel the job unless it runs in the
+        background."""
+        if not job.background:
+            self._cancel_later(job_id)
+        return Response(status_code=499)  # nobody reads it
 
     def answer(self, job: Job, rec: JobRecord) -> Response:
         if rec.state == records.COMPLETED:
@@ -266,39 +280,38 @@ class Gateway:
         if rec.state == records.CANCELLED:
             return error(409, f"job {rec.id} was cancelled", "cancelled")
         code = rec.error_code or "internal"
-        status = openai.STATUS.get(code, 500)
-        return error(
-            status,
-            rec.error_message or code,
-            code,
-            kind="invalid_request_error" if status < 500 else "server_error",
-        )
+        return error(openai.STATUS.get(code, 500), rec.error_message or code, code)
 
     async def stream(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
         assert self.client is not None
-        r = self.client.redis
         assert self.streams is not None
         events = self.streams.events(job_id)
         follower = tokens.TextFollower()
-        first = ""
-        async for ev in events:  # up to the first text, or the end
-            first = follower.feed(ev)
-            if first or ev.type == tokens.END:
-                break
-        else:
-            ev = None
-        if ev is not None and ev.type == tokens.END:
-            rec = await records.get_async(r, job_id)
-            if rec.state != records.COMPLETED:
-                await events.aclose()
-                return self.answer(job, rec)
+        try:  # up to the first text, or the end; a client that leaves meanwhile cancels it
+            first, ev = await _unless_gone(request, _head(events, follower))
+            if ev is not None and ev.type == tokens.END:
+                rec = await records.get_async(self.client.redis, job_id)
+                if rec.state != records.COMPLETED:
+                    await events.aclose()
+                    return self.answer(job, rec)
+        except _Gone:
+            await events.aclose()
+            return self._left(job, job_id)
+        except BaseException:
+            await events.aclose()
+            raise
         created = int(time.time())
+        body = self._sse(job, job_id, created, first, ev, events, follower)
+
+        async def close(complete: bool) -> None:
+            await body.aclose()
+            await events.aclose()  # when the body never started
+            if not complete and not job.background:  # the client left mid-stream
+                self._cancel_later(job_id)
+            self._later(lease.close())
+
         lease.streaming = True  # the stream closes it when it ends
-        return StreamingResponse(
-            self._sse(job, job_id, created, first, ev, events, follower, lease),
-            media_type=SSE,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return _EventStream(body, close)
 
     async def _sse(
         self,
@@ -309,10 +322,8 @@ class Gateway:
         ev: tokens.Event | None,
         events: AsyncIterator[tokens.Event],
         follower: tokens.TextFollower,
-        lease: Lease,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         assert self.client is not None
-        ended = False
         self.metrics.open_streams.inc()
         try:
             async with aclosing(events):  # type: ignore[type-var]
@@ -322,7 +333,8 @@ class Gateway:
                         try:
                             delta = follower.feed(ev)
                         except tokens.JobRestarted as e:
-                            ended = True
+                            if not job.background:  # nobody will read what it writes
+                                self._cancel_later(job_id)
                             yield _event(error_body(str(e), "job_restarted", kind="server_error"))
                             yield b"data: [DONE]\n\n"
                             return
@@ -330,7 +342,6 @@ class Gateway:
                             yield _event(openai.chunk(job, job_id, created, delta))
                         if ev.type == tokens.END:
                             break
-            ended = True
             if (
                 ev
                 and ev.state == records.COMPLETED
@@ -342,22 +353,26 @@ class Gateway:
                 yield b"data: [DONE]\n\n"
                 return
             rec = await records.get_async(self.client.redis, job_id)
-            if rec.state != records.COMPLETED:
-                message = rec.error_message or f"the job ended {rec.state}"
-                yield _event(error_body(message, rec.error_code or rec.state, kind="server_error"))
-            else:
-                last = openai.chunk(job, job_id, created, None, rec.finish_reason or "stop")
-                # the token stream carries no logprobs: they come whole, on the last chunk
-                last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
-                yield _event(last)
-                if job.include_usage:
-                    yield _event(openai.usage_chunk(job, rec, created))
+        except redis.RedisError:
+            # the client learns why its stream ends; the job goes on (Redis cannot take a
+            # cancel now), its record readable once Redis is back
+            message = "the queue's Redis is unavailable"
+            yield _event(error_body(message, "unavailable", kind="server_error"))
             yield b"data: [DONE]\n\n"
+            return
         finally:
             self.metrics.open_streams.dec()
-            if not ended and not job.background:  # the client left mid-stream
-                self._cancel_later(job_id)
-            self._later(lease.close())
+        if rec.state != records.COMPLETED:
+            message = rec.error_message or f"the job ended {rec.state}"
+            yield _event(error_body(message, rec.error_code or rec.state, kind="server_error"))
+        else:
+            last = openai.chunk(job, job_id, created, None, rec.finish_reason or "stop")
+            # the token stream carries no logprobs: they come whole, on the last chunk
+            last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
+            yield _event(last)
+            if job.include_usage:
+                yield _event(openai.usage_chunk(job, rec, created))
+        yield b"data: [DONE]\n\n"
 
     async def list_models(self, request: Request) -> Response:
         assert self.models is not None
@@ -367,7 +382,7 @@ class Gateway:
         except Unauthorized as e:
             return error(401, str(e), "invalid_api_key", kind="authentication_error")
         except redis.RedisError:
-            return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+            return unavailable()
         data = [
             {
                 "id": m.id,
@@ -438,7 +453,10 @@ class Lease:
         assert self.key is not None
         while True:
             await asyncio.sleep(auth.LEASE_S / 3)
-            await auth.renew(self.r, self.key, self.job_id)
+            try:
+                await auth.renew(self.r, self.key, self.job_id)
+            except redis.RedisError:  # a blip: the lease outlasts two more tries
+                log.warning("could not renew a concurrency slot; trying again")
 
     async def close(self) -> None:
         if self.renewing is None:
@@ -452,10 +470,74 @@ class Lease:
             log.warning("could not release a concurrency slot; it expires")
 
 
+class _Gone(Exception):
+    """The client left before its answer."""
+
+
 async def _disconnect(request: Request) -> None:
     """Returns when the client has gone (the body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; raises _Gone (and cancels `work`) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1)  # redis-py can hold a cancel a while,
+            task.add_done_callback(_retrieved)  # and end the command with an error
+    if task not in done:
+        raise _Gone
+    return task.result()
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _head(
+    events: AsyncIterator[tokens.Event], follower: tokens.TextFollower
+) -> tuple[str, tokens.Event | None]:
+    """A stream's first text and the event that brought it (or its end event)."""
+    async for ev in events:
+        first = follower.feed(ev)
+        if first or ev.type == tokens.END:
+            return first, ev
+    return "", None
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events, whose `close(complete)` runs once the response is over, sent
+    whole or not. Starlette never starts the body of a stream whose client has already
+    left, so the body's own `finally` cannot be relied on to release what it holds."""
+
+    def __init__(
+        self, body: AsyncIterator[bytes], close: Callable[[bool], Awaitable[None]]
+    ) -> None:
+        super().__init__(
+            body, media_type=SSE, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        complete = False
+
+        async def sending(message: Any) -> None:
+            nonlocal complete
+            await send(message)
+            complete = message["type"] == "http.response.body" and not message.get("more_body")
+
+        try:
+            await super().__call__(scope, receive, sending)
+        finally:
+            await self.close(complete)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

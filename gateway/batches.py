@@ -30,7 +30,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 import redis.asyncio
@@ -50,13 +50,11 @@ from broker_config.connection import connect
 from broker_config.settings import BulkSettings
 from broker_config.text import text, valid_text
 from gateway import auth
+from gateway.app import Gateway, error, unavailable
 from gateway.auth import Key, Unauthorized
-from gateway.openai import BadRequest, error_body
+from gateway.openai import BadRequest
 from producer.bulk import drive, inputs, manage, store
 from producer.client import Client
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 log = logging.getLogger("plurai.gateway")
 
@@ -102,19 +100,6 @@ class FileGone(Exception):
 
 
 SCAN_BATCHES = 5000  # batch ids one list page may look at (other tenants' are skipped)
-
-
-def _error(
-    status: int,
-    message: str,
-    code: str,
-    param: str | None = None,
-    retry_after: int = 0,
-    kind: str | None = None,
-) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after else None
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(error_body(message, code, param, kind), status, headers=headers)
 
 
 def _not_found(what: str, ident: str, param: str | None = None) -> BadRequest:
@@ -340,17 +325,17 @@ def _endpoint(route: str) -> Callable[[Handler], Handler]:
                 response = await fn(self, request)
             except BadRequest as e:
                 kind = "authentication_error" if e.status == 401 else None
-                response = _error(e.status, e.message, e.code, e.param, kind=kind)
+                response = error(e.status, e.message, e.code, e.param, kind=kind)
             except ClientDisconnect:
                 response = Response(status_code=499)  # nobody reads it
             except redis.ResponseError as e:
                 if str(e).startswith("OOM"):  # an upload can fill it
-                    response = _error(503, "the queue's Redis is out of memory", "redis_oom")
+                    response = error(503, "the queue's Redis is out of memory", "redis_oom")
                 else:
                     log.warning("%s: Redis refused a command: %s", route, e)
-                    response = _error(500, "the stored record is damaged", "internal")
+                    response = error(500, "the stored record is damaged", "internal")
             except (redis.RedisError, OperationalError):
-                response = _error(503, "the queue's Redis is unavailable", "unavailable", None, 1)
+                response = unavailable()
             self.gw.metrics.done(route, response.status_code, time.perf_counter() - start)
             return response
 
@@ -642,16 +627,16 @@ class Batches:
         key = await self.caller(request)
         q = request.query_params
         limit = q.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        if not re.fullmatch(r"[0-9]{1,3}", limit) or not 1 <= int(limit) <= 100:
             raise BadRequest("limit must be an integer in [1, 100]", param="limit")
         start = 0
         after = q.get("after")
         if after:
-            rank = (
-                await self.r.zrevrank(keys.BATCHES, after)
-                if store.BATCH_ID.fullmatch(after)
-                else None
-            )
+            try:  # another tenant's batch is unknown here too
+                await self.batch_meta(after, key)
+            except BadRequest:
+                raise _not_found("batch", after, "after") from None
+            rank = await self.r.zrevrank(keys.BATCHES, after)
             if rank is None:
                 raise _not_found("batch", after, "after")
             start = rank + 1

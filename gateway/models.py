@@ -3,6 +3,7 @@ second, so a burst of requests costs Redis one look)."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from broker_config import keys
 from broker_config.text import text
 
 REFRESH_S = 1.0
+_COUNT = re.compile(r"[0-9]{1,15}")
 
 
 @dataclass
@@ -45,16 +47,20 @@ class Models:
                 continue  # expired, or stopping
             names = set(model.split(","))
             mid = model_id or min(names, key=len)
-            m = by_id.setdefault(
-                mid, Model(mid, int(max_len) if max_len.isdigit() else 0, created=10**10)
-            )
+            m = by_id.setdefault(mid, Model(mid, _count(max_len), created=10**10))
             m.names |= names | {mid}
             m.workers += 1
-            if beat.isdigit():
-                m.created = min(m.created, int(beat) // 1000)
+            if _count(beat):
+                m.created = min(m.created, _count(beat) // 1000)
         self.cached = sorted(by_id.values(), key=lambda m: m.id)
         self.at = time.monotonic()
         return self.cached
 
     async def names(self) -> set[str]:
         return {n for m in await self.live() for n in m.names}
+
+
+def _count(v: str) -> int:
+    """A heartbeat's count field; 0 when it is not one (str.isdigit takes '²', which int
+    refuses)."""
+    return int(v) if _COUNT.fullmatch(v) else 0

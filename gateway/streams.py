@@ -25,6 +25,7 @@ from results import tokens
 log = logging.getLogger("plurai.gateway")
 
 BLOCK_MS = 5000
+READ_TIMEOUT_S = BLOCK_MS / 1000 + 10  # an XREAD not back by then went to a dead connection
 WAKE_TTL_S = 60
 
 
@@ -40,7 +41,8 @@ class Streams:
     def __init__(self, r: redis.asyncio.Redis) -> None:
         self.r = r
         self.wake_key = keys.gateway_wake(secrets.token_hex(8))
-        self.wake_id = "$"
+        # not "$": a wake written before the reader's first XREAD reaches Redis must count
+        self.wake_id: Any = "0-0"
         self.followed: dict[str, Follow] = {}  # stream key -> its follower
         self.task: asyncio.Task | None = None
         self.idle = asyncio.Event()  # set while nothing is followed
@@ -73,6 +75,13 @@ class Streams:
         finally:
             self.followed.pop(f.reader.key, None)
 
+    async def close(self) -> None:
+        """Stop the reader (at shutdown). A blocked XREAD may hold the cancel until it
+        returns, so this waits a second at most."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.wait({self.task}, timeout=1)
+
     async def _run(self) -> None:
         while True:
             if not self.followed:
@@ -83,20 +92,36 @@ class Streams:
             request[self.wake_key] = self.wake_id
             try:
                 self.blocked = True
-                reply = await self.r.xread(request, count=256, block=BLOCK_MS)
-                self.blocked = False
-            except redis.RedisError as e:  # every follower learns of it, and retries
-                self.blocked = False
-                for f in list(self.followed.values()):
+                try:
+                    async with asyncio.timeout(READ_TIMEOUT_S):
+                        reply = await self.r.xread(request, count=256, block=BLOCK_MS)
+                finally:
+                    self.blocked = False
+                self._deliver(reply)
+            except Exception as e:  # every follower learns of it: none waits forever
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # redis-py can turn a cancel
+                    raise asyncio.CancelledError from e  # into a ConnectionError
+                if isinstance(e, TimeoutError):  # asyncio.timeout's
+                    e = redis.TimeoutError(f"no XREAD reply in {READ_TIMEOUT_S:g} s")
+                elif not isinstance(e, redis.RedisError):
+                    log.exception("the shared stream reader failed")
+                for f in self.followed.values():
                     f.queue.put_nowait(e)
                 await asyncio.sleep(0.2)
+
+    def _deliver(self, reply: Any) -> None:
+        for stream, entries in tokens.stream_items(reply):
+            key = stream.decode() if isinstance(stream, bytes) else str(stream)
+            if key == self.wake_key:
+                self.wake_id = entries[-1][0]
                 continue
-            for stream, entries in tokens.stream_items(reply):
-                key = stream.decode() if isinstance(stream, bytes) else str(stream)
-                if key == self.wake_key:
-                    self.wake_id = entries[-1][0]
-                    continue
-                f = self.followed.get(key)
-                if f is not None:
-                    for ev in f.reader.feed([(stream, entries)]):
-                        f.queue.put_nowait(ev)
+            f = self.followed.get(key)
+            if f is None:
+                continue
+            try:
+                for ev in f.reader.feed([(stream, entries)]):
+                    f.queue.put_nowait(ev)
+            except (ValueError, TypeError) as e:  # a damaged entry fails its own stream
+                log.warning("token stream %s: a damaged entry (%s)", key, e)
+                f.queue.put_nowait(e)

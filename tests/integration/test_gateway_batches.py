@@ -331,6 +331,7 @@ def test_tenants_see_only_their_own(redis_url: str, tmp_path: Path) -> None:
             lambda: globex.files.delete(f.id),
             lambda: globex.batches.retrieve(b.id),
             lambda: globex.batches.cancel(b.id),
+            lambda: globex.batches.list(after=b.id),
             lambda: globex.batches.create(
                 input_file_id=f.id, endpoint=CHAT, completion_window="24h"
             ),
@@ -360,5 +361,6 @@ def test_list_batches_newest_first_in_pages(stack: Stack, tmp_path: Path) -> Non
     assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
     rest = stack.api.batches.list(limit=2, after=page.data[-1].id)
     assert rest.data[0].id == made[0]
-    r = httpx.get(stack.gateway.base + "/v1/batches?limit=0", timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    for limit in ("0", "\u00b2", "1" * 5000):  # '²' passes str.isdigit, not int()
+        r = httpx.get(stack.gateway.base + "/v1/batches", params={"limit": limit}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit"

@@ -4,14 +4,18 @@ key's lanes hold, and a gateway without keys serves no one beyond localhost."""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import redis
 
+from broker_config import keys
 from gateway import auth
-from results import records
+from results import records, wait
 
 from .test_gateway import Gateway
 
@@ -90,5 +94,44 @@ def test_no_keys_beyond_localhost_serves_no_one(redis_url, tmp_path) -> None:
         assert resp.status_code == 401
         assert "plurai keys create" in resp.json()["error"]["message"]
         assert "every request is refused" in (tmp_path / "gateway.log").read_text()
+    finally:
+        g.stop()
+
+
+def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
+    redis_url, tmp_path
+) -> None:
+    """A stream's client that leaves while its job waits in the queue (a worker that
+    heartbeats but takes nothing): the job is cancelled and the key's concurrency slot
+    freed at once, and a first token that comes later changes nothing."""
+    r = redis.Redis.from_url(redis_url)
+    r.sadd(keys.WORKERS, "w-idle")
+    r.hset(keys.worker("w-idle"), mapping={"model": "idle", "state": "serving"})
+    secret, key = auth.create_key(r, "acme", concurrent=1)
+    g = Gateway(redis_url, tmp_path / "gateway.log")
+    try:
+        body = json.dumps({"model": "idle", "prompt": "hi", "max_tokens": 2, "stream": True})
+        s = socket.create_connection(("127.0.0.1", g.port))
+        s.sendall(
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {secret}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
+        running = keys.quota_running(key.id)
+        give_up = time.monotonic() + 30
+        while not r.zcard(running):  # admitted: the job is queued, holding the slot
+            assert time.monotonic() < give_up
+            time.sleep(0.05)
+        (job_id,) = (m.decode() for m in r.zrange(running, 0, -1))
+        time.sleep(0.3)  # the gateway waits for the first token
+        s.close()
+        rec = wait.wait(r, job_id, timeout=10)
+        assert rec.state == records.CANCELLED
+        r.xadd(keys.output(job_id), {"type": "delta", "text": "late"})  # too late
+        give_up = time.monotonic() + 10
+        while r.zcard(running):
+            assert time.monotonic() < give_up, "the slot is still held"
+            time.sleep(0.05)
     finally:
         g.stop()

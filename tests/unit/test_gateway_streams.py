@@ -1,0 +1,177 @@
+"""The gateway's shared token-stream reader (gateway/streams.py) against a real
+redis-server, and the SSE response that releases what a stream holds (gateway/app.py): a
+stream followed while the reader waits is picked up at once, even before the reader's
+first XREAD has reached Redis; a damaged entry or a failing reader never leaves a follower
+waiting forever; a response whose client left before its body started still runs its
+close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import redis
+import redis.asyncio
+
+from broker_config import keys
+from gateway import app, streams
+from results import tokens
+
+
+def run(coro, timeout: float = 20):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def started(s: streams.Streams, job_id: str):
+    """A follower of `job_id`, already waiting for its first event."""
+    it = s.events(job_id)
+    first = asyncio.ensure_future(anext(it))
+    await asyncio.sleep(0.05)
+    return it, first
+
+
+def test_a_stream_followed_before_the_first_xread_lands_is_picked_up(redis_url) -> None:
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        xread = r.xread
+
+        async def late_xread(*a, **kw):  # the XREAD reaches Redis late (a new connection)
+            await asyncio.sleep(0.3)
+            return await xread(*a, **kw)
+
+        r.xread = late_xread
+        try:
+            _, _a = await started(s, "job-a-idle")  # the reader starts, to block on a
+            assert s.blocked
+            b, b_first = await started(s, "job-b-busy")  # its wake-up lands first
+            await r.xadd(keys.output("job-b-busy"), {"type": tokens.START})
+            t0 = time.monotonic()
+            ev = await asyncio.wait_for(b_first, 2)  # not after a whole BLOCK_MS
+            assert ev.type == tokens.START and time.monotonic() - t0 < 2
+            await b.aclose()
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
+
+
+def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> None:
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        try:
+            bad, bad_first = await started(s, "job-damaged")
+            good, good_first = await started(s, "job-good")
+            await r.xadd(keys.output("job-damaged"), {"type": "delta", "token_ids": "[1,"})
+            with pytest.raises(ValueError):
+                await asyncio.wait_for(bad_first, 2)
+            await r.xadd(keys.output("job-good"), {"type": tokens.END, "state": "completed"})
+            assert (await asyncio.wait_for(good_first, 2)).type == tokens.END
+            await good.aclose()
+            assert not s.followed
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
+
+
+def test_a_reader_error_reaches_every_follower_and_nothing_spins_after(
+    redis_url, monkeypatch, caplog
+) -> None:
+    monkeypatch.setattr(streams, "BLOCK_MS", 100)
+    # unlogged: formatting the traceback trips CPython 3.11.7's ast (gh-106905) in pytest
+    caplog.set_level(logging.CRITICAL, logger="plurai.gateway")
+
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        xread = r.xread
+        calls = []
+
+        async def failing_xread(*a, **kw):
+            calls.append(a)
+            if len(calls) == 1:  # while both streams are followed
+                await asyncio.sleep(0.2)
+                raise RuntimeError("a bug")
+            return await xread(*a, **kw)
+
+        r.xread = failing_xread
+        try:
+            followers = [await started(s, f"job-{i}-xxxx") for i in range(2)]
+            for _, first in followers:
+                with pytest.raises(RuntimeError):
+                    await asyncio.wait_for(first, 2)
+            assert not s.followed
+            await asyncio.sleep(0.5)  # every follower left: the reader waits for one
+            before = len(calls)
+            await asyncio.sleep(0.5)
+            assert len(calls) == before
+            it, first = await started(s, "job-later")  # and serves the next at once
+            await r.xadd(keys.output("job-later"), {"type": tokens.START})
+            assert (await asyncio.wait_for(first, 2)).type == tokens.START
+            await it.aclose()
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
+
+
+def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> None:
+    async def go():
+        began, closed = [], []
+
+        async def body():
+            began.append(True)
+            yield b"data: x\n\n"
+
+        async def close(complete: bool) -> None:
+            closed.append(complete)
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.sleep(0)
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await app._EventStream(body(), close)(scope, receive, send)
+        assert closed == [False] and not began
+
+        sent = []
+
+        async def receive_nothing():
+            await asyncio.sleep(10)
+
+        async def record(message):
+            sent.append(message)
+
+        await app._EventStream(body(), close)(scope, receive_nothing, record)
+        assert closed == [False, True] and sent[-1]["more_body"] is False
+
+    run(go())
+
+
+def test_redis_errors_reach_followers(redis_url) -> None:
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+
+        async def broken(*a, **kw):
+            raise redis.ConnectionError("gone")
+
+        r.xread = broken
+        try:
+            _, first = await started(s, "job-redis-down")
+            with pytest.raises(redis.ConnectionError):
+                await asyncio.wait_for(first, 2)
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
