@@ -127,8 +127,12 @@ def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+    if not isinstance(v, int) or isinstance(v, bool):
         raise BadRequest(f"{name} must be an integer in [{low}, {high}]", param=name)
+    if not low <= v <= high:  # the queue's own code for a value out of range
+        raise BadRequest(
+            f"{name} must be an integer in [{low}, {high}]", code=Code.INVALID_PARAMS, param=name
+        )
     return v
 
 

@@ -163,7 +163,11 @@ def test_chat_stream_and_logprobs(stack: Stack) -> None:
 BAD = [
     ({"temperature": "hot"}, 400, "invalid_params"),
     ({"top_p": 0}, 400, "invalid_params"),
-    ({"max_tokens": 0}, 400, "bad_field"),
+    ({"max_tokens": 0}, 400, "invalid_params"),
+    ({"max_tokens": -3}, 400, "invalid_params"),
+    ({"max_tokens": "ten"}, 400, "bad_field"),
+    ({"priority": "high"}, 400, "bad_field"),
+    ({"prompt": None}, 400, "invalid_prompt"),
     ({"max_tokens": 10**6}, 400, "max_tokens_over_limit"),
     ({"temprature": 0.5}, 400, "bad_field"),
     ({"prompt": ""}, 400, "invalid_prompt"),
@@ -198,6 +202,15 @@ def test_malformed_and_huge_bodies(stack: Stack) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_body"
     r = httpx.post(url, content=b"[1, 2]", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_body"
+    for messages in (
+        [{"role": "user"}],
+        [],
+        "hi",
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+    ):
+        body = {"model": stack.model, "messages": messages, "max_tokens": 2}
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_prompt", r.text
     r = httpx.post(url, content=b"x" * (100 << 20), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
     # the gateway still serves
