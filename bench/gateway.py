@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.workload import cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from broker_config.embedded import EmbeddedRedis, free_port  # noqa: E402
 from producer.aio import AsyncClient  # noqa: E402
 
 
@@ -41,12 +40,6 @@ def pct(xs: list[float], q: float) -> float:
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int) -> list[str]:

@@ -10,7 +10,6 @@ answer through it with the official `openai` client; then stops everything.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from broker_config import keys
 from broker_config.connection import redact
-from broker_config.embedded import EmbeddedRedis
+from broker_config.embedded import EmbeddedRedis, free_port
 from producer.client import Client
 
 MODEL = Path("models/tiny-llama")
@@ -43,12 +42,6 @@ def wait_for_worker(client: Client, proc: subprocess.Popen[bytes], timeout: floa
         if time.monotonic() > deadline:
             raise SystemExit("the worker did not start in time")
         time.sleep(0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def through_gateway(url: str) -> bool:

@@ -51,6 +51,7 @@ class Worker:
         self.settings = settings
         self.id = worker_id or settings.worker_id or new_worker_id()
         self.model_names = model_names or set()
+        self.model_id = Path(settings.model_dir).name if settings.model_dir else ""  # /v1/models
         self.lanes = list(settings.lanes)
         self.running: dict[str, Running] = {}
         self.held: list[Entry] = []  # taken, not yet in the backend (bounded by len(lanes))
@@ -402,7 +403,7 @@ class Worker:
             generation_tokens=self._generated,
             tokens_per_s=rate,
             metrics_port=self.metrics_port,
-            model_id=Path(self.settings.model_dir).name if self.settings.model_dir else "",
+            model_id=self.model_id,
             max_model_len=self.engine.max_model_len,
         )
         for entry in self.beat.renew([run.entry for run in self.running.values()] + self.held):

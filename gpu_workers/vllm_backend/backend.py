@@ -37,12 +37,12 @@ from gpu_workers.engine.errors import ErrorCode
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
+from gpu_workers.vllm_backend import connector
 from gpu_workers.vllm_backend.params import logprob_entries, to_vllm
 from gpu_workers.vllm_backend.stats import Figures
 
 log = logging.getLogger(__name__)
 
-KV_URL_ENV = "PLURAI_KV_REDIS_URL"  # read by the KV connector, in every rank's process
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -76,11 +76,9 @@ class VllmBackend:
         options.setdefault("enable_prefix_caching", True)
         self.model_fingerprint = fingerprint(model)
         if kv_redis_url:
-            os.environ[KV_URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
+            os.environ[connector.URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
         self.kv = None  # the KV connector's counters, with the Redis tier on
-        if os.environ.get(KV_URL_ENV) and "kv_transfer_config" not in options:
-            from gpu_workers.vllm_backend import connector
-
+        if os.environ.get(connector.URL_ENV) and "kv_transfer_config" not in options:
             self.kv = connector.COUNTERS
             # given to EngineArgs (not set on the config afterwards), so that vLLM adapts
             # the rest of its config to a connector

@@ -91,6 +91,11 @@ log = logging.getLogger(__name__)
 URL_ENV = "PLURAI_KV_REDIS_URL"
 
 
+class UnsupportedCache(ValueError):
+    """A vLLM KV cache this connector refuses to store (raised at start-up, never while
+    serving): a layout it cannot invert, a quantized dtype, MLA, sliding-window or hybrid."""
+
+
 @dataclass
 class Counters:
     """Process-wide counts of the connector halves that run in this process. The worker
@@ -143,11 +148,11 @@ def probe(layer: Any, kv: torch.Tensor) -> torch.Tensor:
         layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
         page = scratch[0].flatten()
         if bool((page < 0).any()):
-            raise NotImplementedError("the backend's cache write leaves part of a page unwritten")
+            raise UnsupportedCache("the backend's cache write leaves part of a page unwritten")
         perm += page.long() * scale
         scale *= 256
     if not torch.equal(perm.sort().values, ids):
-        raise NotImplementedError("the backend's cache write is not a permutation of K and V")
+        raise UnsupportedCache("the backend's cache write is not a permutation of K and V")
     return perm
 
 
@@ -175,7 +180,7 @@ def block_spec(kv_cache_config: KVCacheConfig) -> tuple[tuple[int, ...], torch.d
     connector cannot store."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise NotImplementedError(
+        raise UnsupportedCache(
             f"PluraiConnector supports one KV cache group, not {len(groups)} "
             "(hybrid or sliding-window models)"
         )
@@ -189,9 +194,9 @@ def block_spec(kv_cache_config: KVCacheConfig) -> tuple[tuple[int, ...], torch.d
         or spec.sliding_window is not None
         or spec.attention_chunk_size is not None
     ):
-        raise NotImplementedError(f"PluraiConnector cannot store {spec!r}")
+        raise UnsupportedCache(f"PluraiConnector cannot store {spec!r}")
     if spec.dtype not in block_format.DTYPES:
-        raise NotImplementedError(f"PluraiConnector cannot store a {spec.dtype} KV cache")
+        raise UnsupportedCache(f"PluraiConnector cannot store a {spec.dtype} KV cache")
     layers = len(groups[0].layer_names)
     return (2, layers, spec.num_kv_heads, spec.block_size, spec.head_size), spec.dtype
 
@@ -438,7 +443,7 @@ class PluraiConnector(KVConnectorBase_V1):
             layer = layers.get(name)
             backend = getattr(layer, "attn_backend", None)
             if backend is None or backend.forward_includes_kv_cache_update:
-                raise NotImplementedError(
+                raise UnsupportedCache(
                     f"PluraiConnector needs an attention backend with a separate KV cache "
                     f"write; {name} has {backend.get_name() if backend else 'none'}"
                 )
@@ -450,7 +455,7 @@ class PluraiConnector(KVConnectorBase_V1):
                 or ratio * kv.shape[2] != tokens
                 or tuple(kv.shape[1:]) != (heads, kv.shape[2], 2 * dim)
             ):
-                raise NotImplementedError(
+                raise UnsupportedCache(
                     f"PluraiConnector cannot read {name}'s KV cache: {kv.dtype} "
                     f"{tuple(kv.shape)}, expected {self.dtype} pages of [{heads}, "
                     f"{tokens} / n, {2 * dim}] for {num_blocks} blocks"
@@ -461,7 +466,7 @@ class PluraiConnector(KVConnectorBase_V1):
             pages = kv.view(num_blocks, ratio, heads, tokens // ratio, 2 * dim)
             views.append((extract_layer_index(name), name, pages, ratio, perms[key]))
         if len(views) != num_layers:
-            raise NotImplementedError(
+            raise UnsupportedCache(
                 f"PluraiConnector expected {num_layers} KV caches, got {len(views)}"
             )
         self.layers = [

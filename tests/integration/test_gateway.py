@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker_config import keys
+from broker_config.embedded import free_port
 from gateway import openai as openai_shapes
 from producer.client import Client
 from results import records, wait
@@ -34,12 +34,6 @@ from .faults import FAST
 pytestmark = pytest.mark.integration
 
 MAX_MODEL_LEN = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Gateway:
