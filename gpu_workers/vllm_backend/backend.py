@@ -165,7 +165,15 @@ class VllmBackend:
         if self.reqs.pop(request_id, None) is None:
             return False
         self.engine.abort_request([request_id])
+        self._settle()
         return True
+
+    def _settle(self) -> None:
+        """vLLM's figures come with a step, and none follows once nothing is in flight: then
+        no request holds a block (cached ones count as free) and none runs or waits."""
+        if not self.reqs and not self.engine.has_unfinished_requests():
+            self.figures.running = self.figures.waiting = 0
+            self.figures.kv_usage = 0.0
 
     def step(self) -> list[StepOutput]:
         outputs = self.engine.step()
@@ -201,6 +209,7 @@ class VllmBackend:
                     error,
                 )
             )
+        self._settle()
         return out
 
     # -- capacity -----------------------------------------------------------------
