@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# the fused CPU kernels, built now rather than at the first engine start
+	$(PY) -m gpu_workers.kernels
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml
@@ -40,9 +42,13 @@ peers: vllm-install
 # Everything: the core suite, then the vLLM backend's tests in their own environment.
 test: test-core test-vllm
 
+EXACT_TESTS = tests/unit/test_engine_exact.py tests/unit/test_parallel.py
+
 test-core: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm
+	# the exactness tests again on the pure-torch path (the run above uses the kernels)
+	PLURAI_KERNELS=torch $(PY) -m pytest -q -p no:cacheprovider $(EXACT_TESTS)
 
 test-vllm: vllm-install
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm

@@ -9,6 +9,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+# the widest vector ISA of this CPU, for every bench's JSON: speed-ups must hold on AVX2-only
+# machines as well as on AVX-512 (with or without native bf16)
+from gpu_workers.kernels import cpu_isa  # noqa: F401
+
 
 @dataclass
 class Request:
@@ -35,32 +39,6 @@ def mixed(
         # skip the lowest ids, where the factory's tokenizer keeps its special tokens
         out.append(Request([rng.randrange(16, vocab) for _ in range(p)], o))
     return out
-
-
-def cpu_isa() -> str:
-    """The widest vector ISA this CPU offers, for every bench's JSON: speed-ups must hold on
-    AVX2-only machines as well as on AVX-512 (with or without native bf16)."""
-    try:
-        flags = next(
-            (
-                line.split(":", 1)[1].split()
-                for line in open("/proc/cpuinfo")
-                if line.startswith("flags")
-            ),
-            [],
-        )
-    except OSError:
-        flags = []
-    for flag, name in (
-        ("amx_tile", "amx"),
-        ("avx512_bf16", "avx512_bf16"),
-        ("avx512f", "avx512"),
-        ("avx2", "avx2"),
-        ("asimd", "neon"),
-    ):
-        if flag in flags:
-            return name
-    return "baseline"
 
 
 def bench_model(path: str | Path = "models/bench-llama") -> Path:

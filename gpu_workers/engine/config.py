@@ -31,6 +31,9 @@ class EngineConfig:
     kv_redis_ttl_s: int = 3600
     kv_write_through: bool = False  # also send each full block to Redis as soon as it is computed
     threads: int | None = None  # torch CPU threads; None: torch's default (cores / ranks)
+    # fused CPU kernels (gpu_workers.kernels): auto (when they build), native, or torch;
+    # None: PLURAI_KERNELS, else auto
+    kernels: str | None = None
     tensor_parallel: int = 1  # ranks the model's heads and MLP are split over (processes)
     pipeline_parallel: int = 1  # stages the model's layers are split over (processes)
     pipeline_layers: list[int] | None = None  # layers per stage; None: an even split
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             raise ValueError("tensor_parallel and pipeline_parallel must be >= 1")
+        if self.kernels not in (None, "auto", "native", "torch"):
+            raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.fault_token_id is not None and (

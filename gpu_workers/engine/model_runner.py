@@ -12,6 +12,7 @@ import torch.distributed as dist
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.placement import placement
 from gpu_workers.engine.sequence import Sequence
+from gpu_workers.kernels import load as load_kernels
 from gpu_workers.layers.attention import AttnContext, Prefill, use_flash
 from gpu_workers.models.loader import build_model, load_config, resolve_dtype
 
@@ -37,8 +38,16 @@ class ModelRunner:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.max_model_len = self._max_model_len(cfg)
+        self.ops = self._kernels()
         self.model = build_model(
-            config.model, cfg, self.dtype, self.device, self.max_model_len, self.tp, self.stage
+            config.model,
+            cfg,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.tp,
+            self.stage,
+            self.ops,
         )
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
@@ -56,6 +65,15 @@ class ModelRunner:
                 self.max_model_len,
             )
             self.max_model_len = capacity
+
+    def _kernels(self):
+        """The fused CPU kernels, or None for the torch path (see gpu_workers.kernels)."""
+        mode = self.config.kernels
+        if self.device.type != "cpu":
+            if mode == "native":
+                raise ValueError("kernels=native: the native kernels are CPU kernels")
+            return None
+        return load_kernels(mode)
 
     def _max_model_len(self, cfg) -> int:
         limit = cfg.max_position_embeddings
@@ -137,6 +155,9 @@ class ModelRunner:
                     for s in decodes
                 ]
                 ctx.decode_blocks = torch.tensor(table, device=dev)
+            if decodes and self.ops is not None:  # read in place: no mask, no gather
+                ctx.decode_lens = torch.tensor(lens, device=dev)
+            elif decodes:
                 pad = (
                     torch.arange(width * bs, device=dev)[None, :]
                     >= torch.tensor(lens, device=dev)[:, None]
@@ -145,7 +166,7 @@ class ModelRunner:
                     pad, float("-inf")
                 )[None, :, None]
             gathered = [len(s.block_table) for s in prefills if s.num_computed_tokens]
-            if decodes:
+            if decodes and self.ops is None:
                 gathered.append(ctx.decode_blocks.numel())
             if gathered:
                 ctx.scratch = self._scratch(max(gathered))

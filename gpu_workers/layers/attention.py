@@ -3,8 +3,9 @@ read back through block tables.
 
 A step's tokens are laid out decode-first: rows [0, num_decode) are one token each of
 running sequences, then each prefill chunk's rows follow. Decodes are attended in one
-batched call over their gathered (padded, masked) blocks; each prefill chunk is one
-causal call over its context. This path is plain torch and runs on CPU and CUDA; on
+batched call over their gathered (padded, masked) blocks, or, with the fused CPU kernels
+(gpu_workers.kernels), read in place from the cache through the block tables; each
+prefill chunk is one causal call over its context. The torch path runs on CPU and CUDA; on
 CUDA with flash-attn installed and a block size that it can page (a multiple of 256),
 prefills and decodes go through flash-attn's paged varlen kernel instead.
 """
@@ -12,6 +13,7 @@ prefills and decodes go through flash-attn's paged varlen kernel instead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,7 @@ class AttnContext:
     decode_bias: torch.Tensor | None = None  # [1, B, 1, max_blocks*block_size]: 0 or -inf (padding)
     decode_rows: torch.Tensor | None = None  # cache rows of decode_blocks (first layer sets it)
     decode_tokens: torch.Tensor | None = None  # [Hkv*B*G, L] their token rows (likewise)
+    decode_lens: torch.Tensor | None = None  # [B] tokens each decode attends (kernel path)
     prefills: list[Prefill] = field(default_factory=list)
     # flash-attn varlen inputs (built only when that kernel is used)
     cu_q: torch.Tensor | None = None
@@ -56,8 +59,16 @@ def use_flash(device: torch.device, block_size: int) -> bool:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        ops: ModuleType | None = None,
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -69,13 +80,19 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: AttnContext,
+        cached: bool = False,
     ) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H, D]
-        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
-            cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
-                1, ctx.slot_mapping, new.transpose(0, 1)
-            )
+        # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H, D]; cached: k, v are in the cache
+        if not cached:
+            for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+                cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+                    1, ctx.slot_mapping, new.transpose(0, 1)
+                )
         if ctx.block_table is not None:
             return flash_attn_varlen_func(  # type: ignore[misc]
                 q,
@@ -134,6 +151,10 @@ class PagedAttention(nn.Module):
         # Output: each query head's probability-weighted sum of V rows, read straight from
         # the cache by embedding_bag, so V is never copied (2-8x faster than gather + matmul
         # on CPU). Padding reads block 0 with weight 0.
+        if ctx.decode_lens is not None:
+            return self.ops.paged_decode(  # type: ignore[union-attr]
+                q, self.k_cache, self.v_cache, ctx.decode_blocks, ctx.decode_lens, self.scale
+            )
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         if ctx.decode_rows is None:
             ctx.decode_rows = self._rows(ctx.decode_blocks)

@@ -10,6 +10,7 @@ checkpoint's separate tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,9 +30,10 @@ class Attention(nn.Module):
     """Heads are split across tensor-parallel ranks; KV heads too, or replicated when there
     are fewer KV heads than ranks. o_proj is row-parallel: one all-reduce."""
 
-    def __init__(self, cfg: Any, tp: TP) -> None:
+    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None) -> None:
         super().__init__()
         self.tp = tp
+        self.ops = ops
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         if (
@@ -55,22 +57,40 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops
         )
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: AttnContext) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        d = self.head_dim
+        if self.ops is not None:  # views into qkv: rotated in place, k and v cached
+            q, k, v = (
+                t.view(-1, n, d)
+                for t, n in zip(
+                    qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1),
+                    (self.num_heads, self.num_kv_heads, self.num_kv_heads),
+                    strict=True,
+                )
+            )
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            self.ops.rotary_cache(
+                q, k, v, *rope, self.attn.k_cache, self.attn.v_cache, ctx.slot_mapping
+            )
+            o = self.attn(q, k, v, ctx, cached=True)
+            return self.tp.all_reduce(self.o_proj(o.flatten(1)))
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        v = v.view(-1, self.num_kv_heads, d)
         if self.qk_norm:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q = self.q_norm(q.view(-1, self.num_heads, d))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, d))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         else:  # q and k heads rotated in one go: half the small ops
-            qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, d), *rope)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn(q, k, v, ctx)
         return self.tp.all_reduce(self.o_proj(o.flatten(1)))
@@ -79,9 +99,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """gate/up column-parallel, down row-parallel: one all-reduce."""
 
-    def __init__(self, cfg: Any, tp: TP) -> None:
+    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None) -> None:
         super().__init__()
         self.tp = tp
+        self.ops = ops
         bias = bool(getattr(cfg, "mlp_bias", False))
         if cfg.intermediate_size % tp.size:
             raise ValueError(
@@ -94,21 +115,34 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, tp: TP) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+    """Takes and returns (x, residual): each residual add is done by the norm after it
+    (one fused op with the kernels); the first layer's residual is None."""
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, tp, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, tp, ops)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: AttnContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,7 +156,12 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, cfg: Any, max_positions: int, tp: TP | None = None, stage: Stage | None = None
+        self,
+        cfg: Any,
+        max_positions: int,
+        tp: TP | None = None,
+        stage: Stage | None = None,
+        ops: ModuleType | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -134,13 +173,14 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start = tp.rank * self.vocab_local
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         first, end = stage.layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(first, end))
+        # ops: the fused CPU kernels (gpu_workers.kernels), or None for the torch path
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, ops) for _ in range(first, end))
         attn = self.layers[0].self_attn
         self.rotary = Rotary(attn.head_dim, max_positions, rope_params(cfg))
         if stage.first:
             self.embed_tokens = nn.Embedding(self.vocab_local, cfg.hidden_size)
         if stage.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
             self.lm_head = Linear(cfg.hidden_size, self.vocab_local, bias=False)
             if self.tied and stage.first:
                 self.lm_head.weight = self.embed_tokens.weight
@@ -166,9 +206,12 @@ class LlamaForCausalLM(nn.Module):
         previous stage's output. The last stage returns normed hidden states."""
         x = self.embed(input_ids) if self.stage.first else hidden
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x) if self.stage.last else x
+            x, residual = layer(x, residual, rope, ctx)
+        if self.stage.last:
+            return self.norm(x, residual)[0]
+        return x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(self.lm_head(hidden).float())[:, : self.vocab]

@@ -242,6 +242,7 @@ def build_model(
     max_positions: int,
     tp: Any = None,
     stage: Any = None,
+    ops: Any = None,
 ) -> torch.nn.Module:
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     cls = ARCHITECTURES.get(arch)
@@ -253,7 +254,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(cfg, max_positions, tp, stage)
+            model = cls(cfg, max_positions, tp, stage, ops)
     finally:
         torch.set_default_dtype(default)
     model.load_weights(iter_tensors(weight_files(model_dir)))

@@ -158,3 +158,23 @@ def test_packed_linear_matches_plain(dtype):
     layer.pack(keep_weight=False)
     assert layer.weight.numel() == 0  # the plain copy is freed
     torch.testing.assert_close(layer(x), want, rtol=1e-2, atol=1e-2)
+
+
+def test_kernel_path_follows_the_setting(model_factory, engine_factory):
+    """`make test` runs this file twice: with the fused CPU kernels (the default where they
+    build) and with PLURAI_KERNELS=torch; each run must really take its path."""
+    import os
+    import shutil
+
+    engine = engine_factory(model_factory("llama"))
+    model = engine.runner.model
+    torch_path = (
+        os.environ.get("PLURAI_KERNELS") == "torch"
+        or shutil.which("c++") is None
+        or engine.runner.device.type != "cpu"
+    )
+    if torch_path:
+        assert engine.runner.ops is None
+    else:
+        assert engine.runner.ops is not None
+    assert all(layer.mlp.ops is engine.runner.ops for layer in model.layers)

@@ -1,0 +1,394 @@
+// Fused CPU kernels for the native engine's step: each replaces a run of small torch ops
+// (one pass over memory instead of several, one call instead of many). Built per machine
+// by gpu_workers/kernels/__init__.py with the vector flags of its ISA; plain loops written
+// so that g++ vectorizes them at that width.
+//
+// Rounding follows the torch path op for op: a value the torch path rounds to the dtype
+// (bf16, fp16) is rounded here at the same point, so both paths agree to the last bit
+// wherever the order of a sum does not differ.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Element access in float for the two cache dtypes: float as is, bf16 as raw 16-bit words
+// (uint16_t) with the conversions written out, so that g++ vectorizes the loops around
+// them. Rounding to bf16 is round-to-nearest-even with NaN kept, as torch rounds.
+inline float f32(float x) { return x; }
+inline float f32(uint16_t x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x) << 16);
+}
+
+template <typename T>
+inline T to(float x);
+template <>
+inline float to<float>(float x) {
+  return x;
+}
+template <>
+inline uint16_t to<uint16_t>(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(r);
+}
+
+// x rounded to T and read back (identity for float)
+template <typename T>
+inline float rnd(float x) {
+  return f32(to<T>(x));
+}
+
+// Runs fn.template operator()<T>() with T the element type of `dtype` (float or bf16).
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* what, F&& fn) {
+  if (dtype == at::kFloat) {
+    fn.template operator()<float>();
+  } else if (dtype == at::kBFloat16) {
+    fn.template operator()<uint16_t>();
+  } else {
+    TORCH_CHECK(false, what, ": only float32 and bfloat16 are supported, got ", dtype);
+  }
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// exp(x) = 2^n * e^r with r in [-ln2/2, ln2/2] and a degree-6 polynomial for e^r
+// (relative error < 2e-7): plain arithmetic, so it vectorizes where std::exp does not.
+inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float y = x * 1.44269504088896341f;
+  const int32_t k = static_cast<int32_t>(y < 0.0f ? y - 0.5f : y + 0.5f);  // nearest
+  const float n = static_cast<float>(k);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((k + 127) << 23);
+}
+
+int64_t grain(int64_t row_elems) {
+  // rows per task: small steps (a few decode rows) stay on one thread
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, T* res, const T* w, T* out, int64_t rows, int64_t n,
+                   float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      T* o = out + r * n;
+      const T* src = xr;
+      float ss = 0.0f;
+      if (res != nullptr) {  // the residual stream gains x: rounded as `x + residual` is
+        T* rr = res + r * n;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = rnd<T>(f32(xr[i]) + f32(rr[i]));
+          rr[i] = to<T>(v);
+          ss += v * v;
+        }
+        src = rr;
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = f32(xr[i]);
+          ss += v * v;
+        }
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        o[i] = to<T>(f32(w[i]) * rnd<T>(f32(src[i]) * inv));
+      }
+    }
+  });
+}
+
+// weight * rms_norm(x) over the last dim; with `residual`, first residual += x (in place)
+// and the norm is of that sum.
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual,
+                       torch::Tensor weight, double eps) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "rms_norm: weight must be [", n, "]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype differs from x");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must be a contiguous tensor shaped and typed as x");
+  }
+  dispatch(x.scalar_type(), "rms_norm", [&]<typename T>() {
+    rms_norm_rows<T>(ptr<T>(x), residual ? ptr<T>(*residual) : nullptr, ptr<T>(weight),
+                     ptr<T>(out), x.numel() / std::max<int64_t>(n, 1), n,
+                     static_cast<float>(eps));
+  });
+  return out;
+}
+
+template <typename T>
+void silu_mul_rows(const T* in, T* o, int64_t rows, int64_t half) {
+  at::parallel_for(0, rows, grain(half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = in + r * 2 * half;
+      const T* u = g + half;
+      T* orow = o + r * half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = f32(g[i]);
+        orow[i] = to<T>(rnd<T>(a / (1.0f + exp_approx(-a))) * f32(u[i]));
+      }
+    }
+  });
+}
+
+// silu(gate) * up for x = [gate | up] along the last dim: [T, 2I] -> [T, I]
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: x must be [T, 2I]");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), half = x.size(1) / 2;
+  auto out = torch::empty({rows, half}, x.options());
+  dispatch(x.scalar_type(), "silu_mul", [&]<typename T>() {
+    silu_mul_rows<T>(ptr<T>(x), ptr<T>(out), rows, half);
+  });
+  return out;
+}
+
+template <typename T>
+inline void rotate(T* x, const T* c, const T* s, int64_t d, float* tmp) {
+  // x * cos + [x2, x1] * signed_sin, each product rounded as the torch path rounds it
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < d; ++i) tmp[i] = f32(x[i]);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    x[i] = to<T>(rnd<T>(tmp[i] * f32(c[i])) + rnd<T>(tmp[i + h] * f32(s[i])));
+  }
+#pragma omp simd
+  for (int64_t i = h; i < d; ++i) {
+    x[i] = to<T>(rnd<T>(tmp[i] * f32(c[i])) + rnd<T>(tmp[i - h] * f32(s[i])));
+  }
+}
+
+void check_cache(const torch::Tensor& cache, const torch::Tensor& like, const char* what) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), what,
+              ": cache must be a contiguous [kv_heads, blocks, block_size, head_dim] tensor");
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type(), what, ": cache dtype differs");
+}
+
+// Rotates q [T, H, D] and k [T, Hkv, D] in place (rows may be strided, e.g. views into
+// the qkv projection's output), then writes k and v [T, Hkv, D] to the caches
+// [Hkv, blocks, block_size, D] at `slots` [T] (block * block_size + offset).
+void rotary_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                  torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor slots) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "rotary_cache: q, k, v must be 3-D");
+  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  TORCH_CHECK(d % 2 == 0 && k.size(2) == d && v.size(2) == d && k.size(0) == t &&
+                  v.size(0) == t && v.size(1) == hk,
+              "rotary_cache: q, k, v shapes disagree");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "rotary_cache: head_dim must be contiguous");
+  cos = cos.reshape({t, d}).contiguous();
+  sin = sin.reshape({t, d}).contiguous();
+  check_cache(k_cache, k, "rotary_cache");
+  check_cache(v_cache, k, "rotary_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == hk &&
+                  k_cache.size(3) == d,
+              "rotary_cache: cache shape does not fit k");
+  slots = slots.to(torch::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == t, "rotary_cache: one slot per token");
+  const int64_t capacity = k_cache.size(1) * k_cache.size(2);
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < capacity, "rotary_cache: slot ", sl[i], " out of range");
+  }
+  dispatch(q.scalar_type(), "rotary_cache", [&]<typename T>() {
+    T* qp = ptr<T>(q);
+    T* kp = ptr<T>(k);
+    const T* vp = ptr<T>(v);
+    const T* cp = ptr<T>(cos);
+    const T* sp = ptr<T>(sin);
+    T* kc = ptr<T>(k_cache);
+    T* vc = ptr<T>(v_cache);
+    at::parallel_for(0, t, grain((hq + 2 * hk) * d), [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(d);
+      for (int64_t i = begin; i < end; ++i) {
+        const T* c = cp + i * d;
+        const T* s = sp + i * d;
+        for (int64_t h = 0; h < hq; ++h) rotate(qp + i * q.stride(0) + h * q.stride(1), c, s, d, tmp.data());
+        for (int64_t h = 0; h < hk; ++h) {
+          T* kr = kp + i * k.stride(0) + h * k.stride(1);
+          rotate(kr, c, s, d, tmp.data());
+          const int64_t dst = (h * capacity + sl[i]) * d;
+          std::memcpy(kc + dst, kr, d * sizeof(T));
+          std::memcpy(vc + dst, vp + i * v.stride(0) + h * v.stride(1), d * sizeof(T));
+        }
+      }
+    });
+  });
+}
+
+// Blocks are scattered over the cache, so the hardware prefetcher loses the stream at
+// each block boundary: ask for the next block while this one is read.
+template <typename T>
+inline void prefetch_block(const T* base, const int64_t* blocks, int64_t next, int64_t n,
+                           int64_t bs, int64_t d) {
+  if (next * bs >= n) return;
+  const char* p = reinterpret_cast<const char*>(base + blocks[next] * bs * d);
+  const int64_t bytes = bs * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+template <typename T>
+void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, torch::Tensor& out, const int64_t* tab,
+                  const int64_t* len, int64_t width, int64_t group, float scale) {
+  const int64_t hq = q.size(1), d = q.size(2);
+  const int64_t hk = k_cache.size(0), nblocks = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t b = q.size(0);
+  const T* qp = ptr<T>(q);
+  const T* kc = ptr<T>(k_cache);
+  const T* vc = ptr<T>(v_cache);
+  T* op = ptr<T>(out);
+  at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / hk, h = task % hk, n = len[s];
+      const int64_t* row_blocks = tab + s * width;
+      const T* kbase = kc + h * nblocks * bs * d;
+      const T* vbase = vc + h * nblocks * bs * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qr = qp + s * q.stride(0) + (h * group + g) * q.stride(1);
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = f32(qr[i]) * scale;
+      }
+      scores.resize(group * n);
+      // Four tokens at a time where they share a block: four independent sums per query
+      // instead of one dependent chain, and one pass over the accumulator for four V rows.
+      const int64_t quads = bs % 4 == 0 ? n / 4 * 4 : 0;
+      for (int64_t t = 0; t < n; t += t < quads ? 4 : 1) {
+        const T* k0 = kbase + (row_blocks[t / bs] * bs + t % bs) * d;
+        if (t % bs == 0) prefetch_block(kbase, row_blocks, t / bs + 1, n, bs, d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * d;
+          if (t < quads) {
+            const T *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t i = 0; i < d; ++i) {
+              s0 += qg[i] * f32(k0[i]);
+              s1 += qg[i] * f32(k1[i]);
+              s2 += qg[i] * f32(k2[i]);
+              s3 += qg[i] * f32(k3[i]);
+            }
+            float* sc = scores.data() + g * n + t;
+            sc[0] = s0, sc[1] = s1, sc[2] = s2, sc[3] = s3;
+          } else {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < d; ++i) dot += qg[i] * f32(k0[i]);
+            scores[g * n + t] = dot;
+          }
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<float> inv(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = sg[0];
+        for (int64_t t = 1; t < n; ++t) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          sg[t] = exp_approx(sg[t] - m);
+          sum += sg[t];
+        }
+        inv[g] = 1.0f / sum;
+      }
+      for (int64_t t = 0; t < n; t += t < quads ? 4 : 1) {
+        const T* v0 = vbase + (row_blocks[t / bs] * bs + t % bs) * d;
+        if (t % bs == 0) prefetch_block(vbase, row_blocks, t / bs + 1, n, bs, d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* p = scores.data() + g * n + t;
+          float* a = acc.data() + g * d;
+          if (t < quads) {
+            const T *v1 = v0 + d, *v2 = v1 + d, *v3 = v2 + d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) {
+              a[i] += p[0] * f32(v0[i]) + p[1] * f32(v1[i]) + p[2] * f32(v2[i]) +
+                      p[3] * f32(v3[i]);
+            }
+          } else {
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] += p[0] * f32(v0[i]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* orow = op + (s * hq + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) orow[i] = to<T>(acc[g * d + i] * inv[g]);
+      }
+    }
+  });
+}
+
+// Decode attention straight from the paged cache: one query token per sequence.
+// q [B, H, D] (rows may be strided); caches [Hkv, blocks, block_size, D]; tables [B, W]
+// block ids; lens [B] tokens each sequence attends. Each (sequence, kv head) is one task:
+// its group of query heads scores every cached key once, softmax in fp32, then one pass
+// over V. Nothing is gathered or padded.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor tables, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode: q must be [B, H, D]");
+  check_cache(k_cache, q, "paged_decode");
+  check_cache(v_cache, q, "paged_decode");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hk = k_cache.size(0), nblocks = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == d && hq % hk == 0,
+              "paged_decode: cache shape does not fit q");
+  tables = tables.to(torch::kLong).contiguous();
+  lens = lens.to(torch::kLong).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == b && lens.numel() == b,
+              "paged_decode: tables must be [B, W] and lens [B]");
+  const int64_t width = tables.size(1);
+  const int64_t* tab = tables.const_data_ptr<int64_t>();
+  const int64_t* len = lens.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(len[i] >= 1 && len[i] <= width * bs, "paged_decode: length ", len[i],
+                " does not fit the block table");
+    for (int64_t j = 0; j < (len[i] + bs - 1) / bs; ++j) {
+      TORCH_CHECK(tab[i * width + j] >= 0 && tab[i * width + j] < nblocks,
+                  "paged_decode: block id out of range");
+    }
+  }
+  const int64_t group = hq / hk;
+  auto out = torch::empty({b, hq, d}, q.options());
+  dispatch(q.scalar_type(), "paged_decode", [&]<typename T>() {
+    decode_tasks<T>(q, k_cache, v_cache, out, tab, len, width, group, static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "weight * rms_norm(x (+ residual, in place))");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rotary_cache", &rotary_cache, "rotary on q, k in place; k, v into the paged cache");
+  m.def("paged_decode", &paged_decode, "decode attention read from the paged cache");
+}
