@@ -2,7 +2,9 @@
 transformers.
 
 Peers, all on the same requests, model, dtype and threads, in one run:
-  - plurai: Engine.generate (continuous batching over the paged KV cache)
+  - plurai: Engine.generate (continuous batching over the paged KV cache), with the fused
+    CPU kernels where they build (the default), and plurai_torch: the same on the
+    pure-torch path (kernels=torch), which shows what the kernels gain
   - vllm: vLLM's offline LLM.generate with its defaults, in its own environment
     (`make vllm-install`: .venv-vllm, or PLURAI_VLLM_PYTHON), with the set-up its docs
     recommend where this machine has it: Intel OpenMP and tcmalloc preloaded (said in the
@@ -14,7 +16,10 @@ Peers, all on the same requests, model, dtype and threads, in one run:
 Every request ignores EOS so each peer produces exactly max_tokens per request.
 The last line is one JSON object of the measured figures and ratios.
 
-    python bench/throughput.py [--requests 32] [--hf-batch 8] [--skip-hf-cb] [--skip-vllm]
+With --runs N each peer runs N times (interleaved) and the figures are medians.
+
+    python bench/throughput.py [--requests 32] [--runs 3] [--hf-batch 8] [--skip-hf-cb]
+        [--skip-vllm] [--skip-torch-path]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,11 +42,15 @@ import torch  # noqa: E402
 from bench.workload import Request, add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
 
 
-def run_plurai(model: Path, reqs: list[Request], dtype: str) -> tuple[float, dict]:
+def run_plurai(
+    model: Path, reqs: list[Request], dtype: str, kernels: str = "auto"
+) -> tuple[float, dict]:
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(model), dtype=dtype))
+    engine = Engine(EngineConfig(model=str(model), dtype=dtype, kernels=kernels))
+    if kernels == "auto" and engine.runner.ops is None:
+        print("plurai: the fused CPU kernels did not build; this is the torch path", flush=True)
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     samples = []
@@ -185,6 +195,8 @@ def main() -> None:
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-hf-cb", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-torch-path", action="store_true")
+    ap.add_argument("--runs", type=int, default=1, help="runs per peer; figures are medians")
     args = ap.parse_args()
 
     model = bench_model(args.model)
@@ -207,28 +219,50 @@ def main() -> None:
         "dtype": args.dtype,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
-    t, kv = run_plurai(model, reqs, args.dtype)
-    result["plurai_tok_s"] = round(useful / t, 1)
-    result.update(kv)
-    print(f"plurai     {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    peers: dict[str, Callable[[], float | None]] = {"plurai": lambda: plurai("auto")}
+    kv: dict = {}
+
+    def plurai(kernels: str) -> float:
+        t, figures = run_plurai(model, reqs, args.dtype, kernels)
+        kv.update(figures)
+        return t
+
+    if not args.skip_torch_path:
+        peers["plurai_torch"] = lambda: run_plurai(model, reqs, args.dtype, "torch")[0]
+    preload: list = []
     if not args.skip_vllm:
-        ran = run_vllm(model, reqs, args.dtype, torch.get_num_threads())
-        if ran is not None:
-            t, preload = ran
-            result["vllm_tok_s"] = round(useful / t, 1)
-            result["ratio_vs_vllm"] = round(result["plurai_tok_s"] / result["vllm_tok_s"], 2)
-            result["vllm_preload"] = preload
-            print(f"vllm       {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+
+        def vllm() -> float | None:
+            ran = run_vllm(model, reqs, args.dtype, torch.get_num_threads())
+            if ran is None:
+                return None
+            preload[:] = [ran[1]]
+            return ran[0]
+
+        peers["vllm"] = vllm
     if not args.skip_hf_static:
-        t = run_hf_static(model, reqs, tdtype, args.hf_batch, pad_id=0)
-        result["hf_static_tok_s"] = round(useful / t, 1)
-        result["ratio_vs_hf_static"] = round(result["plurai_tok_s"] / result["hf_static_tok_s"], 2)
-        print(f"hf_static  {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+        peers["hf_static"] = lambda: run_hf_static(model, reqs, tdtype, args.hf_batch, pad_id=0)
     if not args.skip_hf_cb:
-        t = run_hf_cb(model, reqs, tdtype)
-        result["hf_cb_tok_s"] = round(useful / t, 1)
-        result["ratio_vs_hf_cb"] = round(result["plurai_tok_s"] / result["hf_cb_tok_s"], 2)
-        print(f"hf_cb      {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+        peers["hf_cb"] = lambda: run_hf_cb(model, reqs, tdtype)
+    times: dict[str, list[float]] = {name: [] for name in peers}
+    for run in range(args.runs):
+        for name, fn in peers.items():
+            t = fn()
+            if t is None:
+                continue
+            times[name].append(t)
+            print(f"run {run + 1}: {name:13} {useful / t:8.1f} useful tok/s ({t:.1f}s)", flush=True)
+    for name, ts in times.items():
+        if ts:
+            result[f"{name}_tok_s"] = round(useful / sorted(ts)[len(ts) // 2], 1)
+            result[f"{name}_runs_tok_s"] = [round(useful / t, 1) for t in ts]
+    result.update(kv)
+    if preload:
+        result["vllm_preload"] = preload[0]
+    for name in ("plurai_torch", "vllm", "hf_static", "hf_cb"):
+        if f"{name}_tok_s" in result:
+            key = "kernel_speedup" if name == "plurai_torch" else f"ratio_vs_{name}"
+            result[key] = round(result["plurai_tok_s"] / result[f"{name}_tok_s"], 2)
     result["isa"] = cpu_isa()
     print(json.dumps(result))
 
