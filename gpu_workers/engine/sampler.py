@@ -133,7 +133,13 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     p = probs.numpy()
     want = top_p.numpy().astype(np.float64)[:, None]
     vocab = p.shape[1]
-    if vocab > NUCLEUS_CANDIDATES:  # selecting the top candidates is O(vocab); sorting is not
+    # selecting the top candidates is O(vocab), sorting is not; but when even that many
+    # tokens at the row's highest probability could not reach top_p (a flat row), the
+    # selection cannot suffice, and is skipped
+    if (
+        vocab > NUCLEUS_CANDIDATES
+        and (p.max(axis=-1, keepdims=True) * NUCLEUS_CANDIDATES >= want).all()
+    ):
         top = np.partition(p, vocab - NUCLEUS_CANDIDATES, axis=-1)[:, -NUCLEUS_CANDIDATES:]
         if (top.sum(axis=-1, keepdims=True) >= want).all():
             p = top

@@ -255,7 +255,63 @@ inline void prefetch_block(const T* base, const int64_t* blocks, int64_t next, i
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-template <typename T>
+// A block's rows as float: fp32 caches are read in place; bf16 ones are converted once into
+// `buf`, shared by every query head of the group.
+inline const float* as_f32(const float* rows, int64_t, float*) { return rows; }
+inline const float* as_f32(const uint16_t* rows, int64_t count, float* buf) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) buf[i] = f32(rows[i]);
+  return buf;
+}
+
+// out[t] = q . k[t] for `cnt` rows of k: four rows at a time, so that four independent
+// sums run side by side instead of one dependent chain.
+template <int64_t D>
+inline void dots(const float* __restrict__ q, const float* __restrict__ k, int64_t cnt,
+                 int64_t dim, float* __restrict__ out) {
+  const int64_t d = D ? D : dim;
+  int64_t t = 0;
+  for (; t + 4 <= cnt; t += 4) {
+    const float *k0 = k + t * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < d; ++i) {
+      s0 += q[i] * k0[i];
+      s1 += q[i] * k1[i];
+      s2 += q[i] * k2[i];
+      s3 += q[i] * k3[i];
+    }
+    out[t] = s0, out[t + 1] = s1, out[t + 2] = s2, out[t + 3] = s3;
+  }
+  for (; t < cnt; ++t) {
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * k[t * d + i];
+    out[t] = dot;
+  }
+}
+
+// acc += sum over t of p[t] * v[t], four rows per pass over acc (D: the head dim when
+// known at compile time, which lets the compiler unroll the rows fully; 0: any)
+template <int64_t D>
+inline void weighted_sum(const float* __restrict__ p, const float* __restrict__ v, int64_t cnt,
+                         int64_t dim, float* __restrict__ acc) {
+  const int64_t d = D ? D : dim;
+  int64_t t = 0;
+  for (; t + 4 <= cnt; t += 4) {
+    const float *v0 = v + t * d, *v1 = v0 + d, *v2 = v1 + d, *v3 = v2 + d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+      acc[i] += p[t] * v0[i] + p[t + 1] * v1[i] + p[t + 2] * v2[i] + p[t + 3] * v3[i];
+    }
+  }
+  for (; t < cnt; ++t) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += p[t] * v[t * d + i];
+  }
+}
+
+template <typename T, int64_t D>
 void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, torch::Tensor& out, const int64_t* tab,
                   const int64_t* len, int64_t width, int64_t group, float scale) {
@@ -267,10 +323,11 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
   const T* vc = ptr<T>(v_cache);
   T* op = ptr<T>(out);
   at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<float> qf(group * d), acc(group * d), inv(group), rows(bs * d), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / hk, h = task % hk, n = len[s];
       const int64_t* row_blocks = tab + s * width;
+      const int64_t nblk = (n + bs - 1) / bs;
       const T* kbase = kc + h * nblocks * bs * d;
       const T* vbase = vc + h * nblocks * bs * d;
       for (int64_t g = 0; g < group; ++g) {
@@ -278,36 +335,14 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = f32(qr[i]) * scale;
       }
       scores.resize(group * n);
-      // Four tokens at a time where they share a block: four independent sums per query
-      // instead of one dependent chain, and one pass over the accumulator for four V rows.
-      const int64_t quads = bs % 4 == 0 ? n / 4 * 4 : 0;
-      for (int64_t t = 0; t < n; t += t < quads ? 4 : 1) {
-        const T* k0 = kbase + (row_blocks[t / bs] * bs + t % bs) * d;
-        if (t % bs == 0) prefetch_block(kbase, row_blocks, t / bs + 1, n, bs, d);
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t t0 = blk * bs, cnt = std::min(bs, n - t0);
+        prefetch_block(kbase, row_blocks, blk + 1, n, bs, d);
+        const float* kf = as_f32(kbase + row_blocks[blk] * bs * d, cnt * d, rows.data());
         for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          if (t < quads) {
-            const T *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-            for (int64_t i = 0; i < d; ++i) {
-              s0 += qg[i] * f32(k0[i]);
-              s1 += qg[i] * f32(k1[i]);
-              s2 += qg[i] * f32(k2[i]);
-              s3 += qg[i] * f32(k3[i]);
-            }
-            float* sc = scores.data() + g * n + t;
-            sc[0] = s0, sc[1] = s1, sc[2] = s2, sc[3] = s3;
-          } else {
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qg[i] * f32(k0[i]);
-            scores[g * n + t] = dot;
-          }
+          dots<D>(qf.data() + g * d, kf, cnt, d, scores.data() + g * n + t0);
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> inv(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
         float m = sg[0];
@@ -320,23 +355,13 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
         }
         inv[g] = 1.0f / sum;
       }
-      for (int64_t t = 0; t < n; t += t < quads ? 4 : 1) {
-        const T* v0 = vbase + (row_blocks[t / bs] * bs + t % bs) * d;
-        if (t % bs == 0) prefetch_block(vbase, row_blocks, t / bs + 1, n, bs, d);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t t0 = blk * bs, cnt = std::min(bs, n - t0);
+        prefetch_block(vbase, row_blocks, blk + 1, n, bs, d);
+        const float* vf = as_f32(vbase + row_blocks[blk] * bs * d, cnt * d, rows.data());
         for (int64_t g = 0; g < group; ++g) {
-          const float* p = scores.data() + g * n + t;
-          float* a = acc.data() + g * d;
-          if (t < quads) {
-            const T *v1 = v0 + d, *v2 = v1 + d, *v3 = v2 + d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) {
-              a[i] += p[0] * f32(v0[i]) + p[1] * f32(v1[i]) + p[2] * f32(v2[i]) +
-                      p[3] * f32(v3[i]);
-            }
-          } else {
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) a[i] += p[0] * f32(v0[i]);
-          }
+          weighted_sum<D>(scores.data() + g * n + t0, vf, cnt, d, acc.data() + g * d);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -379,7 +404,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t group = hq / hk;
   auto out = torch::empty({b, hq, d}, q.options());
   dispatch(q.scalar_type(), "paged_decode", [&]<typename T>() {
-    decode_tasks<T>(q, k_cache, v_cache, out, tab, len, width, group, static_cast<float>(scale));
+    switch (d) {  // the common head dims get fully unrolled loops
+      case 64:
+        decode_tasks<T, 64>(q, k_cache, v_cache, out, tab, len, width, group, static_cast<float>(scale));
+        break;
+      case 128:
+        decode_tasks<T, 128>(q, k_cache, v_cache, out, tab, len, width, group, static_cast<float>(scale));
+        break;
+      default:
+        decode_tasks<T, 0>(q, k_cache, v_cache, out, tab, len, width, group, static_cast<float>(scale));
+    }
   });
   return out;
 }
