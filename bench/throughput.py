@@ -264,6 +264,10 @@ def main() -> None:
             key = "kernel_speedup" if name == "plurai_torch" else f"ratio_vs_{name}"
             result[key] = round(result["plurai_tok_s"] / result[f"{name}_tok_s"], 2)
     result["isa"] = cpu_isa()
+    # the flag set the fused kernels were built with (PLURAI_KERNEL_ISA can narrow it)
+    from gpu_workers.kernels import build_isa
+
+    result["kernels_isa"] = build_isa()
     print(json.dumps(result))
 
 

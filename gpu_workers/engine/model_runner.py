@@ -69,9 +69,11 @@ class ModelRunner:
     def _kernels(self):
         """The fused CPU kernels, or None for the torch path (see gpu_workers.kernels)."""
         mode = self.config.kernels
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             if mode == "native":
-                raise ValueError("kernels=native: the native kernels are CPU kernels")
+                raise ValueError(
+                    "kernels=native: the native kernels are CPU kernels for fp32 and bf16"
+                )
             return None
         return load_kernels(mode)
 

@@ -203,3 +203,13 @@ def test_avx2_build_agrees(monkeypatch):
         cached=True,
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_takes_the_torch_path_where_the_kernels_do_not_apply(model_factory, engine_factory):
+    path = model_factory("llama")
+    assert engine_factory(path, dtype="fp16", kernels="auto").runner.ops is None
+    with pytest.raises(ValueError, match="CPU kernels for fp32 and bf16"):
+        engine_factory(path, dtype="fp16", kernels="native")
+    assert engine_factory(path, kernels="native").runner.ops is not None
+    with pytest.raises(ValueError, match="kernels must be auto, native or torch"):
+        engine_factory(path, kernels="fast")
