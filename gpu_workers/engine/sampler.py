@@ -41,11 +41,21 @@ class Sampler:
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
         if rep:  # every token seen so far, prompt included, as transformers does
-            seen = torch.stack([_seen(seqs[i], logits.shape[1]) for i in rep])
-            penalty = torch.tensor([seqs[i].params.repetition_penalty for i in rep])[:, None]
-            vals = logits[rep]
-            hit = torch.where(vals > 0, vals / penalty, vals * penalty)
-            logits[rep] = torch.where(seen, hit, vals)
+            vocab = logits.shape[1]
+            ids = [_seen(seqs[i]) for i in rep]
+            # the seen entries of all those rows as one flat index: only they change
+            flat = torch.from_numpy(
+                np.concatenate([t + i * vocab for i, t in zip(rep, ids, strict=True)])
+            )
+            penalty = torch.from_numpy(
+                np.repeat(
+                    np.array([seqs[i].params.repetition_penalty for i in rep], np.float32),
+                    [len(t) for t in ids],
+                )
+            )
+            view = logits.view(-1)
+            vals = view[flat]
+            view[flat] = torch.where(vals > 0, vals / penalty, vals * penalty)
         for i, s in enumerate(seqs):
             p = s.params
             if (p.presence_penalty or p.frequency_penalty) and s.output_counts:
@@ -109,17 +119,23 @@ class Sampler:
         return out
 
 
-def _seen(s: Sequence, vocab: int) -> torch.Tensor:
-    """Mask of the token ids `s` holds, built once and then marked as tokens arrive."""
+def _seen(s: Sequence) -> np.ndarray:
+    """The distinct token ids `s` holds, gathered once and then extended as tokens arrive
+    (plain Python and numpy: a decode step adds one token, where torch's per-call cost
+    would dominate)."""
     if s.seen is None:
-        s.seen = torch.zeros(vocab, dtype=torch.bool)
-    new = s.token_ids[s.seen_len :]
-    if len(new) == 1:
-        s.seen[new[0]] = True
-    elif new:
-        s.seen[torch.tensor(new)] = True
-    s.seen_len = len(s.token_ids)
-    return s.seen
+        s.seen = set()
+        s.seen_ids = np.empty(max(64, 2 * len(s.token_ids)), dtype=np.int64)
+    buf, n = s.seen_ids, s.seen_count
+    for t in s.token_ids[s.seen_len :]:
+        if t not in s.seen:
+            s.seen.add(t)
+            if n == len(buf):
+                buf = s.seen_ids = np.concatenate([buf, np.empty_like(buf)])
+            buf[n] = t
+            n += 1
+    s.seen_len, s.seen_count = len(s.token_ids), n
+    return buf[:n]
 
 
 # top-p looks for its cutoff among this many most probable tokens first, and sorts the

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import numpy as np
 import torch
 
 from gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
@@ -45,8 +46,12 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     output_counts: dict[int, int] = field(default_factory=dict)
-    seen: torch.Tensor | None = None  # [vocab] token ids held, for the repetition penalty
-    seen_len: int = 0  # tokens already marked in `seen`
+    # for the repetition penalty: the distinct token ids held, in a buffer that doubles as it
+    # fills ([:seen_count] valid), and a [vocab] mask that keeps them distinct
+    seen: set[int] | None = None
+    seen_ids: np.ndarray | None = None
+    seen_count: int = 0
+    seen_len: int = 0  # tokens already added to `seen_ids`
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     emitted: int = 0  # characters of output text already reported in a text delta

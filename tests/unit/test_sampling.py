@@ -178,7 +178,7 @@ def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
     top_p = torch.tensor([0.05, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 0.999])
     # a small vocabulary (one sort), peaked rows whose nucleus lies among the first
     # candidates, and flat ones where some row's nucleus is wider than them
-    for vocab, spread in ((500, 2.0), (6000, 6.0), (6000, 0.5)):
+    for vocab, spread in ((500, 2.0), (6000, 6.0), (6000, 0.5), (32000, 3.0), (32000, 0.05)):
         probs = torch.randn(8, vocab).mul(spread).softmax(-1)
         sp, order = probs.sort(-1, descending=True)
         keep = (sp.cumsum(-1) - sp) < top_p[:, None]
