@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.step_profile import median_time  # noqa: E402
 from bench.workload import add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
 from gpu_workers.layers.attention import AttnContext, PagedAttention  # noqa: E402
 from gpu_workers.layers.rotary import apply_rotary  # noqa: E402
@@ -80,14 +81,8 @@ TORCH = {
 }
 
 
-def median_us(fn: Callable[[], object], calls: int = 60) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(sorted(times)[calls // 2] * 1e6, 1)
+def median_us(fn: Callable[[], object]) -> float:
+    return round(median_time(fn, runs=61) * 1e6, 1)
 
 
 def alone(ops, cfg, dtype: torch.dtype) -> dict:
