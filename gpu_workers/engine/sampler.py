@@ -138,32 +138,55 @@ def _seen(s: Sequence) -> np.ndarray:
     return buf[:n]
 
 
-# top-p looks for its cutoff among this many most probable tokens first, and sorts the
-# whole vocabulary when some row's nucleus is wider
-NUCLEUS_CANDIDATES = 2048
+# top-p buckets probabilities by their top float bits: exponent and 4 mantissa bits, so
+# 16 buckets per octave (the bits of a non-negative float order like its value); all below
+# 2^-40 share the lowest bucket (together they hold no mass a top_p < 1 can reach)
+_SHIFT = 19
+_LOW = (127 - 40) << 4  # the key of 2^-40
+_BUCKETS = (128 << 4) - _LOW  # up to 1.0
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero all but the most probable tokens whose mass first reaches top_p, per row
-    (tokens tied with the last one kept are kept too)."""
+    (tokens tied with the last one kept are kept too).
+
+    No sort of the vocabulary: one pass buckets each row's probabilities by value and sums
+    each bucket's mass (float64); the bucket where the mass counted from the top first
+    reaches top_p holds the cutoff, and only that bucket's tokens are sorted."""
     p = probs.numpy()
-    want = top_p.numpy().astype(np.float64)[:, None]
-    vocab = p.shape[1]
-    # selecting the top candidates is O(vocab), sorting is not; but when even that many
-    # tokens at the row's highest probability could not reach top_p (a flat row), the
-    # selection cannot suffice, and is skipped
-    if (
-        vocab > NUCLEUS_CANDIDATES
-        and (p.max(axis=-1, keepdims=True) * NUCLEUS_CANDIDATES >= want).all()
-    ):
-        top = np.partition(p, vocab - NUCLEUS_CANDIDATES, axis=-1)[:, -NUCLEUS_CANDIDATES:]
-        if (top.sum(axis=-1, keepdims=True) >= want).all():
-            p = top
-    # numpy's value-only sort is about twice as fast as torch.sort on CPU; ascending, so
-    # the mass ranked above a token is the total minus the running sum up to it (summed in
-    # float64: over a 150k vocabulary float32 sums move the cutoff by a token or two)
-    p = np.sort(p, axis=-1)
-    csum = np.cumsum(p, axis=-1, dtype=np.float64)
-    kept = np.maximum((csum[:, -1:] - csum < want).sum(axis=-1), 1)  # the top token at least
-    cutoff = np.take_along_axis(p, (p.shape[1] - kept)[:, None], axis=-1)
-    return probs.masked_fill(probs < torch.from_numpy(cutoff), 0.0)
+    rows = len(p)
+    # a top_p of 0 (or one that rounds to it) still keeps the most probable token
+    want = np.maximum(top_p.numpy().astype(np.float64), np.finfo(np.float64).tiny)
+    key = np.maximum(((p.view(np.int32) & 0x7FFFFFFF) >> _SHIFT) - _LOW, 0)  # -0.0 is 0
+    offsets = np.arange(rows)[:, None] * _BUCKETS
+    mass = np.bincount(
+        (key + offsets).ravel(), weights=p.ravel(), minlength=rows * _BUCKETS
+    ).reshape(rows, _BUCKETS)
+    below = np.cumsum(mass, axis=1)  # per bucket: its mass and all below it
+    total = below[:, -1]
+    # the bucket holding the cutoff: the highest one whose mass with all above it reaches
+    # top_p (when rounding leaves none, the whole row is kept)
+    reach = (total[:, None] - below + mass) >= want[:, None]
+    bucket = reach.sum(axis=1) - 1
+    reached = bucket >= 0
+    bucket = np.maximum(bucket, 0)
+    before = total - below[np.arange(rows), bucket]  # the mass of the buckets above it
+    # that bucket's tokens, per row in descending order; each is kept while the mass ranked
+    # above it (the higher buckets, then the larger tokens of its own) is under top_p; the
+    # kept ones are a prefix, so the cutoff is the last of them
+    r, c = np.nonzero(key == bucket[:, None])
+    vals = p[r, c]
+    order = np.lexsort((-vals, r))
+    r, vals = r[order], vals[order]
+    cutoff = np.zeros(rows, dtype=p.dtype)
+    if len(vals):
+        run = np.cumsum(vals, dtype=np.float64)
+        first = np.searchsorted(r, np.arange(rows))  # where each row's tokens start
+        at = np.minimum(first, len(run) - 1)
+        start = run[at] - vals[at]  # the running sum before each row's tokens
+        kept = before[r] + (run - vals - start[r]) < want[r]
+        count = np.maximum(np.bincount(r[kept], minlength=rows), 1)  # its top one at least
+        has = reached & (np.bincount(r, minlength=rows) > 0)
+        cutoff[has] = vals[(first + count - 1)[has]]
+    cut = torch.from_numpy(cutoff)[:, None]
+    return probs.masked_fill(probs < cut, 0.0)

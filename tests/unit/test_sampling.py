@@ -187,3 +187,29 @@ def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
     # a top_p that rounds to 0 in float32 still keeps the most probable token
     probs = torch.tensor([[0.1, 0.7, 0.2]])
     assert torch.equal(_nucleus(probs, torch.tensor([1e-46])) > 0, torch.tensor([[0, 1, 0]]) > 0)
+
+
+def test_nucleus_matches_a_full_sort_on_random_rows():
+    """Vocabularies up to 40k, flat to peaked rows, ties, top_p of 0: the kept tokens are
+    exactly those of a sort of the whole row (float64 sums)."""
+    from gpu_workers.engine.sampler import _nucleus
+
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(120):
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        vocab = int(torch.randint(2, 40000, (1,), generator=gen))
+        spread = float(torch.rand(1, generator=gen)) * 12
+        probs = (torch.randn(rows, vocab, generator=gen) * spread).softmax(-1)
+        if trial % 7 == 0:  # many exact ties
+            probs = torch.round(probs * 1000) / 1000
+            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+        top_p = torch.rand(rows, generator=gen).clamp(min=1e-3, max=0.999)
+        if trial % 11 == 0:
+            top_p[:] = 0.0
+        sp, _ = probs.sort(-1, descending=True)
+        above = sp.double().cumsum(-1) - sp.double()
+        keep = above < top_p.double()[:, None]
+        keep[:, 0] = True  # the most probable token at least
+        cut = torch.where(keep, sp, torch.full_like(sp, float("inf"))).min(-1).values
+        expected = (probs >= cut[:, None]) & (probs > 0)
+        assert torch.equal(_nucleus(probs, top_p) > 0, expected), trial
