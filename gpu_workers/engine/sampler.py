@@ -28,7 +28,9 @@ class Sampler:
         if any(
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
         ):
-            logits = self._penalize(logits.clone(), seqs)
+            # in place, unless the raw logits are still wanted for logprobs
+            wanted = any(p.logprobs is not None for p in params)
+            logits = self._penalize(logits.clone() if wanted else logits, seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -39,6 +41,7 @@ class Sampler:
         return token_list, self._logprobs(raw, seqs, token_list)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        logits = logits.contiguous()  # a vocab-padded slice (tensor parallel) is not
         rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
         if rep:  # every token seen so far, prompt included, as transformers does
             vocab = logits.shape[1]
@@ -77,7 +80,9 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         top_p = torch.tensor([p.top_p for p in params])
-        if (top_p < 1.0).any():
+        if (top_p < 1.0).all():
+            probs = _nucleus(probs, top_p)
+        elif (top_p < 1.0).any():
             rows = (top_p < 1.0).nonzero().squeeze(1)
             probs[rows] = _nucleus(probs[rows], top_p[rows])
         min_p = torch.tensor([p.min_p for p in params])
@@ -147,8 +152,8 @@ _BUCKETS = (128 << 4) - _LOW  # up to 1.0
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero all but the most probable tokens whose mass first reaches top_p, per row
-    (tokens tied with the last one kept are kept too).
+    """Zero (in place) all but the most probable tokens whose mass first reaches top_p,
+    per row (tokens tied with the last one kept are kept too).
 
     No sort of the vocabulary: one pass buckets each row's probabilities by value and sums
     each bucket's mass (float64); the bucket where the mass counted from the top first
@@ -189,4 +194,4 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         has = reached & (np.bincount(r, minlength=rows) > 0)
         cutoff[has] = vals[(first + count - 1)[has]]
     cut = torch.from_numpy(cutoff)[:, None]
-    return probs.masked_fill(probs < cut, 0.0)
+    return probs.masked_fill_(probs < cut, 0.0)
