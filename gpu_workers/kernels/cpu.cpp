@@ -360,9 +360,13 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
   const T* kc = ptr<T>(k_cache);
   const T* vc = ptr<T>(v_cache);
   T* op = ptr<T>(out);
-  at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
+  // tasks handed out as threads free up: sequences differ in length, so equal shares of
+  // tasks are not equal shares of work
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
     std::vector<float> qf(group * d), acc(group * d), inv(group), rows(bs * d), scores;
-    for (int64_t task = begin; task < end; ++task) {
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t task = 0; task < b * hk; ++task) {
       const int64_t s = task / hk, h = task % hk, n = len[s];
       const int64_t* row_blocks = tab + s * width;
       const int64_t nblk = (n + bs - 1) / bs;
@@ -417,7 +421,7 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
         for (int64_t i = 0; i < d; ++i) orow[i] = to<T>(acc[g * d + i] * inv[g]);
       }
     }
-  });
+  }
 }
 
 // Decode attention straight from the paged cache: one query token per sequence.
