@@ -34,6 +34,8 @@ FLAGS = {
     "baseline": [],
 }
 
+WIDTH = ["baseline", "avx2", "avx512", "avx512_bf16"]  # each runs where the next one does
+
 _loaded: dict[str, ModuleType | BaseException] = {}
 
 
@@ -67,15 +69,18 @@ def cpu_isa() -> str:
 def build_isa() -> str:
     """The flag set the kernels are built with here: the CPU's, unless PLURAI_KERNEL_ISA
     asks for a narrower one (an AVX2 build can be tested on an AVX-512 machine)."""
+    isa = cpu_isa()
+    if isa == "amx":  # AMX tiles are oneDNN's (the matmuls); these kernels use AVX-512
+        isa = "avx512_bf16"
+    isa = isa if isa in FLAGS else "baseline"
     want = os.environ.get("PLURAI_KERNEL_ISA")
     if want:
         if want not in FLAGS:
             raise ValueError(f"PLURAI_KERNEL_ISA={want!r}: expected one of {sorted(FLAGS)}")
+        if WIDTH.index(want) > WIDTH.index(isa):  # its instructions would kill the process
+            raise ValueError(f"PLURAI_KERNEL_ISA={want!r}: this CPU offers only {isa!r}")
         return want
-    isa = cpu_isa()
-    if isa == "amx":  # AMX tiles are oneDNN's (the matmuls); these kernels use AVX-512
-        return "avx512_bf16"
-    return isa if isa in FLAGS else "baseline"
+    return isa
 
 
 def build() -> ModuleType:

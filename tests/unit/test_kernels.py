@@ -155,6 +155,13 @@ def test_modes(monkeypatch):
     monkeypatch.setenv("PLURAI_KERNEL_ISA", "sse9")
     with pytest.raises(ValueError, match="PLURAI_KERNEL_ISA"):
         kernels.build_isa()
+    # a build wider than the CPU would die on its first instruction: refused up front
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx2")
+    monkeypatch.setenv("PLURAI_KERNEL_ISA", "avx512_bf16")
+    with pytest.raises(ValueError, match="this CPU offers only 'avx2'"):
+        kernels.build_isa()
+    monkeypatch.setenv("PLURAI_KERNEL_ISA", "baseline")
+    assert kernels.build_isa() == "baseline"
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, caplog):
