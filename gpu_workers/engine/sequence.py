@@ -46,8 +46,8 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     output_counts: dict[int, int] = field(default_factory=dict)
-    # for the repetition penalty: the distinct token ids held, in a buffer that doubles as it
-    # fills ([:seen_count] valid), and a [vocab] mask that keeps them distinct
+    # for the repetition penalty: the distinct token ids held (a set, for membership) and
+    # the same ids in a buffer that doubles as it fills ([:seen_count] valid)
     seen: set[int] | None = None
     seen_ids: np.ndarray | None = None
     seen_count: int = 0
