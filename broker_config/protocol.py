@@ -42,6 +42,9 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "logprobs",
     "skip_special_tokens",
+    "response_format",
+    "regex",
+    "choice",
 )
 PROMPT_FIELDS = ("prompt", "messages", "token_ids")
 BODY_FIELDS = frozenset(
@@ -72,6 +75,7 @@ class Limits:
     metadata_bytes: int = 16 << 10  # `metadata` as compact JSON
     depth: int = 16  # nesting of lists and maps in the body
     logprobs: int = 20
+    grammar_bytes: int = 64 << 10  # `response_format`, `regex` or `choice`, as compact JSON
     cache_salt_chars: int = 256
     # Tokens a prompt may have: the engine's max_model_len less one (the worker sets it);
     # a `prompt_tokens` claim or `token_ids` list over it is refused at once.
@@ -539,3 +543,10 @@ def _check_sampling_sizes(params: dict[str, Any], limits: Limits) -> None:
     lp = params.get("logprobs")
     if isinstance(lp, int) and not isinstance(lp, bool) and lp > limits.logprobs:
         raise _too_large("'logprobs'", lp, limits.logprobs, "MAX_LOGPROBS")
+    for name in ("response_format", "regex", "choice"):
+        if params.get(name) is not None:
+            size = len(json.dumps(params[name], separators=(",", ":"), ensure_ascii=False).encode())
+            if size > limits.grammar_bytes:
+                raise _too_large(
+                    f"'{name}' (JSON bytes)", size, limits.grammar_bytes, "MAX_GRAMMAR_BYTES"
+                )

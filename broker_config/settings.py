@@ -112,6 +112,7 @@ class Settings(_Sourced):
     max_stop_token_ids: int = Field(default=Limits.stop_token_ids, ge=0)
     max_metadata_bytes: int = Field(default=Limits.metadata_bytes, ge=2)
     max_logprobs: int = Field(default=Limits.logprobs, ge=0, le=20)
+    max_grammar_bytes: int = Field(default=Limits.grammar_bytes, ge=2)
     block_ms: int = 200  # how long an idle worker blocks in XREADGROUP
     poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
     grace_period_s: float = 30.0  # SIGTERM: time to finish running jobs before handing back
@@ -194,6 +195,7 @@ class Settings(_Sourced):
             stop_token_ids=self.max_stop_token_ids,
             metadata_bytes=self.max_metadata_bytes,
             logprobs=self.max_logprobs,
+            grammar_bytes=self.max_grammar_bytes,
             prompt_tokens=prompt_tokens,
         )
 

@@ -25,6 +25,7 @@ from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode, RequestError
+from gpu_workers.engine.grammar import GrammarError, Grammars
 from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.model_runner import ModelRunner
 from gpu_workers.engine.parallel import Group, encode_step, send_step
@@ -70,8 +71,9 @@ class Engine:
         )
         self.blocks.tiers = self._tiers(kv_redis)
         self.scheduler = Scheduler(config, self.blocks)
-        self.sampler = Sampler(config.seed)
         self.eos_ids = self._eos_ids()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self.sampler = Sampler(config.seed, self.grammars)
         self.prompts = Prompts(self.tokenizer, self.vocab_size, self.max_model_len)
         self.tokenize = self.prompts.tokenize
         self.seqs: dict[str, Sequence] = {}
@@ -151,7 +153,9 @@ class Engine:
             params = SamplingParams.from_dict(params)
         check_options(priority, cache_salt, special_tokens)
         ids = self.tokenize(prompt, token_ids, messages, special_tokens)
+        matcher = self.grammars.matcher(params)  # compiled (or cached) before any KV block
         seq = Sequence(request_id, ids, params, priority, cache_salt=cache_salt)
+        seq.matcher = matcher
         seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -307,6 +311,10 @@ class Engine:
         before = len(detok.text)
         new = detok.add(token)  # the text only grows, by `new`
         reason = None
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise GrammarError(
+                f"token {token} broke the output's grammar: {seq.matcher.get_error()}"
+            )
         if (token in self.eos_ids and not p.ignore_eos) or token in seq.stop_ids:
             reason = "stop"
         elif seq.stop_matcher is not None and new:
@@ -314,6 +322,8 @@ class Engine:
             if cut >= 0:  # the output ends before the earliest stop string
                 detok.text = detok.text[:cut]
                 reason = "stop"
+        if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete and allows nothing more
         if reason is None and (
             seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len
         ):

@@ -1,6 +1,7 @@
 """Token sampling for a batch whose rows each carry their own parameters.
 
-Penalties, then temperature, top-k, top-p and min-p; greedy rows take the argmax.
+Penalties, then the grammar masks of constrained rows (grammar.py), then temperature,
+top-k, top-p and min-p; greedy rows take the argmax.
 Random rows draw with the exponential race (argmax of p / Exp(1) noise), one noise
 vector per row from the row's own generator when it has a seed, so a seeded request
 samples the same tokens whatever else shares its batch.
@@ -11,12 +12,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, grammars: Grammars | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammars = grammars
 
     @torch.inference_mode()
     def __call__(
@@ -25,12 +28,17 @@ class Sampler:
         logits = logits.float().cpu()
         raw = logits
         params = [s.params for s in seqs]
+        wanted = any(p.logprobs is not None for p in params)
         if any(
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
         ):
             # in place, unless the raw logits are still wanted for logprobs
-            wanted = any(p.logprobs is not None for p in params)
             logits = self._penalize(logits.clone() if wanted else logits, seqs)
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            logits = self._constrain(
+                logits.clone() if wanted and logits is raw else logits, seqs, constrained
+            )
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -65,6 +73,19 @@ class Sampler:
                 ids = torch.tensor(list(s.output_counts), dtype=torch.long)
                 counts = torch.tensor(list(s.output_counts.values()), dtype=torch.float32)
                 logits[i, ids] -= p.presence_penalty + p.frequency_penalty * counts
+        return logits
+
+    def _constrain(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> torch.Tensor:
+        """Only the tokens its grammar allows next keep their logits, per constrained row."""
+        assert self.grammars is not None
+        allowed = torch.from_numpy(self.grammars.allowed([seqs[i].matcher for i in rows]))
+        if allowed.shape[1] < logits.shape[1]:  # vocab padding beyond the model's vocabulary
+            pad = allowed.new_zeros(len(rows), logits.shape[1] - allowed.shape[1])
+            allowed = torch.cat([allowed, pad], dim=1)
+        index = torch.tensor(rows)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -10,6 +10,12 @@ from gpu_workers.engine.errors import ErrorCode, RequestError
 
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -28,6 +34,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus top N
     skip_special_tokens: bool = True
+    # structured output (gpu_workers/engine/grammar.py), at most one of the three:
+    # {"type": "json_schema", "json_schema": {"schema": {...}, ...}}, {"type": "json_object"}
+    # or {"type": "text"} (none) as OpenAI spells it; a regex the whole output matches; or a
+    # list of strings the output is one of
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> RequestError:
@@ -88,6 +101,46 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
             raise bad(f"logprobs must be an integer in [0, 20] or null, got {self.logprobs!r}")
+        self._check_constraint(bad)
+
+    def _check_constraint(self, bad: Any) -> None:
+        """Shapes only: the grammar compiler says whether a schema or regex is usable."""
+        rf = self.response_format
+        if rf is not None:
+            if not isinstance(rf, dict) or rf.get("type") not in RESPONSE_FORMATS:
+                raise bad(
+                    "response_format must be an object whose type is one of "
+                    f"{list(RESPONSE_FORMATS)}, got {_short(rf)}"
+                )
+            extra = sorted(set(rf) - {"type", "json_schema"})
+            if extra:
+                raise bad(f"unknown response_format field(s) {extra}")
+            if rf["type"] == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                    raise bad(
+                        'response_format of type json_schema needs "json_schema": '
+                        '{"name": ..., "schema": {a JSON schema object}}'
+                    )
+            elif "json_schema" in rf:
+                raise bad(f"response_format of type {rf['type']} takes no json_schema")
+            if rf["type"] == "text":
+                self.response_format = None  # the default: no constraint
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise bad("regex must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise bad("choice must be a non-empty list of non-empty strings")
+        given = [k for k in ("response_format", "regex", "choice") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise bad(f"give at most one of response_format, regex and choice; got {given}")
+
+    @property
+    def constrained(self) -> bool:
+        return self.response_format is not None or self.regex is not None or self.choice is not None
 
     @property
     def greedy(self) -> bool:

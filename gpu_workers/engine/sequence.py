@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +56,9 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     emitted: int = 0  # characters of output text already reported in a text delta
+    # structured output: the llguidance matcher of its constraint (grammar.py), advanced
+    # with each generated token; kept across preemption, as the generated tokens are
+    matcher: Any = None
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
     hash_root: bytes = field(init=False, default=b"")  # the first block's parent, from the salt
     # stop conditions prepared once, so checking a token costs O(1) whatever their sizes

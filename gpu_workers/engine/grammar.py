@@ -1,0 +1,176 @@
+"""Constrained decoding: a request's `response_format`, `regex` or `choice` list, compiled
+with llguidance into a matcher that tells, token by token, which tokens may come next.
+
+The sampler masks a constrained row's logits with its matcher's token mask (computed for
+all constrained rows of a step at once, in llguidance's threads); the engine advances the
+matcher with each token it appends. A request keeps its matcher across preemption: its
+generated tokens are kept too, so the state still describes them when it resumes.
+
+llguidance rather than xgrammar (docs/architecture.md, "Structured output", has the
+figures): it refuses the JSON-schema keywords it cannot enforce (`if`/`then`, `not`,
+`uniqueItems`, ...) where xgrammar ignores them and lets outputs through that do not
+validate; and it depends on nothing, where xgrammar brings triton (about 1 GB) to a CPU
+install. Its masks cost more (tens of microseconds a row where xgrammar's take a few),
+still a small part of a step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpu_workers.engine.errors import ErrorCode, RequestError
+from gpu_workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
+
+CACHE_SIZE = 256  # compiled grammars kept, by the hash of their spec
+# JSON without optional whitespace: a weak or random model would otherwise fill max_tokens
+# with spaces and newlines between the tokens that matter
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def spec(params: SamplingParams) -> tuple[str, str] | None:
+    """The request's constraint as (kind, text): ("json", a schema), ("regex", a pattern);
+    None when it has none. A choice list is a regex of its escaped alternatives."""
+    rf = params.response_format
+    if rf is not None and rf["type"] == "json_schema":
+        return "json", json.dumps(rf["json_schema"]["schema"])  # its key order is the output's
+    if rf is not None and rf["type"] == "json_object":
+        return "json", '{"type":"object"}'
+    if params.regex is not None:
+        return "regex", params.regex
+    if params.choice is not None:
+        return "regex", "|".join(_escape(c) for c in params.choice)
+    return None
+
+
+def _escape(text: str) -> str:
+    """`text` as a literal of llguidance's regex syntax (Rust's): every ASCII character but
+    letters and digits escaped (allowed for all punctuation, needed for the meta ones),
+    control characters and spaces by their code."""
+    out = []
+    for ch in text:
+        if ch.isascii() and ch.isalnum():
+            out.append(ch)
+        elif ch.isascii() and (ch.isspace() or not ch.isprintable()):
+            out.append(f"\\x{ord(ch):02x}")
+        elif ch.isascii():
+            out.append("\\" + ch)
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+class Grammars:
+    """The engine's compiler and mask filler, built at the first constrained request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self._hf = tokenizer
+        self._eos = sorted(eos_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._cache: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()  # matcher() may be called from an intake thread
+        self.compiled = 0  # grammars compiled (cache misses), for tests and stats
+
+    def _setup(self) -> None:
+        import llguidance
+        import llguidance.hf
+
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None
+            )
+        except Exception as e:  # a slow (Python) tokenizer, or one llguidance cannot read
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS,
+                f"this model's tokenizer does not support constrained decoding "
+                f"(response_format, regex, choice): {type(e).__name__}: {e}"[:500],
+            ) from None
+        self._executor = llguidance.LLExecutor()
+
+    def matcher(self, params: SamplingParams) -> Any | None:
+        """A fresh matcher for the request's constraint (None: it has none). Raises
+        RequestError(INVALID_PARAMS) with the reason for a schema or regex that does not
+        compile, uses a keyword that cannot be enforced, or admits no first token."""
+        s = spec(params)
+        if s is None:
+            return None
+        import llguidance
+
+        with self._lock:
+            if self._tokenizer is None:
+                self._setup()
+            key = hashlib.sha256(f"{s[0]}\0{s[1]}".encode()).digest()
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
+                return proto.deep_copy()
+            kind, text = s
+            what = "regex" if kind == "regex" and params.choice is None else "choice"
+            if kind == "json":
+                what = "JSON schema"
+                try:
+                    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                        text, defaults=JSON_OPTIONS
+                    )
+                except ValueError as e:
+                    raise _refuse(what, str(e)) from None
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            limits = llguidance.LLParserLimits(verbose_errors=False)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer, limits=limits)
+            if error:
+                raise _refuse(what, error)
+            m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
+            if m.is_error():
+                raise _refuse(what, m.get_error())
+            first = np.zeros((1, self.words), dtype=np.int32)
+            self._executor.unsafe_compute_mask_ptr(  # type: ignore[union-attr]
+                [(m, 0)], first.ctypes.data, self.words * 4, 1
+            )
+            if m.is_error() or not first.any():
+                raise _refuse(
+                    what, "no token of this model's vocabulary can start an output it allows"
+                )
+            self.compiled += 1
+            self._cache[key] = m
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return m.deep_copy()
+
+    def allowed(self, matchers: list[Any]) -> np.ndarray:
+        """The tokens each matcher allows next, as a bool array [len(matchers), vocab].
+        Raises GrammarError for a matcher in an error state (it hit a resource limit)."""
+        bits = np.zeros((len(matchers), self.words), dtype=np.int32)
+        assert self._executor is not None
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bits.ctypes.data, self.words * 4, len(bits)
+        )
+        for m in matchers:
+            if m.is_error():
+                raise GrammarError(m.get_error())
+        # bit t of row i is token t (little-endian words, low bit first)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        return allowed[:, : self.vocab_size].view(np.bool_)
+
+
+class GrammarError(RuntimeError):
+    """A matcher failed mid-output (a parser resource limit): that request fails alone."""
+
+
+def _refuse(what: str, reason: str) -> RequestError:
+    reason = " ".join(line.strip() for line in reason.splitlines() if line.strip())
+    return RequestError(
+        ErrorCode.INVALID_PARAMS, f"invalid {what}: {reason or 'it does not compile'}"[:500]
+    )
