@@ -45,6 +45,10 @@ SAMPLING = (
     "ignore_eos",
     "skip_special_tokens",
     "stop_token_ids",
+    # structured output: OpenAI's response_format, and Plurai's regex and choice
+    "response_format",
+    "regex",
+    "choice",
 )
 # Fields a client may send that change nothing here.
 IGNORED = ("user", "store", "service_tier", "parallel_tool_calls", "modalities")
@@ -71,7 +75,6 @@ UNSUPPORTED = {
     "functions": "function calls",
     "function_call": "function calls",
     "logit_bias": "logit_bias",
-    "response_format": "response_format",
     "audio": "audio output",
     "prediction": "predicted outputs",
     "reasoning_effort": "reasoning_effort",

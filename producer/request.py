@@ -30,6 +30,18 @@ SUBMIT_OPTIONS = frozenset(
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
 
 
+def response_format(model: type) -> dict[str, Any]:
+    """A pydantic model class as a `response_format` (its JSON schema): the output then
+    parses with `model.model_validate_json(result.text)`."""
+    schema = getattr(model, "model_json_schema", None)
+    if schema is None:
+        raise TypeError(
+            "response_format takes a dict or a pydantic model class, "
+            f"got the class {model.__name__}"
+        )
+    return {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": schema()}}
+
+
 def prepare(
     settings: Settings,
     *,
@@ -54,7 +66,8 @@ def prepare(
 
     `deadline` is an absolute unix time in seconds (e.g. time.time() + 60); the job fails
     with deadline_exceeded if no worker starts it before then. Sampling parameters are
-    checked by the worker; only their names are checked here.
+    checked by the worker; only their names are checked here. `response_format` may be a
+    pydantic model class (its JSON schema).
     """
     unknown = set(sampling) - _SAMPLING
     if unknown:
@@ -68,6 +81,8 @@ def prepare(
             f"{protocol.MAX_PRIORITY}, got {priority!r}"
         )
     body: dict[str, Any] = dict(sampling)
+    if isinstance(body.get("response_format"), type):
+        body["response_format"] = response_format(body["response_format"])
     if prompt is not None:
         body["prompt"] = prompt
         n = protocol.estimate_prompt_tokens(body)

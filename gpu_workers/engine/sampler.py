@@ -78,14 +78,15 @@ class Sampler:
     def _constrain(
         self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]
     ) -> torch.Tensor:
-        """Only the tokens its grammar allows next keep their logits, per constrained row."""
+        """Only the tokens its grammar allows next keep their logits, per constrained row
+        (numpy, in place: a few rows, where torch's indexing costs more than the work)."""
         assert self.grammars is not None
-        allowed = torch.from_numpy(self.grammars.allowed([seqs[i].matcher for i in rows]))
-        if allowed.shape[1] < logits.shape[1]:  # vocab padding beyond the model's vocabulary
-            pad = allowed.new_zeros(len(rows), logits.shape[1] - allowed.shape[1])
-            allowed = torch.cat([allowed, pad], dim=1)
-        index = torch.tensor(rows)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        allowed = self.grammars.allowed([seqs[i].matcher for i in rows])
+        view = logits.numpy()
+        width = allowed.shape[1]
+        for j, i in enumerate(rows):
+            np.copyto(view[i, :width], -np.inf, where=~allowed[j])
+            view[i, width:] = -np.inf  # vocab padding beyond the model's vocabulary
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -18,8 +18,18 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
 
-# OpenAI body fields passed to the engine under the same name.
-_PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+# OpenAI body fields passed to the engine under the same name (structured output included:
+# OpenAI's response_format, and Plurai's regex and choice, which the worker checks).
+_PASSED = (
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "response_format",
+    "regex",
+    "choice",
+)
 # Accepted and not passed on: `model` is echoed in the output, the others change nothing here.
 _IGNORED = ("model", "user", "n", "stream", "metadata", "store")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,6 +155,96 @@ def test_chat_stream_and_logprobs(stack: Stack) -> None:
     assert "".join(t.token for t in lps).startswith(text[:3])
 
 
+def _schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_equals_the_sdk(stack: Stack) -> None:
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    rf = _schema(PERSON)
+    out = stack.api.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=120, temperature=0, response_format=rf
+    )
+    content = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content), PERSON)
+    direct = stack.sdk.submit(
+        messages=messages, max_tokens=120, temperature=0, response_format=rf
+    ).result(timeout=60)
+    assert direct.text == content
+    # streamed, sampled: the deltas join into a valid document
+    chunks = stack.api.chat.completions.create(
+        model=stack.model,
+        messages=messages,
+        max_tokens=120,
+        temperature=1.0,
+        seed=5,
+        response_format=rf,
+        stream=True,
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(streamed), PERSON)
+    # Plurai's choice and regex, as the openai client sends extra fields
+    picked = stack.api.completions.create(
+        model=stack.model,
+        prompt="Is the sky green?",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"choice": ["yes", "no", "it depends"]},
+    )
+    assert picked.choices[0].text in ("yes", "no", "it depends")
+    code = stack.api.completions.create(
+        model=stack.model,
+        prompt="A ticket code:",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"regex": "[A-Z]{3}-[0-9]{4}"},
+    )
+    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", code.choices[0].text)
+    assert code.choices[0].finish_reason == "stop"
+    # the client's own parse() with a pydantic model (a strict json_schema)
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=120)
+        member: bool
+
+    parsed = stack.api.chat.completions.parse(
+        model=stack.model, messages=messages, max_tokens=120, temperature=0, response_format=Person
+    )
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+    # the SDK takes the model class itself
+    direct = stack.sdk.submit(messages=messages, max_tokens=120, response_format=Person)
+    assert 0 <= Person.model_validate_json(direct.result(timeout=60).text).age <= 120
+    whole = stack.api.chat.completions.create(
+        model=stack.model,
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if whole.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(whole.choices[0].message.content), dict)
+    else:  # a cut-off object says so
+        assert whole.choices[0].finish_reason == "length"
+
+
 BAD = [
     ({"temperature": "hot"}, 400, "invalid_params"),
     ({"top_p": 0}, 400, "invalid_params"),
@@ -173,6 +264,14 @@ BAD = [
     ({"n": 2}, 400, "bad_field"),
     ({"tools": []}, 400, "bad_field"),
     ({"stream": "yes"}, 400, "bad_field"),
+    # structured output: refused with the reason, before the job takes KV blocks
+    ({"response_format": {"type": "xml"}}, 400, "invalid_params"),
+    ({"response_format": _schema({"type": "object", "not": {}})}, 400, "invalid_params"),
+    ({"response_format": _schema({"type": "objekt"})}, 400, "invalid_params"),
+    ({"regex": "(unclosed"}, 400, "invalid_params"),
+    ({"choice": []}, 400, "invalid_params"),
+    ({"regex": "a", "choice": ["a"]}, 400, "invalid_params"),
+    ({"choice": ["x" * 70_000]}, 413, "too_large"),
 ]
 
 

@@ -7,6 +7,7 @@ every line; unknown ids are 404s, bad uploads 400s and 413s; tenants see only th
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,6 +168,42 @@ def test_bad_lines_go_to_the_error_file(stack: Stack, tmp_path: Path) -> None:
     assert "line 3" in errors[1]["error"]["message"]
     f = stack.api.files.retrieve(b.error_file_id)
     assert f.purpose == "batch_output" and f.filename == f"{b.id}_errors.jsonl"
+
+
+def test_structured_lines_parse(stack: Stack, tmp_path: Path) -> None:
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Oslo", "Lima", "Kyoto"]},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 5},
+            "note": {"type": "string", "maxLength": 8},
+        },
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+
+    def line(i: int, **extra) -> dict:
+        row = chat_line(i, max_tokens=80)
+        return {**row, "body": {**row["body"], **extra}}
+
+    rows = [line(i, response_format=rf, temperature=i % 2) for i in range(12)]
+    rows += [line(12, choice=["red", "green"]), line(13, regex="[0-9]{2}:[0-9]{2}")]
+    rows += [line(14, response_format={**rf, "json_schema": {"schema": {"uniqueItems": True}}})]
+    b = wait_batch(stack, submit(stack, write_jsonl(tmp_path / "structured.jsonl", rows)).id)
+    assert b.request_counts.model_dump() == {"total": 15, "completed": 14, "failed": 1}
+    got = by_id(stack.api.files.content(b.output_file_id).text)
+    for i in range(12):
+        content, reason, _ = answer(got[f"req-{i}"])
+        assert reason == "stop", content
+        jsonschema.validate(json.loads(content), schema)
+    assert answer(got["req-12"])[0] in ("red", "green")
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", answer(got["req-13"])[0])
+    (error,) = [json.loads(x) for x in stack.api.files.content(b.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "req-14" and error["error"]["code"] == "invalid_params"
+    assert "uniqueItems" in error["error"]["message"]
 
 
 def test_cancel_a_running_batch(stack: Stack, tmp_path: Path) -> None:

@@ -1,0 +1,269 @@
+"""Structured output in the native engine, on a random-weight factory model (which never
+writes valid JSON by chance): every constrained output parses and validates, greedy and
+sampled, beside unconstrained requests whose tokens do not change; a cut-off output says
+length; preemption keeps the grammar's state; bad constraints are refused before any KV
+block is taken."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from gpu_workers.engine.errors import ErrorCode, RequestError
+from gpu_workers.engine.grammar import spec
+from gpu_workers.engine.sampling_params import SamplingParams
+
+# strings get a bound, an enum or a pattern: a random model rarely closes a free string
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+            "owner": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 10},
+                    "email": {"type": "string", "pattern": "^[a-z]{1,6}@[a-z]{1,6}\\.org$"},
+                },
+                "required": ["name"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["id", "owner"],
+        "additionalProperties": False,
+    },
+    "arrays": {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["x", "y", "z"]},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "points": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                "maxItems": 3,
+            },
+        },
+        "required": ["tags", "points"],
+        "additionalProperties": False,
+    },
+    "enums_numbers": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "level": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+            "ok": {"type": "boolean"},
+            "note": {"type": ["string", "null"], "maxLength": 6},
+        },
+        "required": ["color", "score", "level"],
+        "additionalProperties": False,
+    },
+    "optional_refs": {
+        "type": "object",
+        "$defs": {
+            "pt": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+        },
+        "properties": {
+            "a": {"$ref": "#/$defs/pt"},
+            "b": {"anyOf": [{"$ref": "#/$defs/pt"}, {"type": "null"}]},
+            "c": {"const": "fixed"},
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+}
+
+
+def rf(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from gpu_workers.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=str(tiny_model), dtype="fp32", kv_cache_bytes=16 << 20))
+
+
+def test_every_schema_validates_greedy_and_sampled_beside_unconstrained(engine) -> None:
+    free = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=0.9, seed=7)]
+    ps = prompts(2 + 2 * len(SCHEMAS), seed=1)
+    alone = [c.token_ids for c in engine.generate(ps[:2], free)]
+    params = list(free)
+    for i, schema in enumerate(SCHEMAS.values()):
+        params.append(SamplingParams(max_tokens=300, response_format=rf(schema)))
+        params.append(
+            SamplingParams(
+                max_tokens=300, temperature=1.0, top_p=0.95, seed=i, response_format=rf(schema)
+            )
+        )
+    out = engine.generate(ps, params)
+    # the unconstrained rows are untouched by the masks of their neighbours
+    assert [c.token_ids for c in out[:2]] == alone
+    for c, p in zip(out[2:], params[2:], strict=True):
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), p.response_format["json_schema"]["schema"])
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_regex_choice_and_json_object(engine) -> None:
+    pattern = r"[A-Z]{2}-[0-9]{3}( ok)?"
+    choices = ["yes", "no", "yes, but", "n/a (see \\ note)"]
+    params = [
+        SamplingParams(max_tokens=20, regex=pattern),
+        SamplingParams(max_tokens=20, regex=pattern, temperature=1.5, seed=3),
+        SamplingParams(max_tokens=20, choice=choices),
+        SamplingParams(max_tokens=20, choice=choices, temperature=2.0, seed=4),
+        SamplingParams(
+            max_tokens=400, response_format={"type": "json_object"}, temperature=0.7, seed=1
+        ),
+    ]
+    out = engine.generate(prompts(5, seed=2), params)
+    for c in out[:2]:
+        assert re.fullmatch(pattern, c.text) and c.finish_reason == "stop", c.text
+    for c in out[2:4]:
+        assert c.text in choices and c.finish_reason == "stop", c.text
+    if out[4].finish_reason == "stop":
+        assert isinstance(json.loads(out[4].text), dict)
+    else:
+        assert out[4].finish_reason == "length"
+
+
+def test_sampled_constrained_output_is_seeded(engine) -> None:
+    p = SamplingParams(
+        max_tokens=300, temperature=1.0, seed=11, response_format=rf(SCHEMAS["arrays"])
+    )
+    ps = prompts(1, seed=5)
+    first = engine.generate(ps, p)[0]
+    mixed = engine.generate(ps + prompts(3, seed=6), [p] + [SamplingParams(max_tokens=30)] * 3)[0]
+    assert first.token_ids == mixed.token_ids
+
+
+def test_cut_off_output_says_length_and_stop_strings_still_apply(engine) -> None:
+    schema = SCHEMAS["nested"]
+    ps = prompts(1, seed=3)
+    whole = engine.generate(ps, SamplingParams(max_tokens=300, response_format=rf(schema)))[0]
+    cut = engine.generate(ps, SamplingParams(max_tokens=5, response_format=rf(schema)))[0]
+    assert cut.finish_reason == "length" and cut.token_ids == whole.token_ids[:5]
+    stopped = engine.generate(
+        ps, SamplingParams(max_tokens=300, response_format=rf(schema), stop=['"owner"'])
+    )[0]
+    assert stopped.finish_reason == "stop" and stopped.text == whole.text.split('"owner"')[0]
+
+
+def test_preempted_constrained_requests_resume_their_grammar(tiny_model, engine_factory) -> None:
+    schemas = list(SCHEMAS.values())
+    params = [
+        SamplingParams(
+            max_tokens=300, response_format=rf(schemas[i % len(schemas)]), temperature=i % 2, seed=i
+        )
+        for i in range(6)
+    ]
+    ps = prompts(6, seed=8)
+    roomy = engine_factory(tiny_model).generate(ps, params)
+    tight = engine_factory(tiny_model, num_kv_blocks=14, max_num_batched_tokens=64)
+    out = tight.generate(ps, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in out] == [c.token_ids for c in roomy]
+    for c, p in zip(out, params, strict=True):
+        jsonschema.validate(json.loads(c.text), p.response_format["json_schema"]["schema"])
+
+
+BAD = [
+    (dict(response_format=rf({"type": "objekt"})), "Invalid type"),
+    (dict(response_format=rf({"type": "object", "not": {"required": ["a"]}})), "not"),
+    (dict(response_format=rf({"type": "array", "uniqueItems": True})), "uniqueItems"),
+    (dict(response_format=rf({"if": {"type": "string"}, "then": {"maxLength": 3}})), "if"),
+    (dict(response_format=rf({"type": "integer", "minimum": 5, "maximum": 1})), "minimum"),
+    (dict(response_format=rf({"$ref": "#/$defs/missing"})), "missing"),
+    (dict(regex="(unclosed"), "unclosed"),
+    (dict(regex="a(?=b)"), "look-around"),
+    (dict(response_format=rf({"enum": []})), "nsatisfiable"),
+]
+
+
+@pytest.mark.parametrize(("fields", "reason"), BAD, ids=[b[1] for b in BAD])
+def test_bad_constraints_are_refused_before_any_block(engine, fields, reason) -> None:
+    with pytest.raises(RequestError) as e:
+        engine.add("bad", prompt="hello", params=SamplingParams(**fields))
+    assert e.value.code == ErrorCode.INVALID_PARAMS and reason in str(e.value)
+    assert "bad" not in engine.seqs and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+SHAPES = [
+    dict(response_format={"type": "xml"}),
+    dict(response_format={"type": "json_schema"}),
+    dict(response_format={"type": "json_schema", "json_schema": {"schema": "{}"}}),
+    dict(response_format={"type": "json_object", "json_schema": {"schema": {}}}),
+    dict(response_format={"type": "json_object", "strict": True}),
+    dict(response_format="json"),
+    dict(regex=""),
+    dict(regex=5),
+    dict(choice=[]),
+    dict(choice=["a", ""]),
+    dict(choice="a"),
+    dict(regex="a", choice=["a"]),
+    dict(response_format={"type": "json_object"}, regex="a"),
+]
+
+
+@pytest.mark.parametrize("fields", SHAPES, ids=[str(s)[:50] for s in SHAPES])
+def test_malformed_constraint_fields_are_invalid_params(fields) -> None:
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**fields)
+    assert e.value.code == ErrorCode.INVALID_PARAMS
+
+
+def test_text_format_is_no_constraint_and_choices_are_literal() -> None:
+    assert SamplingParams(response_format={"type": "text"}).response_format is None
+    assert spec(SamplingParams()) is None
+    kind, pattern = spec(SamplingParams(choice=["a.b", "c|d", "(e)*", " x\ty"]))
+    assert kind == "regex"
+    # the escaped alternation matches each choice as written, and nothing looser
+    for c in ["a.b", "c|d", "(e)*", " x\ty"]:
+        assert re.fullmatch(pattern, c)
+    assert not re.fullmatch(pattern, "axb") and not re.fullmatch(pattern, "c")
+
+
+def test_compiled_grammars_are_cached_by_spec(engine) -> None:
+    before = engine.grammars.compiled
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+    for i in range(3):
+        engine.add(
+            f"c{i}", prompt="x", params=SamplingParams(max_tokens=20, response_format=rf(schema))
+        )
+    assert engine.grammars.compiled == before + 1
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_matcher_failing_mid_output_fails_only_its_request(engine) -> None:
+    engine.add("fine", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8))
+    engine.add("broken", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8, choice=["ab"]))
+    engine.seqs["broken"].matcher.consume_token(0)  # not allowed: the matcher is now in error
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs["broken"].finish_reason == "error" and "GrammarError" in outs["broken"].error
+    assert outs["fine"].finish_reason == "length"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
