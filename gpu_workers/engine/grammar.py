@@ -128,10 +128,8 @@ class Grammars:
                     raise _refuse(what, str(e)) from None
             else:
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            # the default resource limits bound what one grammar may cost to build and to step
             limits = llguidance.LLParserLimits(verbose_errors=False)
-            error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer, limits=limits)
-            if error:
-                raise _refuse(what, error)
             m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
             if m.is_error():
                 raise _refuse(what, m.get_error())
