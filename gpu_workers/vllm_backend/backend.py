@@ -10,7 +10,9 @@ tensor/pipeline rank, or use Ray across nodes): the worker loop steps it between
 turns, as it steps the native engine, and reads the scheduler's figures from a stat logger
 after every step. Prompts are tokenized by the same code as the native engine's and the
 sampling fields are validated by the native SamplingParams, so both backends refuse the
-same input with the same code and message, and give vLLM the same token ids.
+same input with the same code and message, and give vLLM the same token ids. A constraint
+(response_format, regex, choice) is compiled by the native engine's grammar compiler too,
+before vLLM sees it, for the same reason; vLLM then enforces it with the same library.
 
 Where vLLM's engine itself fails (its step raises), the backend cannot tell which request
 caused it: the exception reaches the worker, which hands every running job back with the
@@ -27,13 +29,15 @@ from typing import Any
 
 from transformers import AutoTokenizer
 from vllm import TokensPrompt
-from vllm.config import KVTransferConfig
+from vllm.config import KVTransferConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
 from gpu_workers.backend import RequestError, StepOutput
 from gpu_workers.engine.errors import ErrorCode
+from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
@@ -74,6 +78,15 @@ class VllmBackend:
             raise ValueError(f"give {sorted(fixed & set(options))} as worker arguments, not --vllm")
         options.setdefault("scheduling_policy", "priority")  # lanes and job priorities
         options.setdefault("enable_prefix_caching", True)
+        # llguidance ("guidance"), as in the native engine (gpu_workers/engine/grammar.py):
+        # it refuses the schema keywords it cannot enforce where xgrammar (vLLM's "auto"
+        # choice) lets outputs through that do not validate; and JSON without optional
+        # whitespace (the native JSON_OPTIONS), so a weak model does not fill max_tokens
+        # with spaces. vLLM reads the whitespace rule from here only, not per request.
+        options.setdefault(
+            "structured_outputs_config",
+            StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True),
+        )
         self.model_fingerprint = fingerprint(model)
         if kv_redis_url:
             os.environ[connector.URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
@@ -124,6 +137,9 @@ class VllmBackend:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         vocab = config.model_config.get_vocab_size()
         self.prompts = Prompts(tokenizer, vocab, self.max_model_len)
+        # vLLM's guidance backend ends a constrained output at the tokenizer's EOS
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.grammars = Grammars(tokenizer, vocab, eos)
         self.reqs: dict[str, _Request] = {}
         self.added = 0  # requests added since the last step (not in vLLM's figures yet)
         self.steps = 0
@@ -150,12 +166,15 @@ class VllmBackend:
             params = SamplingParams.from_dict(params or {})
         check_options(priority, cache_salt, special_tokens)
         ids = self.prompts.tokenize(prompt, token_ids, messages, special_tokens)
+        # a bad schema, regex or choice list is refused here with the native engine's reason
+        # (vLLM's own check misses some, which then fail or stop the request inside vLLM)
+        self.grammars.matcher(params)
         request = TokensPrompt(prompt_token_ids=ids)
         if cache_salt is not None:
             request["cache_salt"] = cache_salt
         try:
             self.engine.add_request(request_id, request, to_vllm(params), priority=priority)
-        except (ValueError, TypeError) as e:  # what vLLM refuses beyond the shared checks
+        except (ValueError, TypeError, VLLMClientError) as e:  # beyond the shared checks
             raise RequestError(ErrorCode.INVALID_PARAMS, f"vLLM refused the request: {e}") from e
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         self.reqs[request_id] = _Request(len(ids), max_len, params.logprobs)

@@ -4,9 +4,24 @@ refuse the same input with the same code and message) as vLLM's SamplingParams."
 from __future__ import annotations
 
 from vllm import SamplingParams as VllmParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from gpu_workers.engine.sampling_params import SamplingParams
+
+
+def structured(p: SamplingParams) -> StructuredOutputsParams | None:
+    """The request's response_format, regex or choice as vLLM's structured outputs (compiled
+    by its "guidance" backend, whose whitespace rule the engine's config sets)."""
+    rf = p.response_format
+    if rf is not None and rf["type"] == "json_schema":
+        return StructuredOutputsParams(json=rf["json_schema"]["schema"])
+    if rf is not None and rf["type"] == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if p.regex is not None:
+        return StructuredOutputsParams(regex=p.regex)
+    if p.choice is not None:
+        return StructuredOutputsParams(choice=list(p.choice))
+    return None
 
 
 def to_vllm(p: SamplingParams) -> VllmParams:
@@ -22,10 +37,14 @@ def to_vllm(p: SamplingParams) -> VllmParams:
         seed=p.seed,
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
+        # a constrained output ends when its grammar does, as in the native engine: once
+        # complete, the grammar allows only EOS, and vLLM, ignoring it, would go on without
+        # a mask (free text after the grammar's output) to max_tokens
+        ignore_eos=p.ignore_eos and not p.constrained,
         logprobs=p.logprobs,
         skip_special_tokens=p.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA,  # each step's new tokens and text only
+        structured_outputs=structured(p),
     )
 
 

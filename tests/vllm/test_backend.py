@@ -65,6 +65,14 @@ BAD = {
     "priority mistyped": {"prompt": "hi", "priority": "1"},
     "empty cache_salt": {"prompt": "hi", "cache_salt": ""},
     "special_tokens mistyped": {"prompt": "hi", "special_tokens": "yes"},
+    "schema keyword not enforced": {
+        "prompt": "hi",
+        "params": {
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}
+        },
+    },
+    "regex that does not compile": {"prompt": "hi", "params": {"regex": "a(b"}},
+    "regex no token can start": {"prompt": "hi", "params": {"regex": "[a&&b]"}},
 }
 
 
