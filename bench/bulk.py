@@ -55,9 +55,9 @@ def offline(a: argparse.Namespace, task: plan.Task, docs: list[str]) -> dict:
     engine.generate(["warm up the engine"], params)
     tokens = 0
 
-    def generate(prompts: list[str]) -> list[str]:
+    def generate(prompts: list[str], sampling: dict) -> list[str]:
         nonlocal tokens
-        out = engine.generate(prompts, params)
+        out = engine.generate(prompts, SamplingParams(**sampling))
         tokens += sum(len(c.token_ids) for c in out)
         return [c.text for c in out]
 

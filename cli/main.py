@@ -125,18 +125,21 @@ def cmd_batch_submit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from producer.bulk import manage, progress
-    from producer.bulk.plan import Task, schema_text
+    from producer.bulk.plan import Task, schema_of, schema_text
 
     task = None
     if args.task:
         schema = args.schema
         if schema and schema.startswith("@"):
-            schema = Path(schema[1:]).read_text()
+            try:
+                schema = Path(schema[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read the schema file {schema[1:]}: {e}") from None
         task = Task(
             name=args.task,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
-            schema=schema_text(json.loads(schema)) if schema else None,
+            schema=schema_text(schema_of(schema)) if schema else None,
             labels=tuple(x.strip() for x in args.labels.split(",") if x.strip())
             if args.labels
             else (),
@@ -214,8 +217,10 @@ def add_batch_parser(sub: Any) -> None:
     )
     s.add_argument("input", help="JSONL file, or a folder of documents")
     s.add_argument("--task", choices=["summarize", "extract", "classify", "custom"])
-    s.add_argument("--schema", help="extract: a JSON schema, or @FILE")
-    s.add_argument("--labels", help="classify: comma-separated labels")
+    s.add_argument(
+        "--schema", help="extract: a JSON schema, or @FILE; every output is JSON that validates"
+    )
+    s.add_argument("--labels", help="classify: comma-separated labels; every output is one")
     s.add_argument("--template", help="custom: a prompt template containing {text}")
     s.add_argument("--reduce-template", help="custom: template that merges chunk outputs")
     s.add_argument("--max-tokens", type=int, default=64, help="per request of a task")

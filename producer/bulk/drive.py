@@ -46,9 +46,13 @@ def tokenizer(model_dir: str) -> Any:
 def configured_model(meta: dict[str, str]) -> tuple[str, tuple[str, str] | None]:
     """The model directory to split the batch's documents with (PLURAI_MODEL_DIR; "" for a
     batch without a task, which needs none), and the error code and message that fail the
-    batch when it cannot run with it (None: it can)."""
+    batch when it cannot run with it, a task that is not valid included (None: it can)."""
     if not meta.get("task"):
         return "", None
+    try:  # a record written before a rule it breaks (or by hand) fails the batch cleanly
+        plan.Task.from_dict(json.loads(meta["task"]))
+    except (ValueError, TypeError, AttributeError) as e:
+        return "", ("invalid_task", f"the batch's task is not valid: {e}"[:500])
     mine = Settings().model_dir or ""
     if not mine:
         return "", (
@@ -152,14 +156,19 @@ def finish(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings
 
 class Driver:
     """Submits the lines' requests (at most bs.window lines at a time), gathers finished
-    jobs, reduces chunk outputs level by level, and records each line's result."""
+    jobs, reduces chunk outputs level by level, and records each line's result (a
+    document's final output only once plan.Task.check passes it)."""
 
     def __init__(self, client: Client, batch_id: str, meta: dict[str, str], bs: BulkSettings):
         self.client, self.r, self.id, self.bs = client, client.redis, batch_id, bs
         self.total = int(meta.get("total", 0) or 0)
         self.next = int(meta.get("next", 0) or 0)
-        self.task = plan.Task.from_dict(json.loads(meta["task"])) if meta.get("task") else None
         self.model_dir, self.problem = configured_model(meta)
+        self.task = (
+            plan.Task.from_dict(json.loads(meta["task"]))
+            if meta.get("task") and self.problem is None
+            else None
+        )
         self.model_name = PurePath(self.model_dir or meta.get("model_dir", "")).name
         self.max_model_len = int(meta.get("max_model_len", 0) or 0)
         self.tenant = meta.get("tenant") or None  # a batch made through the gateway with a key
@@ -371,12 +380,19 @@ class Driver:
             return None
         if len(recs) == 1:
             last = recs[0]
+            output, reason = last.text or "", last.finish_reason or "stop"
+            if self.reqs[i]["kind"] == "doc":
+                assert self.task is not None
+                problem = self.task.check(output, reason)
+                if problem is not None:
+                    self._error(i, plan.INVALID_OUTPUT, problem, use)
+                    return None
             line = finalize.ok_line(
                 self.id,
                 i,
                 {**self.reqs[i], "model": self.reqs[i].get("model") or self.model_name},
-                text=last.text or "",
-                finish_reason=last.finish_reason or "stop",
+                text=output,
+                finish_reason=reason,
                 usage=use,
                 request_id=last.id,
                 created_s=(last.finished_ms or store.now_ms()) // 1000,

@@ -4,14 +4,32 @@ Level 0 applies the task's template to token-bounded chunks of the document. Whe
 has more than one prompt, the next level applies the task's reduce template to their joined
 outputs, split again if still too long. A level with a single prompt gives the result.
 The same functions drive the queue (drive.py) and the offline reference (`run_offline`).
+
+Structured tasks constrain every request, map and reduce alike (Task.sampling): extract
+sends the schema as `response_format`, classify sends the labels as `choice`, so that a
+reduce merges the chunks' outputs under the same constraint and the final output is one
+too. The engine still stops a request at max_tokens, so each line's final output is
+checked (Task.check) before it is written as a success; one that fails becomes an error
+line with the code INVALID_OUTPUT.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
+
+import llguidance
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, best_match
+from jsonschema.protocols import Validator
+from jsonschema.validators import validator_for
+from referencing.exceptions import Unresolvable
+
+from broker_config.settings import Settings
 
 TASKS = ("summarize", "extract", "classify", "custom")
 SEPARATOR = "\n\n"
@@ -39,6 +57,9 @@ _REDUCE = {
     ),
 }
 MAX_LEVELS = 8
+INVALID_OUTPUT = "invalid_output"  # the error code of a final output that fails Task.check
+# one pass over the template, so a document that contains "{schema}" stays as it is
+_PLACEHOLDER = re.compile(r"\{(text|schema|labels)\}")
 
 
 @dataclass(frozen=True)
@@ -54,19 +75,31 @@ class Task:
     def __post_init__(self) -> None:
         if self.name not in TASKS:
             raise ValueError(f"unknown task {self.name!r}; choose one of {', '.join(TASKS)}")
-        if self.name == "extract" and not self.schema:
-            raise ValueError("task extract needs a JSON schema (--schema)")
+        if self.name == "extract":
+            if not self.schema:
+                raise ValueError("task extract needs a JSON schema (--schema)")
+            schema_of(self.schema)
         if self.name == "classify" and not self.labels:
             raise ValueError("task classify needs labels (--labels a,b,c)")
+        if not all(isinstance(x, str) and x for x in self.labels):
+            raise ValueError("labels must be non-empty strings")
         if self.name == "custom" and (not self.template or "{text}" not in self.template):
             raise ValueError("task custom needs a template containing {text} (--template)")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        limit = Settings().max_grammar_bytes
+        for name in ("response_format", "choice"):
+            value = self.sampling().get(name)
+            size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+            if value is not None and size > limit:
+                what = "schema (--schema)" if name == "response_format" else "labels (--labels)"
+                raise ValueError(
+                    f"the {what} take {size} bytes as the request's {name}; the limit is "
+                    f"{limit} (PLURAI_MAX_GRAMMAR_BYTES)"
+                )
 
     def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["labels"] = list(self.labels)
-        return d
+        return {**asdict(self), "labels": list(self.labels)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Task:
@@ -78,14 +111,52 @@ class Task:
             t = self.template if level == 0 else (self.reduce_template or self.template)
         else:
             t = (_MAP if level == 0 else _REDUCE)[self.name]
-        return (
-            t.replace("{text}", text)
-            .replace("{schema}", self.schema or "")
-            .replace("{labels}", ", ".join(self.labels))
-        )
+        values = {"text": text, "schema": self.schema or "", "labels": ", ".join(self.labels)}
+        return _PLACEHOLDER.sub(lambda m: values[m.group(1)], t)
 
     def sampling(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        """The sampling fields of every request of the task, at every level."""
+        out: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        if self.name == "extract":
+            assert self.schema is not None
+            out["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "extract", "schema": json.loads(self.schema)},
+            }
+        elif self.name == "classify":
+            out["choice"] = list(self.labels)
+        return out
+
+    def check(self, output: str, finish_reason: str) -> str | None:
+        """Why a line's final output cannot be written as a success (None: it can): for
+        extract, JSON that validates against the schema; for classify, one of the labels."""
+        cut = finish_reason == "length"
+        raise_it = f"raise max_tokens (--max-tokens, now {self.max_tokens})"
+        if self.name == "classify" and output not in self.labels:
+            if cut:
+                return f"the output {output[:80]!r} was cut off at max_tokens: {raise_it}"
+            return f"the output {output[:80]!r} is not one of the labels {list(self.labels)}"
+        if self.name != "extract":
+            return None
+        assert self.schema is not None
+        try:
+            value = json.loads(output)
+        except ValueError as e:
+            if cut:
+                return (
+                    f"the output was cut off at max_tokens before its JSON closed: {raise_it}, "
+                    "or make the schema's output shorter (fewer fields, maxLength, maxItems)"
+                )
+            return f"the output is not JSON ({e}): {output[:80]!r}"
+        try:
+            error = best_match(_validator(self.schema).iter_errors(value))
+        except Unresolvable as e:
+            return f"the schema has a $ref that cannot be resolved: {e}"
+        if error is None:
+            return None
+        where = "/".join(str(p) for p in error.absolute_path) or "the top level"
+        more = f"; it was cut off at max_tokens: {raise_it}" if cut else ""
+        return f"the output does not validate against the schema at {where}: {error.message}{more}"
 
 
 Counter = Callable[[str], int]
@@ -139,16 +210,18 @@ def run_offline(
     texts: list[str],
     tokenizer: Any,
     max_model_len: int,
-    generate: Callable[[list[str]], list[str]],
+    generate: Callable[[list[str], dict[str, Any]], list[str]],
 ) -> list[str]:
-    """Each document's result by the same plan, level by level, with `generate` (a list of
-    prompts -> their outputs, e.g. Engine.generate): the reference for the queue's results."""
+    """Each document's result by the same plan, level by level, with `generate` (prompts
+    and the sampling fields every request of the queue carries, Task.sampling() -> their
+    outputs, e.g. Engine.generate with SamplingParams(**sampling)): the reference for the
+    queue's results. Outputs are not checked here (Task.check)."""
     pending = {i: split(task, t, 0, tokenizer, max_model_len) for i, t in enumerate(texts)}
     level = 0
     results: dict[int, str] = {}
     while pending:
         order = [(i, p) for i, ps in pending.items() for p in ps]
-        outs = generate([p for _, p in order])
+        outs = generate([p for _, p in order], task.sampling())
         by_doc: dict[int, list[str]] = {}
         for (i, _), o in zip(order, outs, strict=True):
             by_doc.setdefault(i, []).append(o)
@@ -169,3 +242,47 @@ def schema_text(schema: str | dict[str, Any] | None) -> str | None:
     if schema is None or isinstance(schema, str):
         return schema
     return json.dumps(schema, separators=(",", ":"))
+
+
+def schema_of(text: str) -> dict[str, Any]:
+    """The JSON schema in `text`; ValueError saying what is wrong if it is not JSON, not an
+    object, or not a valid schema of its draft (its `$schema`; 2020-12 if it names none)."""
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"the schema (--schema) is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(
+            f"the schema (--schema) must be a JSON object, not {type(schema).__name__}"
+        )
+    try:
+        _draft(schema).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "the top level"
+        raise ValueError(
+            f"the schema (--schema) is not a valid JSON schema at {where}: {e.message}"
+        ) from None
+    # what the workers' grammar compiler (llguidance) cannot enforce, refused now rather
+    # than on every line: e.g. "not", "if"/"then", "uniqueItems"
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        reason = " ".join(x.strip() for x in problem.splitlines() if x.strip())
+        raise ValueError(f"the schema (--schema) cannot be enforced: {reason}"[:500])
+    return schema
+
+
+def _draft(schema: dict[str, Any]) -> type[Validator]:
+    if "$schema" not in schema:
+        return Draft202012Validator
+    name = schema["$schema"]
+    cls = validator_for(schema, default=None) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"the schema's $schema {name!r} names no JSON schema draft known here")
+    return cls
+
+
+@functools.lru_cache(maxsize=8)
+def _validator(schema: str) -> Validator:
+    obj = json.loads(schema)
+    return _draft(obj)(obj)

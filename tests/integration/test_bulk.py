@@ -129,14 +129,15 @@ def expected(tiny_model: Path) -> list[str]:
             model=str(tiny_model), dtype="fp32", max_model_len=CONTEXT, kv_cache_bytes=32 << 20
         )
     )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     task = plan.Task("summarize", max_tokens=MAX_TOKENS)
     return plan.run_offline(
         task,
         documents(200),
         engine.tokenizer,
         CONTEXT,
-        lambda prompts: [c.text for c in engine.generate(prompts, params)],
+        lambda prompts, sampling: [
+            c.text for c in engine.generate(prompts, SamplingParams(**sampling))
+        ],
     )
 
 

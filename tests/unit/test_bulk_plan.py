@@ -47,7 +47,8 @@ def test_reduce_runs_level_by_level_until_one_prompt(tok):
     task = plan.Task("summarize", max_tokens=8)
     seen: list[int] = []
 
-    def generate(prompts: list[str]) -> list[str]:
+    def generate(prompts: list[str], sampling: dict) -> list[str]:
+        assert sampling == task.sampling()
         seen.append(len(prompts))
         return [p.split()[-2] for p in prompts]  # a short output per prompt
 
