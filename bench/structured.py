@@ -91,7 +91,9 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "title": {"type": "string", "maxLength": 24},
             "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-            "rating": {"type": ["number", "null"], "minimum": 0, "maximum": 10},
+            # a multipleOf bounds the digits too: a random-weight model, free to write a
+            # number's fraction, may write digits until max_tokens (a cut-off, "length")
+            "rating": {"type": ["number", "null"], "minimum": 0, "maximum": 10, "multipleOf": 0.1},
             "meta": {
                 "type": "object",
                 "properties": {
@@ -277,7 +279,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
     mask_share: list[float] = []
     lengths: list[int] | None = None
-    valid = total = 0
+    valid = total = cut = 0
     result: dict[str, Any] = {
         "bench": "structured",
         "requests": len(reqs),
@@ -290,6 +292,7 @@ def main() -> None:
         lengths = got
         for i in schema_of:
             total += 1
+            cut += out[i].finish_reason == "length"
             try:
                 jsonschema.validate(json.loads(out[i].text), schema_of[i])
                 valid += out[i].finish_reason == "stop"
@@ -328,6 +331,7 @@ def main() -> None:
             "mask_share_of_time_median": round(med(mask_share), 4),
             "schema_valid": f"{valid}/{total}",
             "schema_valid_share": round(valid / total, 4) if total else None,
+            "cut_off_at_max_tokens": cut,
         }
     )
     result["ratio_constrained_vs_unconstrained"] = round(
