@@ -12,6 +12,8 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.grammar import spec
@@ -266,4 +268,27 @@ def test_a_matcher_failing_mid_output_fails_only_its_request(engine) -> None:
                 outs[o.request_id] = o
     assert outs["broken"].finish_reason == "error" and "GrammarError" in outs["broken"].error
     assert outs["fine"].finish_reason == "length"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+REGEX_PARTS = st.sampled_from(
+    ["a", "b", "0", "[a-c]", "[^x]", "(", ")", "|", "*", "+", "?", "{2}", "{1,3}", ".", "\\d", "\\"]
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(parts=st.lists(REGEX_PARTS, min_size=1, max_size=8))
+def test_any_regex_is_served_or_refused_never_crashes(engine, parts) -> None:
+    pattern = "".join(parts)
+    try:
+        engine.add("fuzz", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=6, regex=pattern))
+    except RequestError as e:
+        assert e.code == ErrorCode.INVALID_PARAMS and "regex" in str(e)
+        return
+    finished = None
+    while engine.has_unfinished():
+        finished = [o for o in engine.step() if o.finished] or finished
+    assert finished and finished[0].finish_reason in ("stop", "length")
     assert engine.blocks.num_free == engine.blocks.num_blocks
