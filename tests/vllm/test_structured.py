@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
 from tests.vllm.conftest import OPTIONS
+from tests.vllm.test_backend import run
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 jsonschema = pytest.importorskip("jsonschema")
@@ -62,16 +63,6 @@ def backend(small_model: Path) -> Iterator:
     b = VllmBackend(str(small_model), options=OPTIONS)
     yield b
     b.close()
-
-
-def run(backend, requests: dict[str, dict]) -> dict[str, list[StepOutput]]:
-    for rid, kw in requests.items():
-        backend.add(rid, **kw)
-    outs: dict[str, list[StepOutput]] = {rid: [] for rid in requests}
-    while backend.has_unfinished():
-        for o in backend.step():
-            outs[o.request_id].append(o)
-    return outs
 
 
 def no_whitespace_outside_strings(text: str) -> bool:
