@@ -2,6 +2,13 @@
 Redis with one worker; and the enqueue rate of submit_many beside a plain XADD peer.
 
     python bench/queue_overhead.py [--model DIR] [--jobs 200] [--enqueue 20000]
+        [--cost-model DIR] [--cost-jobs 200]
+
+Redis cost: commands per job and per generated token (INFO commandstats; the slope between
+jobs of 16 and 64 tokens) on the tiny model, whose fast steps are where a GPU fleet is
+heading, with the stream's default holding of tokens and with one write per token
+(PLURAI_STREAM_FLUSH_TOKENS=1); TTFT p50 as Redis saw it; whether every stream spells its
+record's text.
 
 Peer for the enqueue rate: `redis-benchmark -t xadd` when redis-benchmark is on PATH;
 otherwise raw pipelined XADD from redis-py with the same entry fields (said in the output).
@@ -229,6 +236,96 @@ def enqueue(url: str, n: int) -> dict:
     }
 
 
+def start_worker(model: str, url: str, env: dict[str, str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
+    worker = subprocess.Popen(
+        [*cmd, "--log-level", "WARNING"],
+        cwd=ROOT,
+        env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **env},
+    )
+    client = Client(url)
+    while not client.redis.scard(keys.WORKERS):
+        if worker.poll() is not None:
+            raise SystemExit("worker exited")
+        time.sleep(0.1)
+    client.submit("warm up the engine", max_tokens=8).result(timeout=120)
+    client.close()
+    return worker
+
+
+def commands(r) -> int:
+    return sum(v["calls"] for v in r.info("commandstats").values())
+
+
+def cost_run(url: str, n: int, max_tokens: int) -> dict:
+    """n jobs of max_tokens through the running worker: Redis commands (INFO commandstats,
+    every client's and the scripts' inner ones), tokens, TTFT as Redis saw it (the job's
+    first delta entry, whose id is Redis's clock, less its created_ms), and whether every
+    stream spells its record's text."""
+    from results import records, tokens
+
+    client = Client(url)
+    reqs = [
+        {
+            "prompt": f"Note {i}: {' '.join(WORDS[: 4 + i % 9])}",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "lane": "interactive",
+        }
+        for i in range(n)
+    ]
+    time.sleep(1.2)  # past a heartbeat, so its commands fall before the reset
+    client.redis.config_resetstat()
+    jobs = client.submit_many(reqs)
+    recs = client.wait_all(jobs, timeout=600)
+    used = commands(client.redis)
+    assert all(r.state == "completed" for r in recs), {r.state for r in recs}
+    ttft, spelled = [], True
+    for rec in recs:
+        entries = client.redis.xrange(keys.output(rec.id))
+        first = next(eid for eid, f in entries if f.get("type") == "delta")
+        ttft.append(int(first.split("-")[0]) - (rec.created_ms or 0))
+        follower = tokens.TextFollower()
+        got = "".join(
+            follower.feed(ev) or ""
+            for ev in tokens.Reader(rec.id).feed({keys.output(rec.id): entries})
+        )
+        spelled &= got == records.get(client.redis, rec.id).text
+    client.close()
+    ttft.sort()
+    return {
+        "commands": used,
+        "tokens": sum(r.output_tokens or 0 for r in recs),
+        "ttft_ms_p50": ttft[len(ttft) // 2],
+        "streams_spell_results": spelled,
+    }
+
+
+def redis_cost(model: str, url: str, n: int) -> dict:
+    """Redis commands per job and per generated token (the slope between jobs of 16 and of
+    64 tokens), with the stream's default holding of tokens and with a write per token
+    (PLURAI_STREAM_FLUSH_TOKENS=1, as before holding), on one worker."""
+    out: dict = {}
+    for name, env in (("held", {}), ("every_token", {"PLURAI_STREAM_FLUSH_TOKENS": "1"})):
+        worker = start_worker(model, url, env)
+        try:
+            short, long = cost_run(url, n, 16), cost_run(url, n, 64)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=120)
+        slope = (long["commands"] - short["commands"]) / (long["tokens"] - short["tokens"])
+        out[name] = {
+            "commands_per_job_16_tokens": round(short["commands"] / n, 1),
+            "commands_per_job_64_tokens": round(long["commands"] / n, 1),
+            "commands_per_generated_token": round(slope, 3),
+            "ttft_ms_p50": short["ttft_ms_p50"],
+            "streams_spell_results": short["streams_spell_results"]
+            and long["streams_spell_results"],
+        }
+        print(f"redis cost, {name}: {out[name]}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -240,6 +337,12 @@ def main() -> None:
     p.add_argument("--enqueue", type=int, default=20000)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--kv-bytes", type=int, default=256 << 20)
+    p.add_argument(
+        "--cost-model",
+        default=str(ROOT / "models" / "tiny-llama"),
+        help="model of the Redis-cost runs: fast steps, as a GPU fleet's (made if missing)",
+    )
+    p.add_argument("--cost-jobs", type=int, default=200)
     a = p.parse_args()
     if not (Path(a.model) / "config.json").exists():
         from bench.workload import bench_model
@@ -256,6 +359,12 @@ def main() -> None:
             f"end to end: {e2e['tokens']} tokens in {e2e['seconds']:.2f}s = {e2e['tokens_per_s']:.1f} tokens/s"
         )
         enq = enqueue(url, a.enqueue)
+    if not (Path(a.cost_model) / "config.json").exists():
+        from gpu_workers.models.factory import make_model
+
+        make_model(Path(a.cost_model), family="llama", size="tiny", train=True)
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
+        cost = redis_cost(a.cost_model, url, a.cost_jobs)
     print(
         f"enqueue:    submit_many {enq['submit_many_jobs_per_s']:.0f} jobs/s; "
         f"{enq['peer']} {enq['peer_xadd_per_s']:.0f}/s; raw packed XADD {enq['raw_packed_xadd_per_s']:.0f}/s"
@@ -274,6 +383,18 @@ def main() -> None:
         "raw_packed_xadd_per_s": round(enq["raw_packed_xadd_per_s"]),
         "submit_many_vs_peer": round(enq["submit_many_jobs_per_s"] / enq["peer_xadd_per_s"], 3),
     }
+    held, every = cost["held"], cost["every_token"]
+    result.update(
+        {
+            "redis_cost_model": Path(a.cost_model).name,
+            "redis_cost": cost,
+            "commands_per_generated_token": held["commands_per_generated_token"],
+            "commands_per_token_vs_every_token": round(
+                held["commands_per_generated_token"] / every["commands_per_generated_token"], 3
+            ),
+            "ttft_p50_vs_every_token": round(held["ttft_ms_p50"] / max(every["ttft_ms_p50"], 1), 3),
+        }
+    )
     result["isa"] = cpu_isa()
     print(json.dumps(result))
 

@@ -96,6 +96,12 @@ class Settings(_Sourced):
     # while the job has fewer tokens than this).
     output_ttl_s: int = Field(default=3600, ge=1)
     output_maxlen: int = Field(default=8192, ge=16)
+    # A running job's tokens are held back and written to its stream together: its first
+    # ones at once, then whenever this many are held or the oldest held is this old, the
+    # rest with its result (1 token: every step's tokens as they come). Redis writes per
+    # generated token fall from about three to a few per job (docs/protocol.md).
+    stream_flush_tokens: int = Field(default=16, ge=1)
+    stream_flush_ms: int = Field(default=100, ge=0)
     dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead
     queued_ttl_s: int = 7 * 24 * 3600  # job record while it waits in the queue
     idempotency_ttl_s: int = 24 * 3600

@@ -11,6 +11,17 @@ from gpu_workers.intake import Entry
 from results import jobs, records
 
 
+@dataclass(frozen=True)
+class Stream:
+    """When a running job's held-back tokens are written to its stream: its first tokens at
+    once; then whenever `tokens` are held, or the oldest held one is `seconds` old; the
+    rest with its result (PLURAI_STREAM_FLUSH_TOKENS, PLURAI_STREAM_FLUSH_MS; 1 token: every
+    step's tokens as they come)."""
+
+    tokens: int = 16
+    seconds: float = 0.1
+
+
 @dataclass
 class Running:
     entry: Entry
@@ -23,9 +34,15 @@ class Running:
     # The job's token stream may lack deltas (Redis failed while they were sent): its next
     # write is a reset followed by the whole text so far.
     resync: bool = False
+    # What the stream has (pieces of `text`, tokens) and since when tokens wait to be written
+    # (monotonic seconds; None: none wait). A job's tokens are held back and written together
+    # (Stream below), so a stream costs Redis a few writes per job rather than one a token.
+    sent_pieces: int = 0
+    sent_tokens: int = 0
+    held_since: float | None = None
 
-    def absorb(self, out: StepOutput) -> jobs.Delta | None:
-        """Take one step's output; returns what to write to the job's stream, if anything."""
+    def absorb(self, out: StepOutput, now: float, every: Stream) -> jobs.Delta | None:
+        """Take one step's output; returns what to write to the job's stream now, if anything."""
         self.token_ids += out.new_token_ids
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
@@ -33,15 +50,43 @@ class Running:
             self.logprobs += out.logprobs
         if out.text_delta:
             self.text.append(out.text_delta)
-        new = self.resync or out.text_delta or out.new_token_ids
-        # A job that finishes with a resync pending is rewritten by its FINALIZE instead.
-        if not (self.entry.req.stream and new) or (out.finished and self.resync):
+        if not self.entry.req.stream:
             return None
-        job_id = self.entry.job_id
-        if self.resync:
-            self.resync = False
-            return jobs.Delta(job_id, "".join(self.text), list(self.token_ids), reset=True)
-        return jobs.Delta(job_id, out.text_delta, out.new_token_ids)
+        if out.finished and self.resync:
+            return None  # its FINALIZE rewrites the whole stream
+        if self.held_since is None and self.has_unsent:
+            self.held_since = now
+        first = self.sent_pieces == 0  # until its first text is out, at once: TTFT
+        if (
+            self.resync
+            or out.finished
+            or first
+            or len(self.token_ids) - self.sent_tokens >= every.tokens
+            or (self.held_since is not None and now - self.held_since >= every.seconds)
+        ):
+            return self.unsent()
+        return None
+
+    @property
+    def has_unsent(self) -> bool:
+        return len(self.token_ids) > self.sent_tokens or len(self.text) > self.sent_pieces
+
+    def unsent(self) -> jobs.Delta | None:
+        """The stream write of everything not yet written (a reset and the whole text after
+        a resync); None when there is nothing to write."""
+        if not self.entry.req.stream or not (self.resync or self.has_unsent):
+            return None
+        reset, self.resync = self.resync, False
+        start_piece = 0 if reset else self.sent_pieces
+        start_token = 0 if reset else self.sent_tokens
+        self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
+        self.held_since = None
+        return jobs.Delta(
+            self.entry.job_id,
+            "".join(self.text[start_piece:]),
+            self.token_ids[start_token:],
+            reset=reset,
+        )
 
     def result_fields(self, worker: str, finished_ms: int, code: str, message: str) -> list[Any]:
         asked = self.entry.req.params.get("logprobs") is not None

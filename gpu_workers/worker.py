@@ -25,7 +25,7 @@ from broker_config.text import text
 from gpu_workers.backend import Backend, RequestError, StepOutput
 from gpu_workers.heartbeat import Heartbeat
 from gpu_workers.intake import BAD_RECORD, Entry, Intake
-from gpu_workers.job import Running
+from gpu_workers.job import Running, Stream
 from gpu_workers.metrics import Metrics
 from gpu_workers.writer import Outage, Writer, now_ms
 from results import jobs, records
@@ -60,6 +60,7 @@ class Worker:
         self.metrics = Metrics(self.id, self.lanes)
         self.metrics_port = 0  # where /metrics is served (serve.py sets it), 0: nowhere
         self.writer = Writer(r, settings, self.id)
+        self.stream = Stream(settings.stream_flush_tokens, settings.stream_flush_ms / 1000)
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
@@ -253,7 +254,7 @@ class Worker:
         items: list[jobs.Delta] = []
         finished: list[tuple[Running, str]] = []
         errors: list[tuple[Entry, str]] = []
-        now, generated = time.time(), 0
+        now, mono, generated = time.time(), time.monotonic(), 0
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
@@ -267,11 +268,16 @@ class Worker:
                 ttft = max(0.0, now - run.entry.entered_s)
                 self.metrics.ttft.labels(run.entry.lane).observe(ttft)
             generated += len(out.new_token_ids)
-            delta = run.absorb(out)
+            delta = run.absorb(out, mono, self.stream)
             if delta is not None:
                 items.append(delta)
             if out.finished:
                 finished.append((run, out.finish_reason or ""))
+        for run in self.running.values():  # tokens held too long by jobs that did not step
+            if run.held_since is not None and mono - run.held_since >= self.stream.seconds:
+                delta = run.unsent()
+                if delta is not None:
+                    items.append(delta)
         self._generated += generated
         self.metrics.generation_tokens.inc(generated)
         calls = [self.writer.deltas(items)] if items else []
@@ -320,8 +326,11 @@ class Worker:
     def _end_now(
         self, run: Running, state: str, finish_reason: str, code: str = "", message: str = ""
     ) -> None:
-        """End a job outside a step: its result goes out now (after its deltas)."""
-        self.writer.store([self._end(run, state, finish_reason, code, message)])
+        """End a job outside a step: its result goes out now (after its deltas, the held
+        ones included)."""
+        delta = run.unsent()
+        held = [self.writer.deltas([delta])] if delta is not None else []
+        self.writer.store(held + [self._end(run, state, finish_reason, code, message)])
 
     def _lost_writes(self) -> None:
         """Redis failed: writes sent since the last reply may be lost, and a Redis restarted

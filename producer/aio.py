@@ -40,6 +40,7 @@ class AsyncClient:
             if redis is not None
             else connect_async(resolve_url(url, self.settings), decode=True)
         )
+        self.listeners = wait.AsyncListeners(self.redis)  # pub/sub connections kept for waits
 
     async def submit(
         self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
@@ -83,9 +84,10 @@ class AsyncClient:
     ) -> list[JobRecord]:
         """Block until every job is final (or timeout); returns their records in order."""
         ids = [j.id if isinstance(j, AsyncJob) else j for j in jobs]
-        return await wait.wait_many_async(self.redis, ids, timeout)
+        return await wait.wait_many_async(self.redis, ids, timeout, self.listeners)
 
     async def aclose(self) -> None:
+        await self.listeners.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -111,7 +113,9 @@ class AsyncJob:
 
     async def result(self, timeout: float | None = None) -> JobRecord:
         """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled."""
-        (rec,) = await wait.wait_many_async(self.client.redis, [self.id], timeout)
+        (rec,) = await wait.wait_many_async(
+            self.client.redis, [self.id], timeout, self.client.listeners
+        )
         return final(rec, timeout)
 
     async def stream(self, block_ms: int = 1000) -> AsyncIterator[str]:

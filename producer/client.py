@@ -42,6 +42,7 @@ class Client:
         self.redis = (
             redis if redis is not None else connect(resolve_url(url, self.settings), decode=True)
         )
+        self.listeners = wait.Listeners(self.redis)  # pub/sub connections kept for waits
 
     def submit(
         self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
@@ -100,9 +101,10 @@ class Client:
     ) -> list[JobRecord]:
         """Block until every job is final (or timeout); returns their records in order."""
         ids = [j.id if isinstance(j, Job) else j for j in jobs]
-        return wait.wait_many(self.redis, ids, timeout)
+        return wait.wait_many(self.redis, ids, timeout, self.listeners)
 
     def close(self) -> None:
+        self.listeners.close()
         self.redis.close()
 
     def __enter__(self) -> Client:
@@ -129,7 +131,7 @@ class Job:
 
     def result(self, timeout: float | None = None) -> JobRecord:
         """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled."""
-        return final(wait.wait(self.client.redis, self.id, timeout), timeout)
+        return final(wait.wait(self.client.redis, self.id, timeout, self.client.listeners), timeout)
 
     def stream(self, block_ms: int = 1000) -> Iterator[str]:
         """Text deltas as the worker produces them; raises JobFailed / JobCancelled at the end

@@ -69,9 +69,10 @@ return 'run'
 """
 
 # KEYS: job record, token stream, for each job in turn
-# ARGV: worker id, stream maxlen, then for each job: mode ('d': one delta; 'r': a reset,
-#       then the whole text so far as one delta), text, token_ids JSON
-# One call writes every delta of an engine step. A job's stream is written only while its
+# ARGV: worker id, stream maxlen, then for each job: mode ('d': one delta, of one or more
+#       tokens; 'r': a reset, then the whole text so far as one delta), text, token_ids JSON
+# One call writes every delta of an engine step (a job's tokens are held back and written
+# together: gpu_workers/job.py). A job's stream is written only while its
 # record names this worker and holds no final result, so a worker whose job was taken
 # over (or already finished elsewhere) never mixes its tokens into the new run's stream.
 # Returns how many jobs were written.
@@ -81,13 +82,14 @@ for i = 1, #KEYS, 2 do
   local a = 3 * (i - 1) / 2 + 3
   local rec = redis.pcall('HMGET', KEYS[i], 'worker', 'final')
   if type(rec) == 'table' and rec.err == nil and rec[1] == ARGV[1] and not rec[2] then
-    local st = redis.call('TYPE', KEYS[i + 1]).ok
-    if st == 'stream' or st == 'none' then
-      if ARGV[a] == 'r' then
-        redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'reset')
-      end
-      redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'delta',
-                  'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])
+    -- a key of another type refuses the XADD (pcall: an error table, not an entry id)
+    local ok = true
+    if ARGV[a] == 'r' then
+      ok = type(redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*',
+                            'type', 'reset')) == 'string'
+    end
+    if ok and type(redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type',
+                               'delta', 'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])) == 'string' then
       n = n + 1
     end
   end

@@ -6,6 +6,7 @@ Subscribing before reading the record closes the race with a job that finishes i
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -24,14 +25,17 @@ class Waiter:
     """The state of one wait for jobs' final results.
 
     Subscribe to `channels()`, then `read` the records; while `wait_s()` is not None, wait
-    that long for a message and give it to `heard`, or, when none came, `read` the records
-    of `unsettled()` again (pub/sub is not durable: a message may have been lost)."""
+    that long for a message and give it to `heard`; when `quiet()` (nothing read or heard
+    for a second), `read` the records of `unsettled()` again (pub/sub is not durable: a
+    message may have been lost). A wait that returns no message is not always quiet: the
+    client library returns none when it consumed a (un)subscribe confirmation."""
 
     def __init__(self, job_ids: list[str], timeout: float | None) -> None:
         self.job_ids = list(job_ids)
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self._by_channel = {keys.done_channel(j): j for j in self.job_ids}
         self._pending = set(self.job_ids)
+        self._quiet_at = time.monotonic() + _QUIET_S
 
     def channels(self) -> list[list[str]]:
         """The done channels to subscribe to, in chunks of one SUBSCRIBE each."""
@@ -43,60 +47,157 @@ class Waiter:
 
     def read(self, recs: list[records.JobRecord]) -> None:
         self._pending -= {rec.id for rec in recs if rec.final}
+        self._quiet_at = time.monotonic() + _QUIET_S
 
     def heard(self, message: dict[str, Any]) -> None:
-        self._pending.discard(self._by_channel.get(text(message["channel"]), ""))
+        job_id = self._by_channel.get(text(message["channel"]))
+        if job_id is not None:
+            self._pending.discard(job_id)
+            self._quiet_at = time.monotonic() + _QUIET_S
+
+    def quiet(self) -> bool:
+        return time.monotonic() >= self._quiet_at
 
     def wait_s(self) -> float | None:
         """How long to wait for the next message; None: stop (every job is final, or the
         time is up)."""
         if not self._pending:
             return None
+        now = time.monotonic()
+        quiet = max(0.0, self._quiet_at - now)
         if self.deadline is None:
-            return _QUIET_S
-        left = self.deadline - time.monotonic()
-        return None if left <= 0 else min(left, _QUIET_S)
+            return quiet
+        left = self.deadline - now
+        return None if left <= 0 else min(left, quiet)
 
 
-def wait(r: redis.Redis, job_id: str, timeout: float | None) -> records.JobRecord:
+_KEPT = 8  # idle pub/sub connections a client keeps for its next waits
+
+
+class Listeners:
+    """Pub/sub connections kept between waits: a wait borrows one and gives it back
+    unsubscribed, so a client's waits do not each open a connection (a HELLO and CLIENT
+    calls on the server, a TCP handshake here). A message for a channel of an earlier wait
+    that arrives late is ignored (Waiter.heard knows only its own channels)."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Any:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self.r.pubsub(ignore_subscribe_messages=True)
+
+    def give(self, pubsub: Any, ok: bool) -> None:
+        """Back after a wait; `ok`: it ended without an error (else it is closed)."""
+        if ok:
+            try:
+                pubsub.unsubscribe()
+            except redis.RedisError:
+                ok = False
+        with self._lock:
+            if ok and len(self._idle) < _KEPT:
+                self._idle.append(pubsub)
+                return
+        pubsub.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for pubsub in idle:
+            pubsub.close()
+
+
+class AsyncListeners:
+    """`Listeners` for the asyncio client."""
+
+    def __init__(self, r: redis.asyncio.Redis) -> None:
+        self.r = r
+        self._idle: list[Any] = []
+
+    def take(self) -> Any:
+        return self._idle.pop() if self._idle else self.r.pubsub(ignore_subscribe_messages=True)
+
+    async def give(self, pubsub: Any, ok: bool) -> None:
+        if ok:
+            try:
+                await pubsub.unsubscribe()
+            except redis.RedisError:
+                ok = False
+        if ok and len(self._idle) < _KEPT:
+            self._idle.append(pubsub)
+        else:
+            await pubsub.aclose()
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for pubsub in idle:
+            await pubsub.aclose()
+
+
+def wait(
+    r: redis.Redis, job_id: str, timeout: float | None, listeners: Listeners | None = None
+) -> records.JobRecord:
     """The record once final, or as it stands when `timeout` seconds have passed."""
-    return wait_many(r, [job_id], timeout)[0]
+    return wait_many(r, [job_id], timeout, listeners)[0]
 
 
-def wait_many(r: redis.Redis, job_ids: list[str], timeout: float | None) -> list[records.JobRecord]:
+def wait_many(
+    r: redis.Redis, job_ids: list[str], timeout: float | None, listeners: Listeners | None = None
+) -> list[records.JobRecord]:
+    """`listeners`: where the pub/sub connection comes from and goes back to (None: one of
+    its own, closed after)."""
     w = Waiter(job_ids, timeout)
-    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub = listeners.take() if listeners else r.pubsub(ignore_subscribe_messages=True)
+    ok = False
     try:
         for chunk in w.channels():
             pubsub.subscribe(*chunk)
         w.read(records.get_many(r, w.job_ids))
         while (wait_s := w.wait_s()) is not None:
             msg = pubsub.get_message(timeout=wait_s)
-            if msg is None:
-                w.read(records.get_many(r, w.unsettled()))
-            else:
+            if msg is not None:
                 w.heard(msg)
-        return records.get_many(r, w.job_ids)
+            elif w.quiet():
+                w.read(records.get_many(r, w.unsettled()))
+        out = records.get_many(r, w.job_ids)
+        ok = True
+        return out
     finally:
-        pubsub.close()
+        if listeners:
+            listeners.give(pubsub, ok)
+        else:
+            pubsub.close()
 
 
 async def wait_many_async(
-    r: redis.asyncio.Redis, job_ids: list[str], timeout: float | None
+    r: redis.asyncio.Redis,
+    job_ids: list[str],
+    timeout: float | None,
+    listeners: AsyncListeners | None = None,
 ) -> list[records.JobRecord]:
     """`wait_many`, awaited."""
     w = Waiter(job_ids, timeout)
-    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub = listeners.take() if listeners else r.pubsub(ignore_subscribe_messages=True)
+    ok = False
     try:
         for chunk in w.channels():
             await pubsub.subscribe(*chunk)
         w.read(await records.get_many_async(r, w.job_ids))
         while (wait_s := w.wait_s()) is not None:
             msg = await pubsub.get_message(timeout=wait_s)
-            if msg is None:
-                w.read(await records.get_many_async(r, w.unsettled()))
-            else:
+            if msg is not None:
                 w.heard(msg)
-        return await records.get_many_async(r, w.job_ids)
+            elif w.quiet():
+                w.read(await records.get_many_async(r, w.unsettled()))
+        out = await records.get_many_async(r, w.job_ids)
+        ok = True
+        return out
     finally:
-        await pubsub.aclose()
+        if listeners:
+            await listeners.give(pubsub, ok)
+        else:
+            await pubsub.aclose()

@@ -146,6 +146,17 @@ def test_deltas_only_for_the_named_worker(r):
     assert stream(r, "b") == [{"type": "start", "worker": "w2"}]
 
 
+def test_deltas_skip_a_stream_key_of_another_type(r):
+    submit(r, "a")
+    begin(r, "a")
+    r.delete(keys.output("a"))
+    r.set(keys.output("a"), "not a stream")
+    for reset in (False, True):
+        items = [jobs.Delta("a", "he", [1], reset=reset)]
+        assert jobs.run(r, jobs.deltas(worker="w1", maxlen=100, items=items)) == 0
+    assert r.get(keys.output("a")) == "not a stream"
+
+
 def test_finalize_acks_stores_and_publishes(r):
     submit(r, "j1")
     entry_id = take(r)

@@ -92,8 +92,13 @@ def test_waiter_settles_by_record_or_message(monkeypatch: pytest.MonkeyPatch) ->
     w.read([JobRecord(id=f"j{i}", state="completed", final=True) for i in range(1498)])
     assert w.unsettled() == ["j1498", "j1499"] and w.wait_s() == 1.0
     w.heard({"channel": b"plurai:done:j1498", "data": b"completed"})
-    now[0] += 2.0
-    assert w.unsettled() == ["j1499"] and w.wait_s() == pytest.approx(0.5)
+    w.heard({"channel": b"plurai:done:other", "data": b"completed"})  # an earlier wait's
+    now[0] += 0.4  # a wait that returned early (a confirmation consumed) is not quiet
+    assert not w.quiet() and w.wait_s() == pytest.approx(0.6)
+    now[0] += 1.6  # nothing for a second: read the records again
+    assert w.unsettled() == ["j1499"] and w.quiet() and w.wait_s() == 0.0
+    w.read([])
+    assert not w.quiet() and w.wait_s() == pytest.approx(0.5)
     now[0] += 1.0
     assert w.wait_s() is None  # the time is up
     forever = wait.Waiter(["a"], timeout=None)

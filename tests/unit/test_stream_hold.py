@@ -1,0 +1,86 @@
+"""A running job's tokens are held back and written to its stream together (job.Running):
+its first tokens at once (time to first token unchanged), then every `tokens` tokens or
+when the oldest held one is `seconds` old, the rest with its result; the stream always
+spells the same text as the result."""
+
+from __future__ import annotations
+
+from broker_config import protocol
+from gpu_workers.backend import StepOutput
+from gpu_workers.intake import Entry
+from gpu_workers.job import Running, Stream
+
+EVERY = Stream(tokens=4, seconds=0.1)
+
+
+def running(stream: bool = True) -> Running:
+    env = protocol.Envelope(job_id="job-12345678", max_tokens=64, prompt_tokens=3)
+    return Running(Entry("standard", b"1-0", {}, protocol.Request(env, prompt="x", stream=stream)))
+
+
+def out(tok: int, text: str, finished: bool = False) -> StepOutput:
+    return StepOutput(
+        "job-12345678", [tok], text, finished, "length" if finished else None, 3, 0, 0
+    )
+
+
+def test_first_tokens_at_once_then_held_until_enough() -> None:
+    run = running()
+    first = run.absorb(out(1, "a"), 0.0, EVERY)
+    assert first is not None and (first.text, first.token_ids, first.reset) == ("a", [1], False)
+    assert [run.absorb(out(t, str(t)), 0.01, EVERY) for t in (2, 3, 4)] == [None, None, None]
+    sent = run.absorb(out(5, "5"), 0.02, EVERY)  # four held: written together
+    assert sent is not None and (sent.text, sent.token_ids) == ("2345", [2, 3, 4, 5])
+    assert run.held_since is None and not run.has_unsent
+
+
+def test_held_tokens_go_when_the_oldest_is_old_enough_or_the_job_ends() -> None:
+    run = running()
+    run.absorb(out(1, "a"), 0.0, EVERY)
+    assert run.absorb(out(2, "b"), 1.0, EVERY) is None
+    late = run.absorb(out(3, "c"), 1.1, EVERY)  # the oldest held waited 0.1 s
+    assert late is not None and late.token_ids == [2, 3]
+    assert run.absorb(out(4, "d"), 1.2, EVERY) is None
+    last = run.absorb(out(5, "e", finished=True), 1.21, EVERY)
+    assert last is not None and (last.text, last.token_ids) == ("de", [4, 5])
+
+
+def test_the_stream_spells_the_result_whatever_the_holding() -> None:
+    for every in (Stream(1, 0.0), Stream(3, 10.0), Stream(1000, 1000.0)):
+        run, written = running(), []
+        for t in range(20):
+            d = run.absorb(out(t, f"<{t}>", finished=t == 19), t * 0.03, every)
+            written += [d] if d is not None else []
+        assert "".join(d.text for d in written) == "".join(run.text)
+        assert [i for d in written for i in d.token_ids] == run.token_ids == list(range(20))
+        if every.tokens == 1:
+            assert len(written) == 20  # one write a token, as before holding
+
+
+def test_a_resync_rewrites_everything_and_unsent_flushes_the_rest() -> None:
+    run = running()
+    run.absorb(out(1, "a"), 0.0, EVERY)
+    run.absorb(out(2, "b"), 0.01, EVERY)
+    run.resync = True  # Redis failed: the stream may lack writes
+    again = run.absorb(out(3, "c"), 0.02, EVERY)
+    assert again is not None and again.reset and (again.text, again.token_ids) == ("abc", [1, 2, 3])
+    run.absorb(out(4, "d"), 0.03, EVERY)
+    held = run.unsent()  # a job ended outside a step (cancel, deadline) writes what it holds
+    assert held is not None and (held.text, held.token_ids) == ("d", [4])
+    assert run.unsent() is None
+
+
+def test_a_job_that_does_not_stream_writes_nothing() -> None:
+    run = running(stream=False)
+    assert run.absorb(out(1, "a"), 0.0, EVERY) is None
+    assert run.absorb(out(2, "b", finished=True), 0.0, EVERY) is None and run.unsent() is None
+    assert run.text == ["a", "b"]
+
+
+def test_tokens_go_at_once_until_the_first_text_is_out() -> None:
+    run = running()  # e.g. text held back while it may start a stop string
+    assert run.absorb(out(1, ""), 0.0, EVERY) is not None
+    assert run.absorb(out(2, ""), 0.01, EVERY) is not None
+    shown = run.absorb(out(3, "abc"), 0.02, EVERY)
+    assert shown is not None and shown.text == "abc"
+    assert run.absorb(out(4, "d"), 0.03, EVERY) is None
