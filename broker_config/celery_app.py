@@ -12,10 +12,14 @@ pickles). The URL may hold a password: Celery shows it masked, and nothing here 
 
 from __future__ import annotations
 
+import ssl
+from typing import Any
+from urllib.parse import quote
+
 from celery import Celery
 
 from broker_config import keys
-from broker_config.connection import resolve_url
+from broker_config.connection import SentinelURL, parse_sentinel, resolve_url
 from broker_config.settings import BulkSettings
 
 app = Celery("plurai", include=["producer.bulk.tasks"])
@@ -28,16 +32,24 @@ def configure(celery: Celery, url: str | None = None) -> Celery:
         url = resolve_url(url)
     except ValueError:
         url = None  # no Redis known yet: configure() again before sending or consuming
-    if celery.conf.broker_url and celery.conf.broker_url != url:
+    if celery.conf.get("plurai_redis_url") and celery.conf.plurai_redis_url != url:
         # pooled connections of an app that has sent before still lead to the old Redis
         celery._pool = None
         celery.amqp._producer_pool = None
-    transport = {
+    transport: dict[str, Any] = {
         "global_keyprefix": keys.CELERY_PREFIX,
         "visibility_timeout": bs.visibility_timeout_s,
     }
+    broker = url
+    sentinel = parse_sentinel(url) if url else None
+    if sentinel is not None:
+        broker, more = kombu_sentinel(sentinel)
+        transport.update(more)
+        if sentinel.tls:  # rediss+sentinel: TLS to the primary, certificate verified
+            celery.conf.broker_use_ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
     celery.conf.update(
-        broker_url=url,
+        plurai_redis_url=url,  # the tasks' own client connects with it
+        broker_url=broker,
         result_backend=None,
         broker_transport_options=transport,
         task_serializer="json",
@@ -60,6 +72,20 @@ def configure(celery: Celery, url: str | None = None) -> Celery:
         },
     )
     return celery
+
+
+def kombu_sentinel(s: SentinelURL) -> tuple[str, dict[str, Any]]:
+    """A sentinel URL as Celery's Redis transport takes it: one sentinel:// URL per sentinel
+    (joined by ';', the primary's credentials in each) and transport options."""
+    auth = ""
+    if s.username or s.password:
+        auth = f"{quote(s.username or '', safe='')}:{quote(s.password or '', safe='')}@"
+    urls = ";".join(f"sentinel://{auth}{h}:{p}/{s.db}" for h, p in s.hosts)
+    options: dict[str, Any] = {"master_name": s.service}
+    kw = {k: v for k, v in s.sentinel_kwargs.items() if v is not None and "timeout" not in k}
+    if kw:
+        options["sentinel_kwargs"] = kw
+    return urls, options
 
 
 configure(app)

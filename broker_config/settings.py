@@ -100,6 +100,11 @@ class Settings(_Sourced):
     # ones at once, then whenever this many are held or the oldest held is this old, the
     # rest with its result (1 token: every step's tokens as they come). Redis writes per
     # generated token fall from about three to a few per job (docs/protocol.md).
+    # With replicas (Sentinel): a submit returns only once this many replicas acknowledge
+    # the job (WAIT), else the SDK raises NotReplicated; 0: the primary's word is enough
+    # (a failover can then lose a job submitted just before it: docs/operations.md)
+    submit_replicas: int = Field(default=0, ge=0)
+    submit_replicas_timeout_ms: int = Field(default=1000, ge=1)
     stream_flush_tokens: int = Field(default=16, ge=1)
     stream_flush_ms: int = Field(default=100, ge=0)
     dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead

@@ -134,6 +134,13 @@ class Intake:
             for entry_id, fields in entries
         ]
 
+    def hold_reclaims(self, seconds: float) -> None:
+        """Reclaim nothing for `seconds`. After a Redis outage (or failover) every worker's
+        entries look idle, their leases unrenewed: each worker must get the time to renew
+        its own before any takes another's, or live workers would take each other's jobs
+        back and forth until their delivery counts ran out."""
+        self._next_reclaim = max(self._next_reclaim, time.monotonic() + seconds)
+
     def _reclaim(self) -> list[Raw]:
         """One entry left idle by a dead worker, highest lane first, claimed to this worker;
         entries whose job failed max_deliveries times are dead-lettered on the way. When a

@@ -15,8 +15,6 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from broker_config import logs
 from broker_config.connection import connect, redact
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
@@ -33,7 +31,7 @@ def serve_metrics(worker: Worker, url: str, settings: Settings) -> int:
         return 0
     # Its own connection with short timeouts: a scrape must not hang on a slow Redis.
     worker.metrics.watch_queue(
-        redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2), worker.lanes
+        connect(url, socket_timeout=2, socket_connect_timeout=2), worker.lanes
     )
     try:
         bound = worker.metrics.serve(port, settings.metrics_host)
@@ -91,7 +89,7 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
     from gpu_workers.engine.engine import Engine
 
     kv_redis = (
-        redis.Redis.from_url(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        connect(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         if kv_url
         else None
     )

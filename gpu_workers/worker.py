@@ -112,6 +112,10 @@ class Worker:
                     failure = e
                 self.metrics.redis_errors.inc()
                 self._lost_writes()
+                # once back: renew this worker's leases at once, and reclaim nothing until
+                # the others have had the time to renew theirs (Intake.hold_reclaims)
+                self._next_beat = 0.0
+                self.intake.hold_reclaims(self.settings.reclaim_idle_ms / 1000)
                 outage.wait(failure, len(self.writer.unsent))
             crashed = False
         finally:

@@ -90,6 +90,7 @@ class Writer:
                 self._conn.send_packed_command([packed])
         except BaseException:
             self.keep(calls)
+            self._drop_conn()
             raise
         if calls:
             self._in_flight = calls
@@ -107,7 +108,7 @@ class Writer:
                 except redis.exceptions.NoScriptError:
                     failed.append(call)
         except BaseException:
-            self._conn.disconnect()
+            self._drop_conn()
             self.keep(calls)
             raise
         for call in failed:  # Redis lost its script cache: these did nothing; run them again
@@ -165,6 +166,15 @@ class Writer:
                 name = item.script if isinstance(item, jobs.Call) else item[0]
                 log.error("redis refused a %s call (%s); dropped", name, rep)
         return again
+
+    def _drop_conn(self) -> None:
+        """After a failure: the next write takes a connection from the pool again, which
+        connects it anew (to the current primary, with Sentinel; a kept connection would
+        reconnect to the address it had)."""
+        if self._conn is not None:
+            self._conn.disconnect()
+            self.r.connection_pool.release(self._conn)
+            self._conn = None
 
     def close(self) -> None:
         if self._conn is not None:

@@ -15,12 +15,13 @@ from contextlib import aclosing
 from typing import Any
 
 import redis.asyncio
+from redis.exceptions import NoScriptError
 
 from broker_config.connection import connect_async, resolve_url
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.client import _CHUNK, cancel_call
-from producer.errors import QueueFull, final, retry_pause, submitted
+from producer.errors import NotReplicated, QueueFull, final, retry_pause, submitted
 from producer.request import prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
@@ -50,7 +51,14 @@ class AsyncClient:
         give_up = time.monotonic() + queue_timeout
         while True:
             try:
+                if self.settings.submit_replicas:
+                    return (await self._send([call], []))[0]
                 return AsyncJob(self, text(await jobs.run_async(self.redis, call)))
+            except QueueFull:  # from the path that waits for replicas
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(self.settings.queue_full_retry_s, left))
             except redis.ResponseError as e:
                 retry = self.settings.queue_full_retry_s
                 await asyncio.sleep(retry_pause(e, call.lane, retry, give_up))
@@ -61,17 +69,40 @@ class AsyncClient:
         out: list[AsyncJob] = []
         for i in range(0, len(requests), _CHUNK):
             calls = [prepare(self.settings, **req) for req in requests[i : i + _CHUNK]]
-            pipe = self.redis.pipeline(transaction=False)
-            for call in calls:
-                pipe.execute_command(*call.command())
-            replies = await pipe.execute(raise_on_error=False)
-            try:
-                ids = submitted(replies, [c.lane for c in calls], self.settings.queue_full_retry_s)
-            except QueueFull as full:
-                full.accepted = out + [AsyncJob(self, j) for j in full.accepted]
-                raise
-            out += [AsyncJob(self, j) for j in ids]
+            out += await self._send(calls, out)
         return out
+
+    async def _send(self, calls: list[jobs.Call], before: list[AsyncJob]) -> list[AsyncJob]:
+        """As Client._send: SUBMIT calls in one pipeline, then (PLURAI_SUBMIT_REPLICAS) a
+        WAIT on the same connection."""
+        s = self.settings
+        replies = await self._pipeline(calls)
+        missing = [i for i, x in enumerate(replies[: len(calls)]) if isinstance(x, NoScriptError)]
+        if missing:  # Redis lost its scripts: those calls did nothing
+            await jobs.load_async(self.redis, "SUBMIT")
+            again = await self._pipeline([calls[i] for i in missing])
+            for i, reply in zip(missing, again, strict=False):
+                replies[i] = reply
+            if s.submit_replicas:
+                replies[-1] = again[-1]
+        acked = replies.pop() if s.submit_replicas else 0
+        try:
+            ids = submitted(replies, [c.lane for c in calls], s.queue_full_retry_s)
+        except QueueFull as full:
+            full.accepted = before + [AsyncJob(self, j) for j in full.accepted]
+            raise
+        if s.submit_replicas and acked < s.submit_replicas:
+            raise NotReplicated(ids, acked, s.submit_replicas, s.submit_replicas_timeout_ms)
+        return [AsyncJob(self, j) for j in ids]
+
+    async def _pipeline(self, calls: list[jobs.Call]) -> list[Any]:
+        s = self.settings
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*call.command())
+        if s.submit_replicas:
+            pipe.execute_command("WAIT", s.submit_replicas, s.submit_replicas_timeout_ms)
+        return await pipe.execute(raise_on_error=False)
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)

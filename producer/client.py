@@ -14,12 +14,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from broker_config import fastpipe
 from broker_config.connection import connect, resolve_url
 from broker_config.settings import Settings
 from broker_config.text import text
-from producer.errors import QueueFull, final, retry_pause, submitted
+from producer.errors import NotReplicated, QueueFull, final, retry_pause, submitted
 from producer.request import prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
@@ -57,7 +58,14 @@ class Client:
         give_up = time.monotonic() + queue_timeout
         while True:
             try:
+                if self.settings.submit_replicas:
+                    return self._send([fastpipe.pack(call.command())], [call.lane], [])[0]
                 return Job(self, text(jobs.run(self.redis, call)))
+            except QueueFull:  # from the path that waits for replicas
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(self.settings.queue_full_retry_s, left))
             except redis.ResponseError as e:
                 retry = self.settings.queue_full_retry_s
                 time.sleep(retry_pause(e, call.lane, retry, give_up))
@@ -81,12 +89,29 @@ class Client:
         return out
 
     def _send(self, chunk: list[bytes], lanes: list[str], before: list[Job]) -> list[Job]:
-        replies = fastpipe.run(self.redis, chunk)
+        """One chunk of packed SUBMIT calls; with PLURAI_SUBMIT_REPLICAS, followed on the
+        same connection by a WAIT for that many replicas to have them."""
+        s = self.settings
+        wait = []
+        if s.submit_replicas:
+            wait = [fastpipe.pack(["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms])]
+        replies = fastpipe.run(self.redis, chunk + wait)
+        missing = [i for i, x in enumerate(replies[: len(chunk)]) if isinstance(x, NoScriptError)]
+        if missing:  # Redis lost its scripts (a restart, a failover): those calls did nothing
+            jobs.load(self.redis, "SUBMIT")
+            again = fastpipe.run(self.redis, [chunk[i] for i in missing] + wait)
+            for i, reply in zip(missing, again, strict=False):
+                replies[i] = reply
+            if wait:
+                replies[-1] = again[-1]
+        acked = replies.pop() if wait else 0
         try:
-            ids = submitted(replies, lanes, self.settings.queue_full_retry_s)
+            ids = submitted(replies, lanes, s.queue_full_retry_s)
         except QueueFull as full:
             full.accepted = before + [Job(self, i) for i in full.accepted]
             raise
+        if s.submit_replicas and acked < s.submit_replicas:
+            raise NotReplicated(ids, acked, s.submit_replicas, s.submit_replicas_timeout_ms)
         return [Job(self, i) for i in ids]
 
     def job(self, job_id: str) -> Job:

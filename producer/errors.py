@@ -41,6 +41,22 @@ class QueueFull(RuntimeError):
         self.accepted = accepted or []
 
 
+class NotReplicated(RuntimeError):
+    """The primary queued these jobs, but fewer replicas than PLURAI_SUBMIT_REPLICAS
+    acknowledged them in time: a failover now would lose them. Submitting them again with
+    the same idempotency keys is safe (a repeat queues nothing twice)."""
+
+    def __init__(self, job_ids: list[str], acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"{len(job_ids)} job(s) queued on the primary, but {acked} of {wanted} replicas "
+            f"acknowledged them within {timeout_ms} ms (PLURAI_SUBMIT_REPLICAS): they are "
+            "lost if the primary fails before they reach a replica"
+        )
+        self.job_ids = job_ids
+        self.acked = acked
+        self.wanted = wanted
+
+
 def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | None:
     """The QueueFull that a SUBMIT error reply stands for, or None for any other error."""
     text = str(error)

@@ -62,7 +62,6 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -73,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from broker_config.connection import connect
 from kv_store import block_format
 from kv_store.block_hash import chain_hashes, salt_root
 from kv_store.redis_tier import RedisTier
@@ -257,7 +257,7 @@ def open_store(
         return None
     try:
         # no retries: the engine waits on every read, and a miss only costs a recompute
-        r = redis.Redis.from_url(
+        r = connect(
             url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
         )
     except ValueError as e:  # the message can quote the URL: say only what kind of fault

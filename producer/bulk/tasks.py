@@ -31,7 +31,7 @@ STEP = "plurai.bulk.step"
 
 
 def _client() -> Client:
-    return _client_for(resolve_url(app.conf.broker_url))
+    return _client_for(resolve_url(app.conf.get("plurai_redis_url") or app.conf.broker_url))
 
 
 @functools.lru_cache(maxsize=4)

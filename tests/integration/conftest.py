@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from broker_config import keys
+from broker_config.connection import connect
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ class Workers:
     def start(
         self, n: int = 1, *extra: str, env: dict[str, str] | None = None, timeout: float = 180.0
     ) -> list[subprocess.Popen[bytes]]:
-        r = redis.Redis.from_url(self.url)
+        r = connect(self.url)
         before = r.scard(keys.WORKERS)
         new = []
         for _ in range(n):

@@ -31,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
         ("unix://u:s3cret@/run/redis.sock?db=0", "unix://***@/run/redis.sock?db=0"),
         ("redis://:s3/cr?e#t@h/0", "redis://***@h/0"),
         (
+            "redis+sentinel://:s3cret@a:26379,b:26379/main/0?sentinel_password=s3cret",
+            "redis+sentinel://***@a:26379,b:26379/main/0?sentinel_password=***",
+        ),
+        (
             "cannot reach redis://:s3cret@a:1/0 nor rediss://x:s3cret@b:2/0.",
             "cannot reach redis://***@a:1/0 nor rediss://***@b:2/0.",
         ),
