@@ -88,11 +88,7 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
     from gpu_workers.engine.config import EngineConfig
     from gpu_workers.engine.engine import Engine
 
-    kv_redis = (
-        connect(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        if kv_url
-        else None
-    )
+    kv_redis = connect(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0) if kv_url else None
     config = EngineConfig(
         model=settings.model_dir, tensor_parallel=args.tp, pipeline_parallel=args.pp, **options
     )
