@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[dev]'
-	# the fused CPU kernels, built now rather than at the first engine start
-	$(PY) -m gpu_workers.kernels
+	# the fused CPU kernels, built now rather than at the first engine start (and the AVX2
+	# variant beside them on wider CPUs, for its test)
+	$(PY) -m gpu_workers.kernels --with-avx2
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml
