@@ -83,28 +83,10 @@ def offline(a: argparse.Namespace, reqs: list[dict]) -> dict:
 
 
 def end_to_end(a: argparse.Namespace, url: str, reqs: list[dict]) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "cli",
-        "worker",
-        "--model",
-        a.model,
-        "--url",
-        url,
-        "--log-level",
-        "WARNING",
-    ]
-    for k, v in engine_args(a).items():
-        cmd += ["--engine", f"{k}={v}"]
-    worker = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"})
+    extra = [x for k, v in engine_args(a).items() for x in ("--engine", f"{k}={v}")]
+    worker = start_worker(a.model, url, {}, extra)
     try:
         client = Client(url)
-        while not client.redis.scard(keys.WORKERS):
-            if worker.poll() is not None:
-                raise SystemExit("worker exited")
-            time.sleep(0.1)
-        client.submit("warm up the engine", max_tokens=8).result(timeout=120)
         t = time.perf_counter()
         jobs = client.submit_many(reqs)
         recs = client.wait_all(jobs, timeout=3600)
@@ -236,10 +218,13 @@ def enqueue(url: str, n: int) -> dict:
     }
 
 
-def start_worker(model: str, url: str, env: dict[str, str]) -> subprocess.Popen:
+def start_worker(
+    model: str, url: str, env: dict[str, str], extra: list[str] | None = None
+) -> subprocess.Popen:
+    """A worker process on `url`, once it has served a warm-up job."""
     cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
     worker = subprocess.Popen(
-        [*cmd, "--log-level", "WARNING"],
+        [*cmd, "--log-level", "WARNING", *(extra or [])],
         cwd=ROOT,
         env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **env},
     )
