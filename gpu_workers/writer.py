@@ -137,8 +137,9 @@ class Writer:
         self.unsent += [jobs.resynced(c) for c in calls if c.script == "FINALIZE"]
 
     def lost_writes(self) -> None:
-        """Redis failed: the kept results rewrite their streams (see keep)."""
-        self.unsent = [jobs.resynced(c) for c in self.unsent]
+        """Redis failed: the kept results rewrite their streams (see keep), which makes the
+        kept stream writes that went with them (a job's held tokens) needless."""
+        self.unsent = [jobs.resynced(c) for c in self.unsent if c.script == "FINALIZE"]
 
     def execute(self, items: list[jobs.Call] | list[list[Any]]) -> list[Any]:
         """Send script calls or plain commands in one pipeline. Returns those Redis refused
