@@ -117,9 +117,8 @@ class Grammars:
                 self._cache.move_to_end(key)
                 return proto.deep_copy()
             kind, text = s
-            what = "regex" if kind == "regex" and params.choice is None else "choice"
+            what = "JSON schema" if kind == "json" else "choice" if params.choice else "regex"
             if kind == "json":
-                what = "JSON schema"
                 try:
                     grammar = llguidance.LLMatcher.grammar_from_json_schema(
                         text, defaults=JSON_OPTIONS
@@ -133,11 +132,7 @@ class Grammars:
             m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
             if m.is_error():
                 raise _refuse(what, m.get_error())
-            first = np.zeros((1, self.words), dtype=np.int32)
-            self._executor.unsafe_compute_mask_ptr(  # type: ignore[union-attr]
-                [(m, 0)], first.ctypes.data, self.words * 4, 1
-            )
-            if m.is_error() or not first.any():
+            if m.is_error() or not self._bits([m]).any():
                 raise _refuse(
                     what, "no token of this model's vocabulary can start an output it allows"
                 )
@@ -150,17 +145,22 @@ class Grammars:
     def allowed(self, matchers: list[Any]) -> np.ndarray:
         """The tokens each matcher allows next, as a bool array [len(matchers), vocab].
         Raises GrammarError for a matcher in an error state (it hit a resource limit)."""
-        bits = np.zeros((len(matchers), self.words), dtype=np.int32)
-        assert self._executor is not None
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bits.ctypes.data, self.words * 4, len(bits)
-        )
+        bits = self._bits(matchers)
         for m in matchers:
             if m.is_error():
                 raise GrammarError(m.get_error())
         # bit t of row i is token t (little-endian words, low bit first)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
         return allowed[:, : self.vocab_size].view(np.bool_)
+
+    def _bits(self, matchers: list[Any]) -> np.ndarray:
+        """Each matcher's next-token bitmask, filled by llguidance's threads at once."""
+        bits = np.zeros((len(matchers), self.words), dtype=np.int32)
+        assert self._executor is not None
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bits.ctypes.data, self.words * 4, len(bits)
+        )
+        return bits
 
 
 class GrammarError(RuntimeError):

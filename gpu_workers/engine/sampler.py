@@ -28,17 +28,17 @@ class Sampler:
         logits = logits.float().cpu()
         raw = logits
         params = [s.params for s in seqs]
-        wanted = any(p.logprobs is not None for p in params)
-        if any(
+        penalized = any(
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
-        ):
-            # in place, unless the raw logits are still wanted for logprobs
-            logits = self._penalize(logits.clone() if wanted else logits, seqs)
+        )
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        # both work in place, on a copy while the raw logits are still wanted for logprobs
+        if (penalized or constrained) and any(p.logprobs is not None for p in params):
+            logits = logits.clone()
+        if penalized:
+            logits = self._penalize(logits, seqs)
         if constrained:
-            logits = self._constrain(
-                logits.clone() if wanted and logits is raw else logits, seqs, constrained
-            )
+            logits = self._constrain(logits, seqs, constrained)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

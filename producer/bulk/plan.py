@@ -87,9 +87,9 @@ class Task:
             raise ValueError("task custom needs a template containing {text} (--template)")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        limit = Settings().max_grammar_bytes
+        limit, sampling = Settings().max_grammar_bytes, self.sampling()
         for name in ("response_format", "choice"):
-            value = self.sampling().get(name)
+            value = sampling.get(name)
             size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
             if value is not None and size > limit:
                 what = "schema (--schema)" if name == "response_format" else "labels (--labels)"
