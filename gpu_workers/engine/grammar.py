@@ -132,7 +132,8 @@ class Grammars:
             m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
             if m.is_error():
                 raise _refuse(what, m.get_error())
-            if m.is_error() or not self._bits([m]).any():
+            first = self._bits([m])  # a matcher can fail only here, computing its mask
+            if m.is_error() or not first.any():
                 raise _refuse(
                     what, "no token of this model's vocabulary can start an output it allows"
                 )

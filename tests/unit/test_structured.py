@@ -199,6 +199,7 @@ BAD = [
     (dict(regex="(unclosed"), "unclosed"),
     (dict(regex="a(?=b)"), "look-around"),
     (dict(response_format=rf({"enum": []})), "nsatisfiable"),
+    (dict(regex="[a&&b]"), "no token"),  # compiles, but matches nothing
 ]
 
 
