@@ -19,6 +19,14 @@ again after a failover:
 The user and password are the primary's; sentinel_password (and sentinel_username) are
 the sentinels' own, when they require one.
 
+and Redis Cluster, which routes each key to the node that holds its hash slot (keys that
+one command or script touches together must share a {hash tag}):
+
+    redis+cluster://[user:password@]host:6379[,host:6379...][/]
+    rediss+cluster://...?ssl_ca_certs=/etc/ca.pem TLS to every node, custom CA optional
+
+Any of the listed nodes is enough to find the others. A cluster has only db 0.
+
 `decode=False` returns bytes (the worker reads msgpack bodies); `decode=True` returns
 str (clients reading records and token streams).
 
@@ -35,7 +43,9 @@ from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
 import redis.asyncio.sentinel
+import redis.cluster
 import redis.sentinel
 
 from broker_config.settings import Settings
@@ -45,6 +55,10 @@ from broker_config.settings import Settings
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@")
 _PASSWORD_PARAM = re.compile(r"([?&](?:sentinel_)?password=)[^&#\s]*", re.IGNORECASE)
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+Client = redis.Redis | redis.cluster.RedisCluster
+AsyncClient = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 
 def redact(text: str) -> str:
@@ -85,26 +99,58 @@ class SentinelURL:
         }
 
 
-def parse_sentinel(url: str) -> SentinelURL | None:
-    """The parts of a redis+sentinel:// URL; None for any other URL. ValueError saying what
-    is wrong with a sentinel URL that does not parse."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
-        return None
+@dataclass(frozen=True)
+class ClusterURL:
+    """A redis+cluster:// URL, parsed."""
+
+    hosts: list[tuple[str, int]]
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    ssl_ca_certs: str | None = None
+
+    @property
+    def node_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"username": self.username, "password": self.password}
+        if self.tls:
+            kw["ssl"] = True
+            if self.ssl_ca_certs:
+                kw["ssl_ca_certs"] = self.ssl_ca_certs
+        return kw
+
+
+def _split(url: str) -> tuple[str, str, str, str, str]:
+    """scheme, user info, host list, path and query of a URL with several hosts."""
+    scheme, _, rest = url.partition("://")
     rest, _, query = rest.partition("?")
     authority, _, path = rest.partition("/")
     userinfo, at, hostlist = authority.rpartition("@")
     if not at:
         userinfo, hostlist = "", authority
+    return scheme.lower(), userinfo, hostlist, path, query
+
+
+def _hosts(hostlist: str, default_port: int, kind: str) -> list[tuple[str, int]]:
     hosts = []
     for item in hostlist.split(","):
         host, colon, port = item.strip().rpartition(":")
         if not colon:
-            host, port = item.strip(), "26379"
+            host, port = item.strip(), str(default_port)
         host = host.strip("[]")  # [::1]:26379
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"a sentinel URL names host:port pairs; {item.strip()!r} is not one")
+            raise ValueError(f"a {kind} URL names host:port pairs; {item.strip()!r} is not one")
         hosts.append((host, int(port)))
+    return hosts
+
+
+def parse_sentinel(url: str) -> SentinelURL | None:
+    """The parts of a redis+sentinel:// URL; None for any other URL. ValueError saying what
+    is wrong with a sentinel URL that does not parse."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
+        return None
+    scheme, userinfo, hostlist, path, query = _split(url)
+    hosts = _hosts(hostlist, 26379, "sentinel")
     parts = [unquote(p) for p in path.split("/") if p]
     if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
         raise ValueError(
@@ -124,14 +170,57 @@ def parse_sentinel(url: str) -> SentinelURL | None:
         password=unquote(password) or None,
         sentinel_username=params.get("sentinel_username"),
         sentinel_password=params.get("sentinel_password"),
-        tls=scheme.lower() == "rediss+sentinel",
+        tls=scheme == "rediss+sentinel",
     )
 
 
-def connect(url: str, *, decode: bool = False, **options: Any) -> redis.Redis:
+def parse_cluster(url: str) -> ClusterURL | None:
+    """The parts of a redis+cluster:// URL; None for any other URL. ValueError saying what
+    is wrong with a cluster URL that does not parse."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
+        return None
+    scheme, userinfo, hostlist, path, query = _split(url)
+    hosts = _hosts(hostlist, 6379, "cluster")
+    path = path.strip("/")
+    if path and path != "0":
+        if path.isdigit():
+            raise ValueError(f"Redis Cluster has only db 0; the URL asks for db {path}")
+        raise ValueError(
+            "a cluster URL names no service nor path, only db 0 at most, e.g. "
+            "redis+cluster://h1:6379,h2:6379/"
+        )
+    params = {k: v[-1] for k, v in parse_qs(query).items()}
+    allowed = {"ssl_ca_certs"} if scheme == "rediss+cluster" else set()
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"unknown cluster URL parameter(s) {unknown}")
+    user, _, password = userinfo.partition(":")
+    return ClusterURL(
+        hosts=hosts,
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        tls=scheme == "rediss+cluster",
+        ssl_ca_certs=params.get("ssl_ca_certs"),
+    )
+
+
+def is_cluster(r: object) -> bool:
+    """Whether `r` (sync or asyncio) is a Redis Cluster client."""
+    return isinstance(r, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
+def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
     """A client of the URL's Redis; `options`: more of redis-py's connection settings
-    (socket_timeout, retry, ...)."""
+    (socket_timeout, retry, ...). A RedisCluster for a redis+cluster:// URL (see
+    is_cluster); it connects to a node at once."""
     options.setdefault("socket_keepalive", True)
+    c = parse_cluster(url)
+    if c is not None:
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in c.hosts]
+        return redis.cluster.RedisCluster(
+            startup_nodes=nodes, decode_responses=decode, **c.node_kwargs, **options
+        )
     s = parse_sentinel(url)
     if s is not None:
         sentinel = redis.sentinel.Sentinel(s.hosts, sentinel_kwargs=s.sentinel_kwargs)
@@ -139,7 +228,13 @@ def connect(url: str, *, decode: bool = False, **options: Any) -> redis.Redis:
     return redis.Redis.from_url(url, decode_responses=decode, **options)
 
 
-def connect_async(url: str, *, decode: bool = False) -> redis.asyncio.Redis:
+def connect_async(url: str, *, decode: bool = False) -> AsyncClient:
+    c = parse_cluster(url)
+    if c is not None:
+        nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in c.hosts]
+        return redis.asyncio.cluster.RedisCluster(
+            startup_nodes=nodes, decode_responses=decode, socket_keepalive=True, **c.node_kwargs
+        )
     s = parse_sentinel(url)
     if s is not None:
         sentinel = redis.asyncio.sentinel.Sentinel(s.hosts, sentinel_kwargs=s.sentinel_kwargs)

@@ -159,14 +159,8 @@ class EmbeddedRedis:
         self.proc = None
 
     def _kill(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            _kill(self.proc)
 
     def __enter__(self) -> str:
         return self.start()
@@ -181,4 +175,188 @@ class EmbeddedRedis:
             self._kill()
 
 
-__all__ = ["EmbeddedRedis", "find_binary", "free_port", "running_url", "write_private"]
+CLUSTER_SLOTS = 16384
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000, fixed in redis 6) is free too."""
+    for _attempt in range(50):
+        port = free_port()
+        if port + 10000 >= 65536:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("found no free port pair for a cluster node")
+
+
+class LocalCluster:
+    """A Redis Cluster of `n` primaries (no replicas) on 127.0.0.1, for tests and benches:
+    nothing is kept (no AOF, no RDB), each start makes a new cluster. Like EmbeddedRedis it
+    requires a random password, kept in each node's config file; the URL carries it.
+
+        with LocalCluster(tmp / "cluster") as url:   # redis+cluster://default:pw@h:p,.../
+            ...
+    """
+
+    def __init__(self, data_dir: Path | str, n: int = 3, start_timeout_s: float = 20.0):
+        if n < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.data_dir = Path(data_dir).resolve()
+        self.n = n
+        self.start_timeout_s = start_timeout_s
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.password = secrets.token_urlsafe(24)
+
+    @property
+    def nodes(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", port) for port in self.ports]
+
+    @property
+    def url(self) -> str:
+        """The URL, password included: treat it as a secret."""
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"redis+cluster://default:{self.password}@{hosts}/"
+
+    def node_url(self, i: int) -> str:
+        """A plain (non-cluster) URL of node i, for per-node commands (DBSIZE, INFO, ...)."""
+        return f"redis://default:{self.password}@127.0.0.1:{self.ports[i]}/0"
+
+    def start(self) -> str:
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            for i in range(self.n):
+                self._start_node(i)
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _start_node(self, i: int) -> None:
+        folder = self.data_dir / f"node-{i}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        (folder / "nodes.conf").unlink(missing_ok=True)  # a new cluster, not an old one's
+        config = folder / "redis.conf"
+        write_private(config, f"requirepass {self.password}\n")
+        log = folder / "redis.log"
+        for _attempt in range(3):  # a free port can be taken before we bind it
+            port = _cluster_port()
+            proc = subprocess.Popen(
+                [
+                    find_binary("redis-server"),
+                    str(config),
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--protected-mode",
+                    "yes",
+                    "--dir",
+                    str(folder),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--appendonly",
+                    "no",
+                    "--save",
+                    "",
+                    "--logfile",
+                    str(log),
+                    "--daemonize",
+                    "no",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            self.procs.append(proc)
+            self.ports.append(port)
+            url = self.node_url(len(self.ports) - 1)
+            deadline = time.monotonic() + self.start_timeout_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                if _ping(url):
+                    return
+                time.sleep(0.02)
+            _kill(proc)
+            self.procs.pop()
+            self.ports.pop()
+            (folder / "nodes.conf").unlink(missing_ok=True)
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        raise RuntimeError(f"cluster node {i} did not start; log tail:\n{tail}")
+
+    def _form(self) -> None:
+        clients = [redis.Redis.from_url(self.node_url(i), socket_timeout=5) for i in range(self.n)]
+        try:
+            per_node = -(-CLUSTER_SLOTS // self.n)
+            for i, r in enumerate(clients):
+                # distinct epochs up front, as redis-cli --cluster create does: the nodes
+                # then need no rounds of epoch collision handling to agree
+                r.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+                slots = range(i * per_node, min((i + 1) * per_node, CLUSTER_SLOTS))
+                r.execute_command("CLUSTER", "ADDSLOTS", *slots)
+            for port in self.ports[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+            deadline = time.monotonic() + self.start_timeout_s
+            while not all(_cluster_ready(r, self.n) for r in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster did not form in {self.start_timeout_s} s")
+                time.sleep(0.05)
+        finally:
+            for r in clients:
+                r.close()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            _kill(proc)
+        self.procs = []
+        self.ports = []
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        for proc in self.procs:
+            _kill(proc)
+
+
+def _cluster_ready(r: redis.Redis, n: int) -> bool:
+    """Whether node `r` sees all `n` nodes, every slot assigned, and says state ok."""
+    info = r.execute_command("CLUSTER", "INFO")
+    fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
+    return (
+        fields.get("cluster_state") == "ok"
+        and fields.get("cluster_slots_assigned") == str(CLUSTER_SLOTS)
+        and fields.get("cluster_known_nodes") == str(n)
+    )
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+__all__ = [
+    "EmbeddedRedis",
+    "LocalCluster",
+    "find_binary",
+    "free_port",
+    "running_url",
+    "write_private",
+]

@@ -8,18 +8,36 @@ from broker_config import keys
 from broker_config.text import text
 
 
-def ensure_groups(r: redis.Redis, lanes: list[str]) -> None:
-    """Create the `workers` group on every lane stream, creating the stream too.
+def ensure_groups(r: redis.Redis, streams: list[str]) -> None:
+    """Create the `workers` group on these request streams, creating the streams too.
 
     The group starts at id 0 so entries added before any worker existed are delivered.
     Idempotent: an existing group (BUSYGROUP) is left as it is.
     """
-    for lane in lanes:
+    for stream in streams:
         try:
-            r.xgroup_create(keys.request_stream(lane), keys.GROUP, id="0", mkstream=True)
+            r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+
+def request_streams(r: redis.Redis, lanes: list[str]) -> list[str]:
+    """The request streams of the default model and of every model workers have served
+    (plurai:models), every shard: what maintenance looks at."""
+    from broker_config.routes import Routes
+    from broker_config.settings import Settings
+
+    settings = Settings()
+    routes = Routes(settings)
+    routes.load(r.hgetall(keys.MODELS))
+    models = dict.fromkeys([settings.default_model, *sorted(routes.models)])
+    return [
+        keys.request_stream(lane, model, shard)
+        for model in models
+        for lane in lanes
+        for shard in range(routes.shards(model))
+    ]
 
 
 def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) -> list[str]:
@@ -28,8 +46,7 @@ def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) ->
     reclaimed by live workers (XAUTOCLAIM), so nothing pending is dropped; a worker that
     comes back under the same name is re-added by its next read."""
     removed = []
-    for lane in lanes:
-        stream = keys.request_stream(lane)
+    for stream in request_streams(r, lanes):
         try:
             consumers = r.xinfo_consumers(stream, keys.GROUP)
         except redis.ResponseError:  # no stream or group yet
@@ -38,7 +55,7 @@ def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) ->
             name = text(c["name"])
             if c["pending"] == 0 and c["idle"] >= min_idle_ms and not r.exists(keys.worker(name)):
                 r.xgroup_delconsumer(stream, keys.GROUP, name)
-                removed.append(f"{lane}/{name}")
+                removed.append(f"{stream}/{name}")
     return removed
 
 

@@ -1,10 +1,15 @@
 """Every Redis key, stream, consumer group and channel Plurai uses is named here, and
 only here. docs/protocol.md documents the same names for clients in other languages.
+
+Hash tags (the part in braces) keep the keys one Lua script touches in one Redis Cluster
+slot: a job's record and token stream share the job id's tag; a model's request streams
+are split over shards, each shard's lane streams and idempotency keys sharing one tag.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 PREFIX = "plurai"
 GROUP = "workers"  # the consumer group on every request stream
@@ -12,29 +17,45 @@ GROUP = "workers"  # the consumer group on every request stream
 CANCEL_CHANNEL = f"{PREFIX}:cancel"  # message: job id; workers abort it if they run it
 DEAD_LETTER = f"{PREFIX}:dead"  # entries that carry no usable job id
 WORKERS = f"{PREFIX}:workers"  # set of worker ids that have heartbeated
+# hash: model name -> JSON {"shards": n, "beat_ms": ms} of the last worker to serve it
+MODELS = f"{PREFIX}:models"
+DEFAULT_MODEL = "default"  # the model of requests that name none, unless configured
 
 
-def request_stream(lane: str) -> str:
-    return f"{PREFIX}:req:{lane}"
+def queue_tag(model: str, shard: int = 0) -> str:
+    """The hash tag of one shard of a model's queue: `{model}`, or `{model:n}` for n > 0."""
+    return f"{{{model}}}" if shard == 0 else f"{{{model}:{shard}}}"
+
+
+def request_stream(lane: str, model: str = DEFAULT_MODEL, shard: int = 0) -> str:
+    """A lane of one shard of a model's queue; consumer group GROUP."""
+    return f"{PREFIX}:{queue_tag(model, shard)}:req:{lane}"
+
+
+def idempotency(key: str, model: str = DEFAULT_MODEL, shard: int = 0) -> str:
+    """The job id that owns an idempotency key; in the queue shard the key picks."""
+    return f"{PREFIX}:{queue_tag(model, shard)}:idem:{key}"
+
+
+def shard_of(name: str, shards: int) -> int:
+    """The shard a job goes to: picked by its idempotency key (so a repeat finds the key)
+    or else its id; CRC-32 of the UTF-8 bytes, modulo the model's shard count."""
+    return zlib.crc32(name.encode()) % shards if shards > 1 else 0
 
 
 def job(job_id: str) -> str:
     """The job record (hash)."""
-    return f"{PREFIX}:job:{job_id}"
+    return f"{PREFIX}:job:{{{job_id}}}"
 
 
 def output(job_id: str) -> str:
     """The job's token stream."""
-    return f"{PREFIX}:out:{job_id}"
+    return f"{PREFIX}:out:{{{job_id}}}"
 
 
 def done_channel(job_id: str) -> str:
     """Pub/sub channel that receives the final state when the job ends."""
     return f"{PREFIX}:done:{job_id}"
-
-
-def idempotency(key: str) -> str:
-    return f"{PREFIX}:idem:{key}"
 
 
 def worker(worker_id: str) -> str:

@@ -19,7 +19,8 @@ import msgpack
 from broker_config.errors import CodedError, ErrorCode, valid_messages
 from broker_config.text import text, valid_text
 
-VERSION = "1"
+VERSION = "2"  # what clients send; workers also take "1" entries (the same fields)
+VERSIONS = ("1", "2")
 MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -54,6 +55,7 @@ BODY_FIELDS = frozenset(
 )
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+_MODEL = re.compile(r"[A-Za-z0-9._/-]{1,128}")  # no ':', '{', '}': a key's hash tag holds it
 _INT = re.compile(rb"-?[0-9]{1,19}")  # ASCII digits only: no '1_000', ' 5', '١٢'
 INT64 = 2**63
 _LONG_INT = re.compile(rb"[0-9]{20}")  # a JSON integer that may exceed 64 bits
@@ -128,6 +130,15 @@ def tenant_salt(tenant: str, cache_salt: str | None) -> str:
 
 def new_job_id() -> str:
     return secrets.token_urlsafe(16)  # 128 random bits, [A-Za-z0-9_-]{22}
+
+
+def model_name(name: str) -> str:
+    """`name` if it can name a model's queue; else ValueError saying what is allowed."""
+    if not isinstance(name, str) or _MODEL.fullmatch(name) is None:
+        raise ValueError(
+            f"model name {str(name)[:140]!r}: use 1-128 letters, digits, '.', '_', '-' or '/'"
+        )
+    return name
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -251,10 +262,10 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
         raise WireError(
             Code.BAD_FIELD, f"field 'v' (protocol version) is required; send '{VERSION}'"
         )
-    if version != VERSION:
+    if version not in VERSIONS:
         raise WireError(
             Code.UNSUPPORTED_VERSION,
-            f"protocol version {version[:20]!r} is not supported; this worker speaks '{VERSION}'",
+            f"protocol version {version[:20]!r} is not supported; send '{VERSION}'",
         )
     max_tokens = _int(fields, "max_tokens", required=True)
     assert max_tokens is not None

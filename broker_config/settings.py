@@ -24,7 +24,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from broker_config.protocol import Limits
+from broker_config.protocol import Limits, model_name
 
 CONFIG_ENV = "PLURAI_CONFIG"
 DEFAULT_METRICS_PORT = 9400
@@ -155,6 +155,16 @@ class Settings(_Sourced):
     takes_per_step: int | None = Field(default=None, ge=1)
 
     model_dir: str | None = None
+    # Model routing: each model has its own request streams; a worker reads its model's.
+    default_model: str = "default"  # the model of a request that names none
+    served_model: str | None = None  # the model a worker serves; None: default_model
+    # Request streams per lane of the served model (a worker's setting; clients read it from
+    # plurai:models): on a Redis Cluster, shards spread one model's intake over masters.
+    # Raise it freely; to lower it, drain the shards above the new count first.
+    shards: int = Field(default=1, ge=1, le=256)
+    # A request for a model no live worker serves: "wait" in its queue until one starts,
+    # or "refuse" at submit (producer.errors.UnknownModel; the gateway's 404).
+    unserved: Literal["wait", "refuse"] = "wait"
     # The shared KV tier's Redis, when `--engine kv_redis_url=` does not name one (serve.py
     # connects it and hands it to the engine); here a password stays out of `ps`.
     kv_redis_url: str | None = None
@@ -187,6 +197,11 @@ class Settings(_Sourced):
                 raise ValueError(f"lane name {lane!r}: use letters, digits, '-' or '_'")
         return v
 
+    @field_validator("default_model", "served_model")
+    @classmethod
+    def _model_valid(cls, v: str | None) -> str | None:
+        return None if v is None else model_name(v)
+
     @field_validator("log_level")
     @classmethod
     def _level_known(cls, v: str) -> str:
@@ -209,6 +224,11 @@ class Settings(_Sourced):
             grammar_bytes=self.max_grammar_bytes,
             prompt_tokens=prompt_tokens,
         )
+
+    @property
+    def model(self) -> str:
+        """The model this worker serves."""
+        return self.served_model or self.default_model
 
     def lane_or_default(self, lane: str | None) -> str:
         lane = lane or self.default_lane

@@ -5,7 +5,9 @@ worker's /metrics endpoint, so both always agree.
 
 A lane's entries are either waiting (not yet delivered to any worker) or pending (taken
 by a worker, not yet acknowledged). Workers delete the entries they acknowledge, so the
-stream's length is waiting + pending.
+stream's length is waiting + pending. Each model has its own lanes (summed over its
+shards): the default model's, and those of every model in plurai:models (served now or
+before, or named by a client while no worker served it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from broker_config.text import text as _s
 @dataclass
 class Lane:
     name: str
+    model: str = keys.DEFAULT_MODEL
+    workers: int = 0  # live workers serving the model
     waiting: int = 0  # entries no worker has taken yet (the queue depth)
     pending: int = 0  # entries taken by a worker and not yet acknowledged
     oldest_waiting_age_s: float | None = None  # since the oldest waiting entry was added
@@ -35,7 +39,8 @@ class WorkerInfo:
     host: str = ""
     pid: int = 0
     state: str = ""
-    model: str = ""
+    model: str = ""  # every name the worker answers to
+    served_model: str = ""  # the queue it reads
     beat_age_s: float = 0.0
     running: int = 0
     waiting: int = 0
@@ -68,8 +73,22 @@ def _ms_of(entry_id: Any) -> int:
     return int(_s(entry_id).split("-", 1)[0])
 
 
-def lane(r: redis.Redis, name: str, now_ms: int) -> Lane:
-    stream = keys.request_stream(name)
+def lane(r: redis.Redis, name: str, now_ms: int, model: str, shards: int = 1) -> Lane:
+    """One lane of a model's queue, its shards summed."""
+    out = Lane(name, model)
+    for shard in range(shards):
+        part = _stream(r, keys.request_stream(name, model, shard), name, now_ms)
+        out.waiting += part.waiting
+        out.pending += part.pending
+        out.consumers += part.consumers
+        if part.oldest_waiting_age_s is not None:
+            out.oldest_waiting_age_s = max(
+                out.oldest_waiting_age_s or 0.0, part.oldest_waiting_age_s
+            )
+    return out
+
+
+def _stream(r: redis.Redis, stream: str, name: str, now_ms: int) -> Lane:
     out = Lane(name)
     try:
         groups = r.xinfo_groups(stream)
@@ -120,12 +139,33 @@ def redis_now_ms(r: redis.Redis) -> int:
     return int(sec) * 1000 + int(usec) // 1000
 
 
-def snapshot(r: redis.Redis, lanes: list[str]) -> Snapshot:
+def models(r: redis.Redis, default: str) -> dict[str, int]:
+    """model -> shard count: the default model and those in plurai:models."""
+    from broker_config.routes import Routes
+    from broker_config.settings import Settings
+
+    routes = Routes(Settings())
+    routes.load(r.hgetall(keys.MODELS))
+    return {m: routes.shards(m) for m in dict.fromkeys([default, *sorted(routes.models)])}
+
+
+def snapshot(r: redis.Redis, lanes: list[str], default_model: str = keys.DEFAULT_MODEL) -> Snapshot:
     now_ms = redis_now_ms(r)
     ws, stale = workers(r, now_ms)
+    serving: dict[str, int] = {}
+    for w in ws:
+        if w.state == "serving":
+            serving[w.served_model] = serving.get(w.served_model, 0) + 1
+    queues = [
+        lane(r, name, now_ms, model, shards)
+        for model, shards in models(r, default_model).items()
+        for name in lanes
+    ]
+    for q in queues:
+        q.workers = serving.get(q.model, 0)
     snap = Snapshot(
         time_s=time.time(),
-        lanes=[lane(r, name, now_ms) for name in lanes],
+        lanes=queues,
         workers=ws,
         dead_letters=int(r.xlen(keys.DEAD_LETTER)),
         stale_workers=stale,

@@ -102,8 +102,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     url = resolve_url(args.url)
     r = connect(url)
     try:
+        settings = Settings()
         return status.show(
-            r, Settings().lanes, as_json=args.json, once=args.once, every=args.interval
+            r,
+            settings.lanes,
+            settings.default_model,
+            as_json=args.json,
+            once=args.once,
+            every=args.interval,
         )
     except redis.RedisError as e:
         print(f"plurai: cannot read Redis at {redact(url)}: {redact(str(e))}", file=sys.stderr)

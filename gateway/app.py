@@ -30,7 +30,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from broker_config import keys, protocol
 from broker_config.settings import Settings
-from broker_config.text import text
 from gateway import auth, openai
 from gateway.auth import Key, Unauthorized
 from gateway.metrics import GatewayMetrics
@@ -38,9 +37,9 @@ from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
 from gateway.streams import Streams
 from producer.aio import AsyncClient
-from producer.errors import queue_full
+from producer.errors import QueueFull
 from producer.request import prepare
-from results import jobs, records, tokens, wait
+from results import records, tokens, wait
 from results.records import JobRecord
 
 log = logging.getLogger("plurai.gateway")
@@ -213,14 +212,15 @@ class Gateway:
                 retry_after=5,
                 kind="server_error",
             )
-        if job.model not in names:
+        served = await self.models.route(job.model)
+        if served is None:
             return error(
                 404,
                 f"the model {job.model!r} is not served; see GET /v1/models",
                 "model_not_found",
                 "model",
             )
-        options = job.options
+        options = {**job.options, "model": served}
         try:
             options["lane"] = auth.lane_for(key, options.pop("lane", None), self.settings)
         except auth.LaneError as e:
@@ -231,20 +231,19 @@ class Gateway:
         if idem:
             options["idempotency_key"] = auth.scoped_idempotency_key(key, idem)
         try:
-            call = prepare(self.settings, **options)
+            sub = prepare(self.settings, await self.client.fresh_routes(), **options)
         except (TypeError, ValueError) as e:  # what prepare refuses (priority, sizes)
             return error(400, str(e), "bad_field")
-        lease = Lease(self.client.redis, key, call.job_id)
+        except redis.RedisError:
+            return unavailable()
+        lease = Lease(self.client.redis, key, sub.job_id)
         try:
             refused = await lease.admit(_tokens(options))
             if refused is not None:
                 return refused
             try:
-                job_id = text(await jobs.run_async(self.client.redis, call))
-            except redis.ResponseError as e:
-                full = queue_full(e, call.lane, self.settings.queue_full_retry_s)
-                if full is None:
-                    raise
+                job_id = (await self.client.send([sub]))[0].id
+            except QueueFull as full:
                 return error(429, str(full), "queue_full", retry_after=full.retry_after)
             if job.stream:
                 return await self.stream(request, job, job_id, lease)

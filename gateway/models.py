@@ -21,6 +21,7 @@ class Model:
     id: str  # the model directory's name
     max_model_len: int
     names: set[str] = field(default_factory=set)  # every name a job may give it by
+    served: str = ""  # the queue its workers read (PLURAI_SERVED_MODEL)
     workers: int = 0
     created: int = 0  # the earliest heartbeat's worker start, unix seconds
 
@@ -37,18 +38,26 @@ class Models:
         ids = [text(w) for w in await self.r.smembers(keys.WORKERS)]
         pipe = self.r.pipeline(transaction=False)
         for w in ids:
-            pipe.hmget(keys.worker(w), "model", "model_id", "max_model_len", "state", "beat_ms")
+            pipe.hmget(
+                keys.worker(w),
+                "model",
+                "model_id",
+                "max_model_len",
+                "state",
+                "beat_ms",
+                "served_model",
+            )
         by_id: dict[str, Model] = {}
         for reply in await pipe.execute(raise_on_error=False):
             if not isinstance(reply, list):
                 continue  # a key of another type: not a worker's
-            model, model_id, max_len, state, beat = (text(v) if v else "" for v in reply)
-            if not model or state != "serving":
+            model, model_id, max_len, state, beat, served = (text(v) if v else "" for v in reply)
+            if not model or state != "serving" or not served:
                 continue  # expired, or stopping
             names = set(model.split(","))
             mid = model_id or min(names, key=len)
-            m = by_id.setdefault(mid, Model(mid, _count(max_len), created=10**10))
-            m.names |= names | {mid}
+            m = by_id.setdefault(mid, Model(mid, _count(max_len), created=10**10, served=served))
+            m.names |= names | {mid, served}
             m.workers += 1
             if _count(beat):
                 m.created = min(m.created, _count(beat) // 1000)
@@ -58,6 +67,10 @@ class Models:
 
     async def names(self) -> set[str]:
         return {n for m in await self.live() for n in m.names}
+
+    async def route(self, name: str) -> str | None:
+        """The queue of the model a request names (any of its names), None if not served."""
+        return next((m.served for m in await self.live() if name in m.names), None)
 
 
 def _count(v: str) -> int:

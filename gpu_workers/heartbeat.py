@@ -1,5 +1,6 @@
-"""A worker's heartbeat: its figures for `plurai status` and the metrics, the lease on the
-entries it holds, and a look at its jobs' records."""
+"""A worker's heartbeat: its figures for `plurai status` and the metrics, its model's entry
+in `plurai:models` (what clients route by), the lease on the entries it holds, and a look
+at its jobs' records."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 import redis
 
 from broker_config import keys
+from broker_config.connection import is_cluster
+from broker_config.routes import registry_value
 from broker_config.settings import Settings
 from gpu_workers.intake import Entry
 from gpu_workers.writer import now_ms
@@ -36,6 +39,8 @@ class Heartbeat:
             "pid": os.getpid(),
             "beat_ms": now_ms(),
             "model": ",".join(sorted(self.model_names)),
+            "served_model": self.settings.model,
+            "shards": self.settings.shards,
             "waiting": s.get("waiting", 0),
             "kv_blocks_total": s.get("blocks_total", 0),
             "kv_blocks_used": s.get("blocks_used", 0),
@@ -51,10 +56,14 @@ class Heartbeat:
             pipe.hset(keys.worker(self.id), mapping=beat)
             pipe.expire(keys.worker(self.id), ttl)
             pipe.sadd(keys.WORKERS, self.id)
+            if beat["state"] == "serving":
+                value = registry_value(self.settings.shards, beat["beat_ms"])
+                pipe.hset(keys.MODELS, self.settings.model, value)
             replies = pipe.execute(raise_on_error=False)
+            names = (keys.worker(self.id), "", keys.WORKERS, keys.MODELS)
             bad = {
                 k
-                for k, rep in zip((keys.worker(self.id), "", keys.WORKERS), replies, strict=True)
+                for k, rep in zip(names, replies, strict=False)
                 if k and isinstance(rep, redis.ResponseError) and "WRONGTYPE" in str(rep)
             }
             if not bad:
@@ -66,17 +75,17 @@ class Heartbeat:
         """Renew the lease on these entries, so only a dead (or stalled) worker's entries
         pass reclaim_idle_ms; yields those another worker owns now (it reclaimed them while
         this one stalled): their jobs are to be dropped here, unwritten."""
-        by_lane: dict[str, list[Entry]] = {}
+        by_stream: dict[str, list[Entry]] = {}
         for entry in entries:
-            by_lane.setdefault(entry.lane, []).append(entry)
-        for lane, held in by_lane.items():
-            call = jobs.renew(lane=lane, consumer=self.id, entry_ids=[e.entry_id for e in held])
-            lost = set(jobs.run(self.r, call))
+            by_stream.setdefault(entry.stream, []).append(entry)
+        for stream, held in by_stream.items():
+            ids = [e.entry_id for e in held]
+            lost = set(jobs.run(self.r, jobs.renew(stream=stream, consumer=self.id, entry_ids=ids)))
             for entry in held:
                 if entry.entry_id in lost:
                     log.warning(
                         "job's entry is another worker's now (reclaimed after a stall?); dropped",
-                        extra={"job_id": entry.job_id, "lane": lane},
+                        extra={"job_id": entry.job_id, "lane": entry.lane},
                     )
                     yield entry
 
@@ -85,5 +94,12 @@ class Heartbeat:
         lost), (job id, 2) where the record is no longer a hash."""
         if not job_ids:
             return []
-        flags = jobs.run(self.r, jobs.check(job_ids=job_ids))
+        if is_cluster(self.r):  # one call per job: each record in its own slot
+            pipe = self.r.pipeline(transaction=False)
+            for j in job_ids:
+                pipe.execute_command(*jobs.check(job_ids=[j]).command())
+            jobs.load(self.r, "CHECK")
+            flags = [reply[0] for reply in pipe.execute()]
+        else:
+            flags = jobs.run(self.r, jobs.check(job_ids=job_ids))
         return [(j, f) for j, f in zip(job_ids, flags, strict=True) if f]

@@ -35,6 +35,7 @@ BAD_RECORD = (
 @dataclass
 class Entry:
     lane: str
+    stream: str  # the request stream it was read from: its model's, one shard's
     entry_id: bytes
     fields: dict[bytes, bytes]
     req: protocol.Request
@@ -49,7 +50,7 @@ class Entry:
         return int(self.entry_id.split(b"-", 1)[0]) / 1000
 
 
-Raw = tuple[str, bytes, dict[bytes, bytes]]  # lane, entry id, fields
+Raw = tuple[str, str, bytes, dict[bytes, bytes]]  # lane, stream, entry id, fields
 
 
 class Intake:
@@ -67,11 +68,30 @@ class Intake:
         self.metrics, self.writer, self.limits = metrics, writer, limits
         self.model_names = model_names
         self.lanes = list(settings.lanes)
-        self._lane_of = {keys.request_stream(lane).encode(): lane for lane in self.lanes}
+        self.model, self.shards = settings.model, settings.shards
+        self._lane_of = {
+            self.stream(lane, shard).encode(): lane
+            for lane in self.lanes
+            for shard in range(self.shards)
+        }
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
         self._next_reclaim = 0.0
-        self._reclaim_from = {lane: "0-0" for lane in self.lanes}  # XAUTOCLAIM cursors
         self._pulls = 0  # entries taken from the lanes, for the fair_every turn
+        self._turn = 0  # which shard goes first, in turn
+
+    def stream(self, lane: str, shard: int = 0) -> str:
+        return keys.request_stream(lane, self.model, shard)
+
+    def streams(self) -> list[str]:
+        """Every request stream this worker reads: its model's lanes, of every shard."""
+        return [self.stream(lane, shard) for lane in self.lanes for shard in range(self.shards)]
+
+    def _shard_order(self) -> list[int]:
+        """The shards, starting at the next one in turn: every shard is read first as
+        often as any other."""
+        self._turn += 1
+        k = self._turn % self.shards
+        return [*range(k, self.shards), *range(k)]
 
     def take(self, block: bool, below_top: bool = True) -> list[Entry]:
         """The next valid entries: an entry stranded by a dead worker if there is one, else
@@ -110,18 +130,23 @@ class Intake:
 
     def _read(self, block: bool, lanes: list[str]) -> list[Raw]:
         got: list[Raw] = []
+        shards = self._shard_order()
         for lane in lanes:
-            reply = self.r.xreadgroup(
-                keys.GROUP, self.id, {keys.request_stream(lane): ">"}, count=1
-            )
-            got = self._entries(reply)
+            for shard in shards:
+                reply = self.r.xreadgroup(
+                    keys.GROUP, self.id, {self.stream(lane, shard): ">"}, count=1
+                )
+                got = self._entries(reply)
+                if got:
+                    break
             if got:
                 break
         if not got and block:
-            streams = {keys.request_stream(lane): ">" for lane in self.lanes}
-            reply = self.r.xreadgroup(
-                keys.GROUP, self.id, streams, count=1, block=self.settings.block_ms
-            )
+            # one shard's lanes share a hash tag, so one read can wait on all of them; with
+            # several shards each wait is shorter, and the next goes to the next shard
+            streams = {self.stream(lane, shards[0]): ">" for lane in self.lanes}
+            wait_ms = max(1, self.settings.block_ms // self.shards)
+            reply = self.r.xreadgroup(keys.GROUP, self.id, streams, count=1, block=wait_ms)
             got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))
         if got:
             self._pulls += 1
@@ -129,7 +154,7 @@ class Intake:
 
     def _entries(self, reply: Any) -> list[Raw]:
         return [
-            (self._lane_of[stream], entry_id, fields or {})
+            (self._lane_of[stream], text(stream), entry_id, fields or {})
             for stream, entries in tokens.stream_items(reply)
             for entry_id, fields in entries
         ]
@@ -144,61 +169,62 @@ class Intake:
     def _reclaim(self) -> list[Raw]:
         """One entry left idle by a dead worker, highest lane first, claimed to this worker;
         entries whose job failed max_deliveries times are dead-lettered on the way. When a
-        whole pass finds none, the next pass waits reclaim_interval_s."""
+        whole pass finds none, the next pass waits reclaim_interval_s.
+
+        Each stream costs one XPENDING with IDLE (the oldest idle entry, found by Redis) and
+        an XCLAIM when there is one: a pass costs the same whatever the fleet holds, where
+        an XAUTOCLAIM scan would read every pending entry, ten a call."""
         if time.monotonic() < self._next_reclaim:
             return []
-        for lane in self.lanes:
-            stream = keys.request_stream(lane)
+        idle = self.settings.reclaim_idle_ms
+        for stream in self.streams():  # lane by lane, highest first
+            lane = self._lane_of[stream.encode()]
             while True:
-                cursor, claimed = self.r.xautoclaim(
-                    stream,
-                    keys.GROUP,
-                    self.id,
-                    self.settings.reclaim_idle_ms,
-                    start_id=self._reclaim_from[lane],
-                    count=1,
-                )[:2]
-                self._reclaim_from[lane] = cursor
-                for entry_id, fields in claimed:
-                    if entry_id is None or fields is None:
-                        self._ack_deleted(stream)
-                        continue
-                    pending = self.r.xpending_range(stream, keys.GROUP, entry_id, entry_id, 1)
-                    times = pending[0]["times_delivered"] if pending else 1
-                    # Each delivery before this one ended without a result: a failure.
-                    failures = protocol.attempts_of(fields) + times - 1
-                    if failures >= self.settings.max_deliveries:
-                        self.too_many_failures(
-                            lane,
-                            entry_id,
-                            fields,
-                            f"delivered {times} times",
-                            "its workers kept dying or stalling on it",
-                        )
-                        continue
-                    log.info(
-                        "reclaimed entry %s on %s (delivery %d)",
-                        entry_id,
-                        lane,
-                        times,
-                        extra={"lane": lane, "delivery": times},
-                    )
-                    self.metrics.reclaimed.labels(lane).inc()
-                    # The count travels with the job if it is handed back after this.
-                    return [(lane, entry_id, {**fields, b"attempts": str(failures).encode()})]
-                if cursor in (b"0-0", "0-0"):
+                found = self.r.xpending_range(stream, keys.GROUP, "-", "+", 1, idle=idle)
+                if not found:
                     break
+                entry_id, before = found[0]["message_id"], found[0]["times_delivered"]
+                claimed = self.r.xclaim(stream, keys.GROUP, self.id, idle, [entry_id])
+                if not claimed or claimed[0][1] is None:  # taken by another, or deleted
+                    self._ack_deleted(stream, entry_id)
+                    continue
+                fields = claimed[0][1]
+                times = before + 1
+                # Each delivery before this one ended without a result: a failure.
+                failures = protocol.attempts_of(fields) + times - 1
+                if failures >= self.settings.max_deliveries:
+                    self.too_many_failures(
+                        lane,
+                        stream,
+                        entry_id,
+                        fields,
+                        f"delivered {times} times",
+                        "its workers kept dying or stalling on it",
+                    )
+                    continue
+                log.info(
+                    "reclaimed entry %s on %s (delivery %d)",
+                    entry_id,
+                    lane,
+                    times,
+                    extra={"lane": lane, "delivery": times},
+                )
+                self.metrics.reclaimed.labels(lane).inc()
+                # The count travels with the job if it is handed back after this.
+                fields = {**fields, b"attempts": str(failures).encode()}
+                return [(lane, stream, entry_id, fields)]
         self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
         return []
 
-    def _ack_deleted(self, stream: str) -> None:
-        """Ack pending entries of this worker that no longer exist (trimmed or deleted by
-        hand): Redis 6.2's XAUTOCLAIM hands them over without their ids."""
-        for p in self.r.xpending_range(stream, keys.GROUP, "-", "+", 1000, self.id):
-            if not self.r.xrange(stream, p["message_id"], p["message_id"]):
-                self.r.xack(stream, keys.GROUP, p["message_id"])
+    def _ack_deleted(self, stream: str, entry_id: bytes) -> None:
+        """Ack a pending entry that no longer exists (trimmed or deleted by hand); one that
+        exists was claimed by another worker first and is left alone."""
+        if not self.r.xrange(stream, entry_id, entry_id):
+            self.r.xack(stream, keys.GROUP, entry_id)
 
-    def _check(self, lane: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Entry | None:
+    def _check(
+        self, lane: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes]
+    ) -> Entry | None:
         """Validate an entry; None when it was answered with an error result instead.
         Sampling fields are checked by the backend when the job is added."""
         try:
@@ -209,14 +235,16 @@ class Intake:
                     f"model {req.model!r} is not served here; this queue serves "
                     f"{sorted(self.model_names)} (or leave 'model' out)",
                 )
-            return Entry(lane, entry_id, fields, req)
+            return Entry(lane, stream, entry_id, fields, req)
         except protocol.NoJobId as e:
-            self._dead_letter(lane, entry_id, fields, str(e), "no_job_id")
+            self._dead_letter(lane, stream, entry_id, fields, str(e), "no_job_id")
         except WireError as e:
-            self.refuse(lane, entry_id, protocol.job_id_of(fields), e.code, e.message)
+            self.refuse(lane, stream, entry_id, protocol.job_id_of(fields), e.code, e.message)
         return None
 
-    def refuse(self, lane: str, entry_id: bytes, job_id: str, code: str, message: str) -> None:
+    def refuse(
+        self, lane: str, stream: str, entry_id: bytes, job_id: str, code: str, message: str
+    ) -> None:
         """A terminal error result for a job that never ran, and the ack of its entry."""
         log.info(
             "job refused: %s: %s",
@@ -224,17 +252,23 @@ class Intake:
             message,
             extra={"job_id": job_id, "lane": lane, "code": code},
         )
-        self.writer.store([self.writer.failed(job_id, lane, entry_id, code, message)])
+        self.writer.store([self.writer.failed(job_id, lane, (stream, entry_id), code, message)])
 
     def too_many_failures(
-        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], what: str, why: str
+        self,
+        lane: str,
+        stream: str,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+        what: str,
+        why: str,
     ) -> None:
         """Dead-letter a job that failed max_deliveries times, with its error result."""
         error = f"{what} (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); {why}"
         try:
             job_id = protocol.job_id_of(fields)
         except protocol.NoJobId:
-            self._dead_letter(lane, entry_id, fields, error, "too_many_deliveries")
+            self._dead_letter(lane, stream, entry_id, fields, error, "too_many_deliveries")
             return
         log.warning(
             "job dead-lettered: %s; moved to %s",
@@ -244,24 +278,23 @@ class Intake:
         )
         self.metrics.dead_lettered.labels("too_many_deliveries").inc()
         self.writer.execute([self._dead_letter_command(lane, entry_id, fields, error)])
-        self.writer.store(
-            [self.writer.failed(job_id, lane, entry_id, Code.TOO_MANY_DELIVERIES, error)]
-        )
+        code = Code.TOO_MANY_DELIVERIES
+        self.writer.store([self.writer.failed(job_id, lane, (stream, entry_id), code, error)])
 
     def _dead_letter(
-        self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str, reason: str
+        self,
+        lane: str,
+        stream: str,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+        error: str,
+        reason: str,
     ) -> None:
         """Move an entry that carries no usable job id (so no result can be written)."""
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
         self.metrics.dead_lettered.labels(reason).inc()
-        stream = keys.request_stream(lane)
-        self.writer.execute(
-            [
-                self._dead_letter_command(lane, entry_id, fields, error),
-                ["XACK", stream, keys.GROUP, entry_id],
-                ["XDEL", stream, entry_id],
-            ]
-        )
+        dead = self._dead_letter_command(lane, entry_id, fields, error)
+        self.writer.execute([dead, *jobs.ack(stream, entry_id)])
 
     def _dead_letter_command(
         self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
@@ -309,7 +342,7 @@ class Intake:
         if attempts >= self.settings.max_deliveries:
             what = f"its processing failed {attempts} times"
             self.too_many_failures(
-                entry.lane, entry.entry_id, entry.fields, what, f"last error: {error}"
+                entry.lane, entry.stream, entry.entry_id, entry.fields, what, f"last error: {error}"
             )
             return
         log.warning(
@@ -327,11 +360,12 @@ class Intake:
         fields = {k: v for k, v in entry.fields.items() if k != b"attempts"}
         if attempts:
             fields[b"attempts"] = str(attempts).encode()
+        again = jobs.run(self.r, jobs.release(job_id=entry.job_id)) == 1
         call = jobs.requeue(
-            lane=entry.lane,
-            job_id=entry.job_id,
+            stream=entry.stream,
             entry_id=entry.entry_id,
             maxlen=self.settings.stream_maxlen,
+            again=again,
             fields=fields,
         )
         jobs.run(self.r, call)
@@ -363,7 +397,7 @@ class Intake:
     def ack(self, entry: Entry) -> None:
         """Ack and delete an entry that needs no result from here (workers delete acked
         entries, so a lane's length minus its pending count is its backlog)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(keys.request_stream(entry.lane), keys.GROUP, entry.entry_id)
-        pipe.xdel(keys.request_stream(entry.lane), entry.entry_id)
+        pipe = self.r.pipeline(transaction=False)
+        for command in jobs.ack(entry.stream, entry.entry_id):
+            pipe.execute_command(*command)
         pipe.execute()

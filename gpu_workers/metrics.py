@@ -68,7 +68,7 @@ class Metrics:
         )
         self.reclaimed = Counter(
             "plurai_reclaimed_entries",
-            "Entries this worker took over from a dead worker (XAUTOCLAIM).",
+            "Entries this worker took over from a dead worker (XCLAIM).",
             ["lane"],
             registry=reg,
         )
@@ -131,9 +131,9 @@ class Metrics:
         reg.register(self.engine)
         self.queue: _QueueCollector | None = None
 
-    def watch_queue(self, r: redis.Redis, lanes: list[str]) -> None:
+    def watch_queue(self, r: redis.Redis, lanes: list[str], default_model: str = "default") -> None:
         """Export the queue's state, read from `r` at each scrape (its own connection)."""
-        self.queue = _QueueCollector(r, lanes)
+        self.queue = _QueueCollector(r, lanes, default_model)
         self.registry.register(self.queue)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
@@ -206,12 +206,12 @@ class _EngineCollector(Collector):
 
 
 class _QueueCollector(Collector):
-    def __init__(self, r: redis.Redis, lanes: list[str]) -> None:
-        self.r, self.lanes = r, lanes
+    def __init__(self, r: redis.Redis, lanes: list[str], default_model: str) -> None:
+        self.r, self.lanes, self.default_model = r, lanes, default_model
 
     def collect(self) -> Iterator[Metric]:
         try:
-            snap = stats.snapshot(self.r, self.lanes)
+            snap = stats.snapshot(self.r, self.lanes, self.default_model)
         except redis.RedisError as e:
             log.warning("queue metrics unavailable: %s", e)
             yield GaugeMetricFamily(
@@ -221,26 +221,35 @@ class _QueueCollector(Collector):
         yield GaugeMetricFamily(
             "plurai_redis_up", "1 when the last scrape could read Redis.", value=1
         )
+        labels = ["model", "lane"]
         depth = GaugeMetricFamily(
-            "plurai_queue_depth", "Entries waiting in the lane (not yet taken).", labels=["lane"]
+            "plurai_queue_depth", "Entries waiting in the lane (not yet taken).", labels=labels
         )
         pending = GaugeMetricFamily(
             "plurai_queue_pending",
             "Entries taken by workers and not yet acknowledged.",
-            labels=["lane"],
+            labels=labels,
         )
         age = GaugeMetricFamily(
             "plurai_queue_oldest_age_seconds",
             "Age of the oldest waiting entry (0 when none waits).",
-            labels=["lane"],
+            labels=labels,
+        )
+        served = GaugeMetricFamily(
+            "plurai_model_workers",
+            "Live workers serving the model (0: its jobs wait).",
+            labels=["model"],
         )
         for lane in snap.lanes:
-            depth.add_metric([lane.name], lane.waiting)
-            pending.add_metric([lane.name], lane.pending)
-            age.add_metric([lane.name], lane.oldest_waiting_age_s or 0.0)
+            depth.add_metric([lane.model, lane.name], lane.waiting)
+            pending.add_metric([lane.model, lane.name], lane.pending)
+            age.add_metric([lane.model, lane.name], lane.oldest_waiting_age_s or 0.0)
+        for model, n in {lane.model: lane.workers for lane in snap.lanes}.items():
+            served.add_metric([model], n)
         yield depth
         yield pending
         yield age
+        yield served
         yield GaugeMetricFamily(
             "plurai_dead_letters", "Entries in the dead-letter stream.", value=snap.dead_letters
         )

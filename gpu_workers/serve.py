@@ -31,7 +31,9 @@ def serve_metrics(worker: Worker, url: str, settings: Settings) -> int:
         return 0
     # Its own connection with short timeouts: a scrape must not hang on a slow Redis.
     worker.metrics.watch_queue(
-        connect(url, socket_timeout=2, socket_connect_timeout=2), worker.lanes
+        connect(url, socket_timeout=2, socket_connect_timeout=2),
+        worker.lanes,
+        settings.default_model,
     )
     try:
         bound = worker.metrics.serve(port, settings.metrics_host)
@@ -97,6 +99,14 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face model directory (PLURAI_MODEL_DIR)")
+    p.add_argument(
+        "--served-model",
+        help="the model name clients ask for; this worker reads its queue "
+        "(PLURAI_SERVED_MODEL; default PLURAI_DEFAULT_MODEL, 'default')",
+    )
+    p.add_argument(
+        "--shards", type=int, help="request streams per lane of the served model (PLURAI_SHARDS)"
+    )
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL); none: an embedded redis-server")
     p.add_argument("--worker-id", help="consumer name; default host-pid-random")
     p.add_argument("--grace", type=float, help="seconds to finish running jobs on SIGTERM")
@@ -144,7 +154,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         add_arguments(p)
         args = p.parse_args(argv)
     overrides: dict[str, Any] = {}
-    for name in ("log_level", "log_format", "metrics_port"):
+    for name in ("log_level", "log_format", "metrics_port", "served_model", "shards"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
     if args.url:

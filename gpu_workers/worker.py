@@ -50,7 +50,8 @@ class Worker:
         self.r = r
         self.settings = settings
         self.id = worker_id or settings.worker_id or new_worker_id()
-        self.model_names = model_names or set()
+        self.model = settings.model  # the queue it serves (keys.request_stream)
+        self.model_names = (model_names or set()) | {self.model}
         self.model_id = Path(settings.model_dir).name if settings.model_dir else ""  # /v1/models
         self.lanes = list(settings.lanes)
         self.running: dict[str, Running] = {}
@@ -77,7 +78,7 @@ class Worker:
 
     def start(self) -> None:
         """Consumer groups, scripts and the cancel channel: what a turn needs."""
-        ensure_groups(self.r, self.lanes)
+        ensure_groups(self.r, self.intake.streams())
         jobs.load(self.r, "DELTAS", "FINALIZE")  # sent in packed writes, not by jobs.run
         self.cancels.subscribe(keys.CANCEL_CHANNEL)
 
@@ -90,7 +91,13 @@ class Worker:
     def run(self) -> None:
         self.start()
         self._heartbeat()
-        log.info("worker %s ready on lanes %s", self.id, self.lanes)
+        log.info(
+            "worker %s ready: model %r, lanes %s, %d shard(s)",
+            self.id,
+            self.model,
+            self.lanes,
+            self.settings.shards,
+        )
         outage = Outage(self.settings.redis_retry_s)
         crashed = True
         try:
@@ -105,7 +112,7 @@ class Worker:
                 except redis.ResponseError as e:
                     if "NOGROUP" in str(e):
                         log.warning("consumer groups are gone (Redis lost its data?); recreating")
-                        ensure_groups(self.r, self.lanes)
+                        ensure_groups(self.r, self.intake.streams())
                         continue
                     failure: redis.RedisError = e
                 except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -144,6 +151,8 @@ class Worker:
     def iterate(self) -> None:
         """One turn: kept results, new work, cancels and deadlines, one step, heartbeat."""
         self.writer.flush()  # results kept through a Redis outage
+        if not self.engine.has_unfinished():
+            self.writer.settle()  # the last step's acks, before waiting for work
         if not self.stopping:
             self._fill()
         self._poll_cancels()
@@ -284,7 +293,7 @@ class Worker:
                     items.append(delta)
         self._generated += generated
         self.metrics.generation_tokens.inc(generated)
-        calls = [self.writer.deltas(items)] if items else []
+        calls = self.writer.deltas(items) if items else []
         for run, reason in finished:
             del self.running[run.entry.job_id]
             calls.append(self._end(run, records.COMPLETED, reason))
@@ -308,7 +317,13 @@ class Worker:
         entry = run.entry
         fields = run.result_fields(self.id, now_ms(), code, message)
         call = self.writer.final(
-            entry.job_id, entry.lane, entry.entry_id, state, finish_reason, fields, run.resync_mode
+            entry.job_id,
+            entry.lane,
+            (entry.stream, entry.entry_id),
+            state,
+            finish_reason,
+            fields,
+            run.resync_mode,
         )
         self.jobs_done += 1
         m, now, lane = self.metrics, time.time(), entry.lane
@@ -333,7 +348,7 @@ class Worker:
         """End a job outside a step: its result goes out now (after its deltas, the held
         ones included)."""
         delta = run.unsent()
-        held = [self.writer.deltas([delta])] if delta is not None else []
+        held = self.writer.deltas([delta]) if delta is not None else []
         self.writer.store(held + [self._end(run, state, finish_reason, code, message)])
 
     def _lost_writes(self) -> None:

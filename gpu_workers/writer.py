@@ -1,9 +1,12 @@
 """A worker's writes: each step's token deltas and final results go out in one packed
 write, sent before the next step and confirmed after it, so Redis works while the engine
 computes; one connection keeps them in order. Final results are kept until Redis has
-them, through outages, and sent again (FINALIZE stores a job's result once).
+them, through outages, and sent again (FINALIZE stores a job's result once). A job's
+request entry is acked only once its result's reply is back: with the next write, or at
+once when the worker is idle (`settle`).
 
-Every write is a script call built by results/jobs.py.
+On a Redis Cluster the writes of a step go out as one pipeline (a round trip per node) and
+are confirmed at once. Every script call is built by results/jobs.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe
+from broker_config import fastpipe, keys
+from broker_config.connection import is_cluster
 from broker_config.settings import Settings
 from results import jobs, records
 from results.records import now_ms
@@ -35,30 +39,32 @@ class Writer:
         # A job's deltas since its last reset are never trimmed away.
         self.out_maxlen = max(settings.output_maxlen, settings.max_tokens_limit + 64)
         self.unsent: list[jobs.Call] = []  # FINALIZE calls not yet known to be stored
+        self.acks: list[list[Any]] = []  # commands due once their call's reply came back
+        self.cluster = is_cluster(r)
         self._conn: Any = None  # the packed writes' own connection
-        self._in_flight: list[jobs.Call] = []
+        self._in_flight: list[jobs.Call | list[Any]] = []
 
     # -- calls ----------------------------------------------------------------------
-    def deltas(self, items: list[jobs.Delta]) -> jobs.Call:
-        return jobs.deltas(worker=self.id, maxlen=self.out_maxlen, items=items)
+    def deltas(self, items: list[jobs.Delta]) -> list[jobs.Call]:
+        """The DELTAS calls of a step: one, or one per job on a Cluster (one slot each)."""
+        groups = [[d] for d in items] if self.cluster else [items]
+        return [jobs.deltas(worker=self.id, maxlen=self.out_maxlen, items=g) for g in groups]
 
     def final(
         self,
         job_id: str,
         lane: str,
-        entry_id: bytes,
+        entry: tuple[str, bytes] | None,
         state: str,
         finish_reason: str,
         fields: list[Any],
         resync: jobs.Resync,
     ) -> jobs.Call:
-        """The FINALIZE call of one job: its result, the end of its stream, the ack of its
-        entry. `resync`: see jobs.finalize."""
+        """The FINALIZE call of one job: its result, the end of its stream; `entry` (stream,
+        entry id) is acked once it is stored. `resync`: see jobs.finalize."""
         s = self.settings
         return jobs.finalize(
             job_id=job_id,
-            lane=lane,
-            entry_id=entry_id,
             state=state,
             finish_reason=finish_reason,
             fields=fields,
@@ -66,53 +72,123 @@ class Writer:
             stream_ttl_s=s.output_ttl_s,
             stream_maxlen=self.out_maxlen,
             resync=resync,
-            dead_letter_maxlen=s.dead_letter_maxlen,
+            lane=lane,
+            entry=entry,
         )
 
-    def failed(self, job_id: str, lane: str, entry_id: bytes, code: str, message: str) -> jobs.Call:
+    def failed(
+        self, job_id: str, lane: str, entry: tuple[str, bytes] | None, code: str, message: str
+    ) -> jobs.Call:
         """The result of a job that never ran: failed, with its code."""
         fields = records.final_fields(
             worker=self.id, finished_ms=now_ms(), error_code=code, error_message=message
         )
-        return self.final(job_id, lane, entry_id, records.FAILED, "", fields, jobs.RESYNC_AUTO)
+        return self.final(job_id, lane, entry, records.FAILED, "", fields, jobs.RESYNC_AUTO)
+
+    def replied(self, item: jobs.Call | list[Any], reply: Any) -> None:
+        """A reply came back: a FINALIZE's ack is due now; a job whose record is not a hash
+        (-1: no result can be written) is dead-lettered with it."""
+        if not isinstance(item, jobs.Call) or isinstance(reply, Exception):
+            return
+        if item.script == "FINALIZE" and reply == -1:
+            self.acks.append(self.dead_letter(item))
+        self.acks += item.then
+
+    def dead_letter(self, call: jobs.Call) -> list[Any]:
+        entry_id = call.then[0][3] if call.then else ""
+        error = "bad_record: the job record is not a hash; no result written"
+        return [
+            "XADD",
+            keys.DEAD_LETTER,
+            "MAXLEN",
+            "~",
+            self.settings.dead_letter_maxlen,
+            "*",
+            "lane",
+            call.lane,
+            "entry_id",
+            entry_id,
+            "job_id",
+            call.job_id,
+            "error",
+            error,
+        ]
 
     # -- sending ------------------------------------------------------------------
 
     def send(self, calls: list[jobs.Call]) -> None:
-        """One step's writes: the previous step's replies are read, then these are sent in
-        one packed write without waiting for their replies."""
+        """One step's writes: the previous step's replies are read, then these (after the
+        acks due) are sent in one packed write without waiting for their replies."""
         try:
             self.collect()
-            if calls:
+            items: list[jobs.Call | list[Any]] = [*self.acks, *calls]
+            self.acks = []
+            if self.cluster:
+                self._in_flight = items
+                self.collect()
+                return
+            if items:
                 if self._conn is None:
                     self._conn = self.r.connection_pool.get_connection()
-                packed = b"".join(fastpipe.pack(c.command()) for c in calls)
+                packed = b"".join(fastpipe.pack(_command(c)) for c in items)
                 self._conn.send_packed_command([packed])
         except BaseException:
             self.keep(calls)
             self._drop_conn()
             raise
-        if calls:
-            self._in_flight = calls
+        self._in_flight = items
 
     def collect(self) -> None:
         """Read the replies of the writes sent after the previous step."""
         if not self._in_flight:
             return
-        calls, self._in_flight = self._in_flight, []
-        failed = []
+        items, self._in_flight = self._in_flight, []
+        if self.cluster:
+            self._replies(items, self._pipeline(items))
+            return
+        replies: list[Any] = []
         try:
-            for call in calls:
+            for _ in items:
                 try:
-                    self._conn.read_response()
-                except redis.exceptions.NoScriptError:
-                    failed.append(call)
+                    replies.append(self._conn.read_response())
+                except redis.exceptions.NoScriptError as e:
+                    replies.append(e)
         except BaseException:
             self._drop_conn()
-            self.keep(calls)
+            self.keep([c for c in items if isinstance(c, jobs.Call)])
             raise
-        for call in failed:  # Redis lost its script cache: these did nothing; run them again
-            jobs.run(self.r, call)
+        self._replies(items, replies)
+
+    def _replies(self, items: list[jobs.Call | list[Any]], replies: list[Any]) -> None:
+        """Take the replies of a write; a call Redis refused is kept (a result) and the
+        first refusal raised once all are taken."""
+        refused: redis.ResponseError | None = None
+        for item, reply in zip(items, replies, strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError) and isinstance(item, jobs.Call):
+                reply = jobs.run(self.r, item)  # Redis lost its script cache: run it again
+            elif isinstance(reply, redis.ResponseError) and isinstance(item, jobs.Call):
+                self.keep([item])
+                refused = refused or reply
+            self.replied(item, reply)
+        if refused is not None:
+            raise refused
+
+    def settle(self) -> None:
+        """An idle worker's turn: read the last replies and send the acks they made due."""
+        self.collect()
+        if self.acks:
+            acks, self.acks = self.acks, []
+            self.execute(acks)
+
+    def _pipeline(self, items: list[jobs.Call | list[Any]]) -> list[Any]:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for item in items:
+                pipe.execute_command(*_command(item))
+            return pipe.execute(raise_on_error=False)
+        except BaseException:
+            self.keep([c for c in items if isinstance(c, jobs.Call)])
+            raise
 
     def store(self, calls: list[jobs.Call]) -> None:
         """Store these results now, after the previous step's writes, with every result
@@ -121,9 +197,12 @@ class Writer:
         self.collect()
         again = self.execute(self.unsent)  # a lost connection raises here: all are kept
         self.unsent = [c for c in again if isinstance(c, jobs.Call)]
+        if self.acks:
+            acks, self.acks = self.acks, []
+            self.execute(acks)
 
     def flush(self) -> None:
-        """Send the kept results."""
+        """Send the kept results (and the acks their replies make due)."""
         if self.unsent:
             n = len(self.unsent)
             self.store([])
@@ -149,17 +228,17 @@ class Writer:
             return []
         pipe = self.r.pipeline(transaction=False)
         for item in items:
-            pipe.execute_command(*(item.command() if isinstance(item, jobs.Call) else item))
+            pipe.execute_command(*_command(item))
         replies = pipe.execute(raise_on_error=False)
         again = []
         for item, rep in zip(items, replies, strict=True):
             if isinstance(rep, redis.exceptions.NoScriptError):  # nothing of it ran
                 try:
-                    jobs.run(self.r, item)  # type: ignore[arg-type]
-                    continue
+                    rep = jobs.run(self.r, item)  # type: ignore[arg-type]
                 except redis.ResponseError as e:
                     rep = e
             if not isinstance(rep, redis.ResponseError):
+                self.replied(item, rep)
                 continue
             if passing(rep):
                 again.append(item)
@@ -181,6 +260,10 @@ class Writer:
         if self._conn is not None:
             self.r.connection_pool.release(self._conn)
             self._conn = None
+
+
+def _command(item: jobs.Call | list[Any]) -> list[Any]:
+    return item.command() if isinstance(item, jobs.Call) else item
 
 
 class Outage:

@@ -17,12 +17,14 @@ from typing import Any
 import redis.asyncio
 from redis.exceptions import NoScriptError
 
-from broker_config.connection import connect_async, resolve_url
+from broker_config import keys
+from broker_config.connection import connect_async, is_cluster, resolve_url
+from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.client import _CHUNK, cancel_call
-from producer.errors import NotReplicated, QueueFull, final, retry_pause, submitted
-from producer.request import prepare
+from producer.errors import NotReplicated, QueueFull, final, submitted
+from producer.request import SCRIPTS, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
@@ -42,66 +44,74 @@ class AsyncClient:
             else connect_async(resolve_url(url, self.settings), decode=True)
         )
         self.listeners = wait.AsyncListeners(self.redis)  # pub/sub connections kept for waits
+        self.routes = Routes(self.settings)
+        if self.settings.submit_replicas and is_cluster(self.redis):
+            raise ValueError("PLURAI_SUBMIT_REPLICAS (WAIT) is not available on a Redis Cluster")
 
     async def submit(
         self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
     ) -> AsyncJob:
         """As Client.submit."""
-        call = prepare(self.settings, prompt=prompt, **options)
+        sub = prepare(self.settings, await self.fresh_routes(), prompt=prompt, **options)
         give_up = time.monotonic() + queue_timeout
         while True:
             try:
-                if self.settings.submit_replicas:
-                    return (await self._send([call], []))[0]
-                return AsyncJob(self, text(await jobs.run_async(self.redis, call)))
-            except QueueFull:  # from the path that waits for replicas
+                return (await self.send([sub]))[0]
+            except QueueFull:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise
-                await asyncio.sleep(min(self.settings.queue_full_retry_s, left))
-            except redis.ResponseError as e:
-                retry = self.settings.queue_full_retry_s
-                await asyncio.sleep(retry_pause(e, call.lane, retry, give_up))
+                await asyncio.sleep(min(0.1, left))
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncJob]:
         """As Client.submit_many."""
-        await jobs.load_async(self.redis, "SUBMIT")
+        await jobs.load_async(self.redis, *SCRIPTS)
         out: list[AsyncJob] = []
+        routes = await self.fresh_routes()
         for i in range(0, len(requests), _CHUNK):
-            calls = [prepare(self.settings, **req) for req in requests[i : i + _CHUNK]]
-            out += await self._send(calls, out)
+            subs = [prepare(self.settings, routes, **req) for req in requests[i : i + _CHUNK]]
+            out += await self.send(subs, out)
         return out
 
-    async def _send(self, calls: list[jobs.Call], before: list[AsyncJob]) -> list[AsyncJob]:
-        """As Client._send: SUBMIT calls in one pipeline, then (PLURAI_SUBMIT_REPLICAS) a
-        WAIT on the same connection."""
-        s = self.settings
-        replies = await self._pipeline(calls)
-        missing = [i for i, x in enumerate(replies[: len(calls)]) if isinstance(x, NoScriptError)]
-        if missing:  # Redis lost its scripts: those calls did nothing
-            await jobs.load_async(self.redis, "SUBMIT")
-            again = await self._pipeline([calls[i] for i in missing])
-            for i, reply in zip(missing, again, strict=False):
-                replies[i] = reply
-            if s.submit_replicas:
-                replies[-1] = again[-1]
-        acked = replies.pop() if s.submit_replicas else 0
-        try:
-            ids = submitted(replies, [c.lane for c in calls], s.queue_full_retry_s)
-        except QueueFull as full:
-            full.accepted = before + [AsyncJob(self, j) for j in full.accepted]
-            raise
-        if s.submit_replicas and acked < s.submit_replicas:
-            raise NotReplicated(ids, acked, s.submit_replicas, s.submit_replicas_timeout_ms)
-        return [AsyncJob(self, j) for j in ids]
+    async def fresh_routes(self) -> Routes:
+        if self.routes.stale():
+            self.routes.load(await self.redis.hgetall(keys.MODELS))
+        return self.routes
 
-    async def _pipeline(self, calls: list[jobs.Call]) -> list[Any]:
+    async def send(
+        self, subs: list[jobs.Submission], before: list[AsyncJob] | None = None
+    ) -> list[AsyncJob]:
+        """As Client.send."""
         s = self.settings
-        pipe = self.redis.pipeline(transaction=False)
-        for call in calls:
-            pipe.execute_command(*call.command())
+        # a model no worker has served yet gets its entry in plurai:models, so `plurai status`
+        # and the metrics show the lanes where its jobs wait
+        new = dict.fromkeys(sub.model for sub in subs if sub.model not in self.routes.models)
+        listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
+        commands = listed + [c for sub in subs for c in sub.commands()]
         if s.submit_replicas:
-            pipe.execute_command("WAIT", s.submit_replicas, s.submit_replicas_timeout_ms)
+            commands.append(["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms])
+        replies = await self._run(commands)
+        missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
+        if missing:  # Redis lost its scripts: those calls did nothing
+            await jobs.load_async(self.redis, *SCRIPTS)
+            again = await self._run([commands[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        acked = replies.pop() if s.submit_replicas else 0
+        del replies[: len(listed)]
+        ids, cleanup = submitted(subs, replies, s.queue_full_retry_s, before or [], self.job)
+        if cleanup:
+            await self._run(cleanup)
+        if s.submit_replicas and acked < s.submit_replicas:
+            raise NotReplicated(
+                [j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms
+            )
+        return ids
+
+    async def _run(self, commands: list[list[Any]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for c in commands:
+            pipe.execute_command(*c)
         return await pipe.execute(raise_on_error=False)
 
     def job(self, job_id: str) -> AsyncJob:

@@ -16,12 +16,13 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from broker_config import fastpipe
-from broker_config.connection import connect, resolve_url
+from broker_config import fastpipe, keys
+from broker_config.connection import connect, is_cluster, resolve_url
+from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from broker_config.text import text
-from producer.errors import NotReplicated, QueueFull, final, retry_pause, submitted
-from producer.request import prepare
+from producer.errors import NotReplicated, QueueFull, final, submitted
+from producer.request import SCRIPTS, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
@@ -44,75 +45,89 @@ class Client:
             redis if redis is not None else connect(resolve_url(url, self.settings), decode=True)
         )
         self.listeners = wait.Listeners(self.redis)  # pub/sub connections kept for waits
+        self.routes = Routes(self.settings)
+        if self.settings.submit_replicas and is_cluster(self.redis):
+            raise ValueError("PLURAI_SUBMIT_REPLICAS (WAIT) is not available on a Redis Cluster")
 
     def submit(
         self, prompt: str | None = None, *, queue_timeout: float = 0.0, **options: Any
     ) -> Job:
         """Queue one job; options as in producer.request.prepare (max_tokens, temperature,
-        ..., priority, lane, metadata, idempotency_key, deadline). With an idempotency key
-        already used, returns the earlier job and queues nothing.
+        ..., priority, lane, model, metadata, idempotency_key, deadline). With an
+        idempotency key already used, returns the earlier job and queues nothing.
 
         When the lane is full, raises QueueFull at once, or with `queue_timeout` > 0 keeps
         trying until there is room or that many seconds have passed."""
-        call = prepare(self.settings, prompt=prompt, **options)
+        sub = prepare(self.settings, self.fresh_routes(), prompt=prompt, **options)
         give_up = time.monotonic() + queue_timeout
         while True:
             try:
-                if self.settings.submit_replicas:
-                    return self._send([fastpipe.pack(call.command())], [call.lane], [])[0]
-                return Job(self, text(jobs.run(self.redis, call)))
-            except QueueFull:  # from the path that waits for replicas
+                return self.send([sub])[0]
+            except QueueFull:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise
-                time.sleep(min(self.settings.queue_full_retry_s, left))
-            except redis.ResponseError as e:
-                retry = self.settings.queue_full_retry_s
-                time.sleep(retry_pause(e, call.lane, retry, give_up))
+                time.sleep(min(0.1, left))
 
     def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[Job]:
         """Queue many jobs, pipelined: each dict holds submit's arguments. If a lane is full,
         raises QueueFull after the chunk in flight; its `accepted` lists the jobs queued."""
-        jobs.load(self.redis, "SUBMIT")
+        jobs.load(self.redis, *SCRIPTS)
         out: list[Job] = []
-        chunk: list[bytes] = []  # packed at once: thousands of live calls would cost GC time
-        lanes: list[str] = []
+        chunk: list[jobs.Submission] = []
+        routes = self.fresh_routes()
         for req in requests:
-            call = prepare(self.settings, **req)
-            chunk.append(fastpipe.pack(call.command()))
-            lanes.append(call.lane)
+            chunk.append(prepare(self.settings, routes, **req))
             if len(chunk) == _CHUNK:
-                out += self._send(chunk, lanes, out)
-                chunk, lanes = [], []
+                out += self.send(chunk, out)
+                chunk = []
         if chunk:
-            out += self._send(chunk, lanes, out)
+            out += self.send(chunk, out)
         return out
 
-    def _send(self, chunk: list[bytes], lanes: list[str], before: list[Job]) -> list[Job]:
-        """One chunk of packed SUBMIT calls; with PLURAI_SUBMIT_REPLICAS, followed on the
-        same connection by a WAIT for that many replicas to have them."""
+    def fresh_routes(self) -> Routes:
+        if self.routes.stale():
+            self.routes.load(self.redis.hgetall(keys.MODELS))
+        return self.routes
+
+    def send(self, subs: list[jobs.Submission], before: list[Job] | None = None) -> list[Job]:
+        """Queue prepared submissions (producer.request.prepare) in one pipeline round trip;
+        with PLURAI_SUBMIT_REPLICAS, followed on the same connection by a WAIT for that many
+        replicas to have them. `before`: jobs of the same call already queued, for QueueFull."""
         s = self.settings
-        wait = []
+        # a model no worker has served yet gets its entry in plurai:models, so `plurai status`
+        # and the metrics show the lanes where its jobs wait
+        new = dict.fromkeys(sub.model for sub in subs if sub.model not in self.routes.models)
+        listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
+        commands = listed + [c for sub in subs for c in sub.commands()]
         if s.submit_replicas:
-            wait = [fastpipe.pack(["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms])]
-        replies = fastpipe.run(self.redis, chunk + wait)
-        missing = [i for i, x in enumerate(replies[: len(chunk)]) if isinstance(x, NoScriptError)]
+            commands.append(["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms])
+        replies = self._run(commands)
+        missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
         if missing:  # Redis lost its scripts (a restart, a failover): those calls did nothing
-            jobs.load(self.redis, "SUBMIT")
-            again = fastpipe.run(self.redis, [chunk[i] for i in missing] + wait)
-            for i, reply in zip(missing, again, strict=False):
+            jobs.load(self.redis, *SCRIPTS)
+            again = self._run([commands[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
-            if wait:
-                replies[-1] = again[-1]
-        acked = replies.pop() if wait else 0
-        try:
-            ids = submitted(replies, lanes, s.queue_full_retry_s)
-        except QueueFull as full:
-            full.accepted = before + [Job(self, i) for i in full.accepted]
-            raise
+        acked = replies.pop() if s.submit_replicas else 0
+        del replies[: len(listed)]
+        ids, cleanup = submitted(subs, replies, s.queue_full_retry_s, before or [], self.job)
+        if cleanup:
+            self._run(cleanup)
         if s.submit_replicas and acked < s.submit_replicas:
-            raise NotReplicated(ids, acked, s.submit_replicas, s.submit_replicas_timeout_ms)
-        return [Job(self, i) for i in ids]
+            raise NotReplicated(
+                [j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms
+            )
+        return ids
+
+    def _run(self, commands: list[list[Any]]) -> list[Any]:
+        """Commands in one round trip (one per node on a Cluster); error replies in place."""
+        if is_cluster(self.redis):
+            pipe = self.redis.pipeline(transaction=False)
+            for c in commands:
+                pipe.execute_command(*c)
+            return pipe.execute(raise_on_error=False)
+        return fastpipe.run(self.redis, [fastpipe.pack(c) for c in commands])
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

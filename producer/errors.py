@@ -3,13 +3,18 @@ and async clients) that raise them."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from broker_config.text import text
 from results import records
 from results.records import JobRecord
 from results.tokens import JobRestarted
+
+if TYPE_CHECKING:
+    from results.jobs import Submission
+
+J = TypeVar("J")
 
 
 class JobFailed(RuntimeError):
@@ -57,6 +62,19 @@ class NotReplicated(RuntimeError):
         self.wanted = wanted
 
 
+class UnknownModel(LookupError):
+    """No live worker serves the model and the deployment refuses such requests
+    (PLURAI_UNSERVED=refuse); nothing was queued."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(
+            f"no live worker serves the model {model!r}; served now: {served or 'none'} "
+            "(PLURAI_UNSERVED=refuse)"
+        )
+        self.model = model
+        self.served = served
+
+
 def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | None:
     """The QueueFull that a SUBMIT error reply stands for, or None for any other error."""
     text = str(error)
@@ -65,35 +83,42 @@ def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | N
     return QueueFull(lane, int(text.split()[1]), retry_after)
 
 
-def retry_pause(error: Exception, lane: str, retry_after: float, give_up: float) -> float:
-    """After a SUBMIT error reply: the seconds to wait before trying again. Raises `error`
-    itself when it is not QUEUEFULL, and QueueFull once time.monotonic() passes `give_up`."""
-    full = queue_full(error, lane, retry_after)
-    if full is None:
-        raise error
-    left = give_up - time.monotonic()
-    if left <= 0:
-        raise full from None
-    return min(0.1, left)
-
-
-def submitted(replies: list[Any], lanes: list[str], retry_after: float) -> list[str]:
-    """The job ids of a chunk of SUBMIT replies (one per call, in order, an error reply as
-    its exception). If a lane was full, raises QueueFull after the chunk, its `accepted`
-    holding the ids queued; any other error reply is raised as it is."""
-    ids: list[str] = []
+def submitted(
+    subs: list[Submission],
+    replies: list[Any],
+    retry_after: float,
+    before: list[J],
+    job: Callable[[str], J],
+) -> tuple[list[J], list[list[Any]]]:
+    """The jobs of a chunk of submissions, from their replies (QUEUED's then SUBMIT's for
+    each, an error reply as its exception), and the commands that delete the records
+    written for nothing. If a lane was full, raises QueueFull after the chunk, its
+    `accepted` holding `before` and the jobs queued; any other error reply is raised as
+    it is."""
+    out: list[J] = []
+    cleanup: list[list[Any]] = []
     full: QueueFull | None = None
-    for reply, lane in zip(replies, lanes, strict=True):
+    error: Exception | None = None
+    for i, sub in enumerate(subs):
+        record, reply = replies[2 * i], replies[2 * i + 1]
+        drop = sub.cleanup(record, reply)
+        if drop is not None:
+            cleanup.append(drop)
+        # SUBMIT's reply decides: a job queued without its record (QUEUED refused) runs
+        # all the same, and its worker's BEGIN writes the record.
         if not isinstance(reply, Exception):
-            ids.append(text(reply))
+            out.append(job(text(reply)))
             continue
-        full = queue_full(reply, lane, retry_after)
-        if full is None:
-            raise reply
+        lane_full = queue_full(reply, sub.lane, retry_after)
+        if lane_full is None:
+            error = error or reply
+        full = full or lane_full
+    if error is not None:
+        raise error
     if full is not None:
-        full.accepted = ids
+        full.accepted = before + out
         raise full
-    return ids
+    return out, cleanup
 
 
 def final(rec: JobRecord, timeout: float | None) -> JobRecord:
@@ -113,8 +138,8 @@ __all__ = [
     "JobFailed",
     "JobRestarted",
     "QueueFull",
+    "UnknownModel",
     "final",
     "queue_full",
-    "retry_pause",
     "submitted",
 ]

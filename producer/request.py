@@ -1,4 +1,4 @@
-"""Turn a submit call into the request entry (wire protocol v1) and its SUBMIT call."""
+"""Turn a submit call into the request entry (wire protocol v2) and its Submission."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import json
 import time
 from typing import Any
 
-from broker_config import protocol
+from broker_config import keys, protocol
+from broker_config.routes import Routes
 from broker_config.settings import Settings
+from producer.errors import UnknownModel
 from results import jobs
 
 SUBMIT_OPTIONS = frozenset(
@@ -28,6 +30,7 @@ SUBMIT_OPTIONS = frozenset(
     }
 )
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
+SCRIPTS = ("QUEUED", "SUBMIT")  # a Submission's scripts
 
 
 def response_format(model: type) -> dict[str, Any]:
@@ -44,6 +47,7 @@ def response_format(model: type) -> dict[str, Any]:
 
 def prepare(
     settings: Settings,
+    routes: Routes | None = None,
     *,
     prompt: str | None = None,
     messages: list[dict[str, Any]] | None = None,
@@ -60,9 +64,11 @@ def prepare(
     cache_salt: str | None = None,
     special_tokens: bool = False,
     **sampling: Any,
-) -> jobs.Call:
-    """The SUBMIT call (results.jobs.submit) that queues the request; its `job_id` and
-    `lane` say which job and lane.
+) -> jobs.Submission:
+    """The Submission (results.jobs.submit) that queues the request; its `job_id`, `lane`
+    and `model` say which job, lane and model. `model` (default: PLURAI_DEFAULT_MODEL)
+    picks the queue; `routes` (fresh enough, see Routes.stale) gives its shard count and
+    refuses a model no worker serves when the deployment says so (UnknownModel).
 
     `deadline` is an absolute unix time in seconds (e.g. time.time() + 60); the job fails
     with deadline_exceeded if no worker starts it before then. Sampling parameters are
@@ -92,8 +98,9 @@ def prepare(
     else:
         body["token_ids"] = token_ids
         n = len(token_ids or ())
-    if model is not None:
-        body["model"] = model
+    model = protocol.model_name(model) if model is not None else settings.default_model
+    if routes is not None and routes.refused(model):
+        raise UnknownModel(model, routes.live())
     if metadata is not None:
         body["metadata"] = metadata
     if not stream:
@@ -112,6 +119,8 @@ def prepare(
         priority,
         "lane",
         lane,
+        "model",
+        model,
         "prompt_tokens",
         n,
         "max_tokens",
@@ -125,8 +134,11 @@ def prepare(
         fields += ["deadline", int(deadline * 1000)]
     if idempotency_key is not None:
         fields += ["idem", idempotency_key]
+    shards = routes.shards(model) if routes is not None else 1
     return jobs.submit(
         lane=lane,
+        model=model,
+        shard=keys.shard_of(idempotency_key or job_id, shards),
         job_id=job_id,
         fields=fields,
         created_ms=int(time.time() * 1000),

@@ -32,11 +32,16 @@ def _age(s: float | None) -> str:
 
 def render(snap: stats.Snapshot) -> Group:
     lanes = Table(title="lanes", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("lane", "waiting", "pending", "oldest waiting"):
-        lanes.add_column(col, justify="left" if col == "lane" else "right")
+    for col in ("model", "lane", "workers", "waiting", "pending", "oldest waiting"):
+        lanes.add_column(col, justify="left" if col in ("model", "lane") else "right")
     for lane in snap.lanes:
         lanes.add_row(
-            lane.name, str(lane.waiting), str(lane.pending), _age(lane.oldest_waiting_age_s)
+            lane.model,
+            lane.name,
+            str(lane.workers),
+            str(lane.waiting),
+            str(lane.pending),
+            _age(lane.oldest_waiting_age_s),
         )
     workers = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD)
     workers.add_column("worker", no_wrap=True)
@@ -68,20 +73,23 @@ def render(snap: stats.Snapshot) -> Group:
     return Group(lanes, workers, summary)
 
 
-def show(r: redis.Redis, lanes: list[str], *, as_json: bool, once: bool, every: float) -> int:
+def show(
+    r: redis.Redis, lanes: list[str], model: str, *, as_json: bool, once: bool, every: float
+) -> int:
+    """`model`: the deployment's default model, shown even before any worker served it."""
     if as_json:
-        print(json.dumps(stats.snapshot(r, lanes).to_dict(), indent=2))
+        print(json.dumps(stats.snapshot(r, lanes, model).to_dict(), indent=2))
         return 0
     console = Console()
     if once:
-        console.print(render(stats.snapshot(r, lanes)))
+        console.print(render(stats.snapshot(r, lanes, model)))
         return 0
-    with Live(render(stats.snapshot(r, lanes)), console=console, auto_refresh=False) as live:
+    with Live(render(stats.snapshot(r, lanes, model)), console=console, auto_refresh=False) as live:
         try:
             while True:
                 time.sleep(every)
                 try:
-                    view: Any = render(stats.snapshot(r, lanes))
+                    view: Any = render(stats.snapshot(r, lanes, model))
                 except redis.RedisError as e:  # keep watching: Redis may come back
                     view = f"cannot read Redis ({redact(str(e))}); retrying every {every:g}s"
                 live.update(view, refresh=True)

@@ -29,7 +29,7 @@ RESYNC_AUTO = ""  # only when deltas may be missing or stale (see scripts.FINALI
 RESYNC_NEVER = "n"  # a job that streamed no deltas
 Resync = Literal["1", "", "n"]
 
-_FINALIZE_RESYNC = 8  # the index of FINALIZE's resync in its ARGV (ARGV[9])
+_FINALIZE_RESYNC = 6  # the index of FINALIZE's resync in its ARGV (ARGV[7])
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs a job ~1 us in submit_many
@@ -37,13 +37,15 @@ class Call:
     """One call of the script `script` (a name in results/scripts.py, e.g. "FINALIZE").
 
     `job_id` and `lane` say which job and lane the call is about, when it is about one (for
-    the caller's errors and logs); they are not sent."""
+    the caller's errors and logs); they are not sent, nor is `then` with it."""
 
     script: str
     keys: list[str]
     args: list[Any]
     job_id: str = field(default="", compare=False)
     lane: str = field(default="", compare=False)
+    # commands to send once this call's reply is back (a FINALIZE's ack of its entry)
+    then: list[list[Any]] = field(default_factory=list, compare=False)
 
     def command(self, sha: str | None = None) -> list[Any]:
         """["EVALSHA", sha, number of keys, *keys, *args], for a pipeline or a packed write;
@@ -111,9 +113,39 @@ async def load_async(r: redis.asyncio.Redis, *names: str) -> None:
 # -- the calls of a job's life ---------------------------------------------------------
 
 
+@dataclass(slots=True)
+class Submission:
+    """A job's submit: QUEUED (its record) and SUBMIT (its entry), sent in this order. The
+    SUBMIT reply is the job id in the queue; when it is not `job_id` (an earlier job with
+    the same idempotency key, or an error reply such as QUEUEFULL), `cleanup()` deletes the
+    record QUEUED wrote."""
+
+    record: Call
+    queue: Call
+    job_id: str
+    lane: str
+    model: str
+
+    def commands(self) -> list[list[Any]]:
+        return [self.record.command(), self.queue.command()]
+
+    def cleanup(self, record_reply: Any, queue_reply: Any) -> list[Any] | None:
+        """The command that deletes a record written for nothing, or None."""
+        ours = not isinstance(queue_reply, Exception) and _str(queue_reply) == self.job_id
+        if ours or record_reply != 1:
+            return None
+        return ["DEL", self.record.keys[0]]
+
+
+def _str(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
 def submit(
     *,
     lane: str,
+    model: str,
+    shard: int,
     job_id: str,
     fields: list[Any],
     created_ms: int,
@@ -124,28 +156,25 @@ def submit(
     queued_ttl_s: int,
     idempotency_ttl_s: int,
     max_queued: int,
-) -> Call:
-    """Queue a job: add its request entry (`fields`: flat field/value pairs) to the lane's
-    stream and write its record. With `idempotency_key` already used, the earlier job's id
-    is returned and nothing is added. `max_queued` 0: no limit; else an error reply
-    'QUEUEFULL <queued>' when the lane holds that many waiting entries."""
-    k = [keys.request_stream(lane), keys.job(job_id)]
+) -> Submission:
+    """Queue a job: write its record and add its request entry (`fields`: flat field/value
+    pairs) to shard `shard` of `model`'s `lane` stream. With `idempotency_key` already
+    used, the earlier job's id is returned and nothing is added. `max_queued` 0: no limit;
+    else an error reply 'QUEUEFULL <queued>' when the lane holds that many waiting
+    entries."""
+    record = Call(
+        "QUEUED",
+        [keys.job(job_id)],
+        [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model],
+        job_id=job_id,
+        lane=lane,
+    )
+    k = [keys.request_stream(lane, model, shard)]
     if idempotency_key is not None:
-        k.append(keys.idempotency(idempotency_key))
-    args = [
-        stream_maxlen,
-        queued_ttl_s,
-        idempotency_ttl_s,
-        job_id,
-        created_ms,
-        lane,
-        priority,
-        metadata_json or "",
-        max_queued,
-        keys.GROUP,
-        *fields,
-    ]
-    return Call("SUBMIT", k, args, job_id=job_id, lane=lane)
+        k.append(keys.idempotency(idempotency_key, model, shard))
+    args = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, *fields]
+    queue = Call("SUBMIT", k, args, job_id=job_id, lane=lane)
+    return Submission(record, queue, job_id, lane, model)
 
 
 def begin(
@@ -187,8 +216,6 @@ def deltas(*, worker: str, maxlen: int, items: Iterable[Delta]) -> Call:
 def finalize(
     *,
     job_id: str,
-    lane: str | None,
-    entry_id: bytes | str = "",
     state: str,
     finish_reason: str,
     fields: list[Any],
@@ -196,19 +223,15 @@ def finalize(
     stream_ttl_s: int,
     stream_maxlen: int,
     resync: Resync = RESYNC_AUTO,
-    dead_letter_maxlen: int,
+    lane: str = "",
+    entry: tuple[str, bytes | str] | None = None,
 ) -> Call:
     """Store a job's one final result (`fields`: flat record field/value pairs, e.g.
-    records.final_fields), end its token stream, publish its state on its done channel, and
-    ack and delete its request entry `entry_id` on `lane`'s stream (`lane` None: no entry to
-    ack). Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: the job
-    is dead-lettered)."""
-    k = [keys.job(job_id), keys.output(job_id), keys.DEAD_LETTER]
-    if lane is not None:
-        k.append(keys.request_stream(lane))
+    records.final_fields), end its token stream and publish its state on its done channel.
+    Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash). `entry`
+    (stream, entry id): the job's request entry on `lane`, acked once the reply is back
+    (the call's `then`): never before its result is stored."""
     args = [
-        keys.GROUP,
-        entry_id,
         ttl_s,
         keys.done_channel(job_id),
         state,
@@ -216,12 +239,17 @@ def finalize(
         stream_ttl_s,
         stream_maxlen,
         resync,
-        dead_letter_maxlen,
-        lane or "",
-        job_id,
         *fields,
     ]
-    return Call("FINALIZE", k, args, job_id=job_id, lane=lane or "")
+    then = ack(*entry) if entry is not None else []
+    k = [keys.job(job_id), keys.output(job_id)]
+    return Call("FINALIZE", k, args, job_id=job_id, lane=lane, then=then)
+
+
+def ack(stream: str, entry_id: bytes | str) -> list[list[Any]]:
+    """Ack and delete a request entry (workers delete what they ack, so a lane's length
+    minus its pending count is its backlog)."""
+    return [["XACK", stream, keys.GROUP, entry_id], ["XDEL", stream, entry_id]]
 
 
 def resynced(call: Call) -> Call:
@@ -243,26 +271,31 @@ def cancel(*, job_id: str, ttl_s: int, now_ms: int) -> Call:
     return Call("CANCEL", [keys.job(job_id), keys.output(job_id)], args, job_id=job_id)
 
 
+def release(*, job_id: str) -> Call:
+    """Mark a job handed back as queued again; returns 1 when its entry is to be re-added,
+    0 when it has a result already. Then `requeue`."""
+    return Call("RELEASE", [keys.job(job_id)], [], job_id=job_id)
+
+
 def requeue(
     *,
-    lane: str,
-    job_id: str,
+    stream: str,
     entry_id: bytes | str,
     maxlen: int,
+    again: bool,
     fields: Mapping[Any, Any],
 ) -> Call:
-    """Hand a job back: re-add its entry (`fields`) at the tail of `lane` and ack and delete
-    the old one `entry_id`, unless a final result exists. Returns 1 when re-added."""
+    """Re-add a job's entry (`fields`) at the tail of `stream` when `again` (RELEASE's
+    answer), and ack and delete the old one `entry_id`."""
     flat = [x for kv in fields.items() for x in kv]
-    args = [keys.GROUP, entry_id, maxlen, *flat]
-    k = [keys.request_stream(lane), keys.job(job_id)]
-    return Call("REQUEUE", k, args, job_id=job_id, lane=lane)
+    args = [keys.GROUP, entry_id, maxlen, "1" if again else "", *flat]
+    return Call("REQUEUE", [stream], args)
 
 
-def renew(*, lane: str, consumer: str, entry_ids: Iterable[bytes | str]) -> Call:
-    """Renew `consumer`'s lease on its entries of `lane`; returns the ids another consumer
+def renew(*, stream: str, consumer: str, entry_ids: Iterable[bytes | str]) -> Call:
+    """Renew `consumer`'s lease on its entries of `stream`; returns the ids another consumer
     owns now."""
-    return Call("RENEW", [keys.request_stream(lane)], [keys.GROUP, consumer, *entry_ids], lane=lane)
+    return Call("RENEW", [stream], [keys.GROUP, consumer, *entry_ids])
 
 
 def check(*, job_ids: Iterable[str]) -> Call:

@@ -10,33 +10,49 @@ function per script: call those, never a script with positional arguments.
 
 from __future__ import annotations
 
-# KEYS: request stream, job record[, idempotency key]
-# ARGV: maxlen, record ttl, idempotency ttl, job id, created_ms, lane, priority,
-#       metadata JSON or '', max queued (0: no limit), group, then the entry's field/value
-#       pairs.
+# A submit is two calls, sent together: QUEUED (the job's slot), then SUBMIT (the queue
+# shard's slot). Each touches one Redis Cluster slot; on one Redis they run in this order.
+
+# KEYS: job record
+# ARGV: record ttl, lane, priority, created_ms, metadata JSON or '', model
+# Writes the queued job's record. Only what is missing is written: on a Cluster the two
+# calls may arrive in either order, and a worker that took the entry first has written
+# the record as running (its TTL too). Returns 1 when the record was new, else 0.
+QUEUED = """
+local fields = {'lane', ARGV[2], 'priority', ARGV[3], 'created_ms', ARGV[4], 'model', ARGV[6]}
+if ARGV[5] ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = ARGV[5] end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'state', 'queued', unpack(fields))
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+  return 1
+end
+for i = 1, #fields, 2 do redis.call('HSETNX', KEYS[1], fields[i], fields[i + 1]) end
+return 0
+"""
+
+# KEYS: request stream[, idempotency key]
+# ARGV: maxlen, idempotency ttl, job id, max queued (0: no limit), group, then the
+#       entry's field/value pairs.
 # Returns the id of the job in the queue: this one, or the earlier job with the same
 # idempotency key (then nothing is added); or the error 'QUEUEFULL <queued>' when the lane
 # already holds max queued entries not yet taken by a worker. Workers delete an entry once
 # it is acknowledged, so XLEN minus the group's pending count is what waits in the lane.
+# When the reply is not this job's id, the client deletes the record QUEUED wrote.
 SUBMIT = """
-if #KEYS == 3 then
-  local owner = redis.call('GET', KEYS[3])
+if #KEYS == 2 then
+  local owner = redis.call('GET', KEYS[2])
   if owner then return owner end
 end
-local limit = tonumber(ARGV[9])
+local limit = tonumber(ARGV[4])
 local queued = redis.call('XLEN', KEYS[1])
 if limit > 0 and queued >= limit then
-  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[10])
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[5])
   if type(pending) == 'table' and pending.err == nil then queued = queued - pending[1] end
   if queued >= limit then return redis.error_reply('QUEUEFULL ' .. queued) end
 end
-if #KEYS == 3 then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[3]) end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 11))
-redis.call('HSET', KEYS[2], 'state', 'queued', 'lane', ARGV[6], 'priority', ARGV[7],
-           'created_ms', ARGV[5])
-if ARGV[8] ~= '' then redis.call('HSET', KEYS[2], 'metadata', ARGV[8]) end
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return ARGV[4]
+if #KEYS == 2 then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2]) end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 6))
+return ARGV[3]
 """
 
 # KEYS: job record, token stream
@@ -97,55 +113,44 @@ end
 return n
 """
 
-# KEYS: job record, token stream, dead-letter stream[, request stream to XACK]
-# ARGV: group, entry id, ttl, done channel, state, finish_reason, stream ttl, stream maxlen,
-#       resync ('1': write a reset and the whole text before the end entry; '': only when
-#       deltas may be missing (the record does not name the result's worker) or may be
-#       stale (the stream exists and the result has no text); 'n': never, a job without
-#       deltas), dead-letter maxlen, lane, job id, then record field/value pairs (with
-#       text, token_ids and worker)
+# KEYS: job record, token stream
+# ARGV: ttl, done channel, state, finish_reason, stream ttl, stream maxlen, resync ('1':
+#       write a reset and the whole text before the end entry; '': only when deltas may be
+#       missing (the record does not name the result's worker) or may be stale (the stream
+#       exists and the result has no text); 'n': never, a job without deltas), then record
+#       field/value pairs (with text, token_ids and worker)
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
-# same job can never overwrite the first result. Acks and deletes the entry either way.
-# Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: the job is
-# dead-lettered instead, as no result can be written).
+# same job can never overwrite the first result. The worker acks and deletes the job's
+# request entry once this call's reply is back (another slot: results/jobs.py, acks).
+# Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: no result can
+# be written; the worker dead-letters the job).
 FINALIZE = """
 local rt = redis.call('TYPE', KEYS[1]).ok
-local status = 0
-if rt ~= 'hash' and rt ~= 'none' then
-  redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[10], '*', 'lane', ARGV[11],
-             'entry_id', ARGV[2], 'job_id', ARGV[12], 'error',
-             'bad_record: the job record is a ' .. rt .. ', not a hash; no result written')
-  status = -1
-elseif redis.call('HSETNX', KEYS[1], 'final', '1') == 1 then
-  local owner = redis.call('HGET', KEYS[1], 'worker')
-  local text, ids, worker = '', '[]', ''
-  for i = 13, #ARGV - 1, 2 do
-    if ARGV[i] == 'text' then text = ARGV[i + 1] end
-    if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
-    if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
-  end
-  redis.call('HSET', KEYS[1], 'state', ARGV[5], 'finish_reason', ARGV[6], unpack(ARGV, 13))
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  local st = redis.call('TYPE', KEYS[2]).ok
-  if st == 'stream' or st == 'none' then
-    local stale = st == 'stream' and text == ''
-    if ARGV[9] == '1' or (ARGV[9] == '' and ((text ~= '' and owner ~= worker) or stale)) then
-      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'reset')
-      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'delta',
-                  'text', text, 'token_ids', ids)
-    end
-    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'type', 'end',
-                'state', ARGV[5], 'finish_reason', ARGV[6])
-    redis.call('EXPIRE', KEYS[2], ARGV[7])
-  end
-  redis.call('PUBLISH', ARGV[4], ARGV[5])
-  status = 1
+if rt ~= 'hash' and rt ~= 'none' then return -1 end
+if redis.call('HSETNX', KEYS[1], 'final', '1') == 0 then return 0 end
+local owner = redis.call('HGET', KEYS[1], 'worker')
+local text, ids, worker = '', '[]', ''
+for i = 8, #ARGV - 1, 2 do
+  if ARGV[i] == 'text' then text = ARGV[i + 1] end
+  if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
+  if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
 end
-if #KEYS == 4 then
-  redis.call('XACK', KEYS[4], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[4], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finish_reason', ARGV[4], unpack(ARGV, 8))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+local st = redis.call('TYPE', KEYS[2]).ok
+if st == 'stream' or st == 'none' then
+  local stale = st == 'stream' and text == ''
+  if ARGV[7] == '1' or (ARGV[7] == '' and ((text ~= '' and owner ~= worker) or stale)) then
+    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'reset')
+    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'delta',
+                'text', text, 'token_ids', ids)
+  end
+  redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'end',
+              'state', ARGV[3], 'finish_reason', ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
 end
-return status
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1
 """
 
 # KEYS: job record, token stream
@@ -174,29 +179,31 @@ redis.call('PUBLISH', ARGV[2], 'cancelled')
 return 'cancelled'
 """
 
-# KEYS: request stream, job record
-# ARGV: group, entry id, maxlen, then the entry's original field/value pairs
-# Hands a job back: re-adds its entry at the tail of its lane and acks (and deletes) the old
-# one, unless a final result exists already. Returns 1 when re-added.
+# Handing a job back is two calls: RELEASE (the job's slot), then REQUEUE (the queue's).
+
+# KEYS: job record
+# Marks the job queued again, unless a final result exists. Returns 1 when the job is to
+# be re-added (a record of another type too: the next worker to take it reports
+# bad_record), 0 when it has a result (its entry is only acked).
+RELEASE = """
+local rt = redis.call('TYPE', KEYS[1]).ok
+if rt ~= 'hash' and rt ~= 'none' then return 1 end
+if redis.call('HEXISTS', KEYS[1], 'final') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'queued')
+redis.call('HDEL', KEYS[1], 'worker', 'started_ms')
+return 1
+"""
+
+# KEYS: request stream
+# ARGV: group, entry id, maxlen, re-add ('1' or ''), then the entry's field/value pairs
+# Re-adds the entry at the tail of its lane (when told to) and acks and deletes the old one.
 REQUEUE = """
-local rt = redis.call('TYPE', KEYS[2]).ok
-if rt ~= 'hash' and rt ~= 'none' then  -- the next worker to take it reports bad_record
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  return 1
-end
-if redis.call('HEXISTS', KEYS[2], 'final') == 0 then
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
-  redis.call('HSET', KEYS[2], 'state', 'queued')
-  redis.call('HDEL', KEYS[2], 'worker', 'started_ms')
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  return 1
+if ARGV[4] == '1' then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 5))
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
-return 0
+return ARGV[4] == '1' and 1 or 0
 """
 
 # KEYS: request stream

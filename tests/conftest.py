@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random-weight models of every family, made once per session, and
-real redis-servers on free ports."""
+real redis-servers (and a Redis Cluster) on free ports."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def module_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
     yield server.start()
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-node Redis Cluster (redis+cluster:// URL) for one test module; ~2 s to start."""
+    from broker_config.embedded import LocalCluster
+
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster.start()
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import time
 import redis
 
 from broker_config import keys
+from broker_config.connection import connect
 from results import records
 from results.records import JobRecord
 
@@ -22,7 +23,7 @@ FAST = {
 
 def final_records(url: str, ids: list[str], timeout: float = 150.0) -> list[JobRecord]:
     """Poll until every job has its final result (or timeout), riding out a Redis outage."""
-    r = redis.Redis.from_url(url, socket_timeout=5)
+    r = connect(url, socket_timeout=5)
     give_up = time.monotonic() + timeout
     recs: list[JobRecord] = []
     while time.monotonic() < give_up:
@@ -50,12 +51,27 @@ def end_entries(r: redis.Redis, ids: list[str]) -> list[int]:
     return [sum(1 for _, f in entries if f[b"type"] == b"end") for entries in pipe.execute()]
 
 
-def pending(r: redis.Redis, consumer: str | None = None) -> int:
+def streams(shards: int = 1) -> list[str]:
+    """The default model's request streams, every shard."""
+    return [
+        keys.request_stream(lane, keys.DEFAULT_MODEL, n) for lane in LANES for n in range(shards)
+    ]
+
+
+def pending(r: redis.Redis, consumer: str | None = None, shards: int = 1) -> int:
     total = 0
-    for lane in LANES:
-        stream = keys.request_stream(lane)
+    for stream in streams(shards):
         if consumer is None:
             total += r.xpending(stream, keys.GROUP)["pending"]
         else:
             total += len(r.xpending_range(stream, keys.GROUP, "-", "+", 1000, consumer))
     return total
+
+
+def drained(r: redis.Redis, shards: int = 1, timeout: float = 10.0) -> bool:
+    """Whether no entry is pending, waiting up to `timeout`: a job's entry is acked just
+    after its result is stored (with its worker's next write)."""
+    give_up = time.monotonic() + timeout
+    while pending(r, None, shards) and time.monotonic() < give_up:
+        time.sleep(0.1)
+    return pending(r, None, shards) == 0

@@ -36,7 +36,7 @@ def test_queue_full(redis_url):
 
     # An entry a worker has taken no longer counts as waiting.
     r = redis.Redis.from_url(redis_url)
-    ensure_groups(r, ["batch"])
+    ensure_groups(r, [keys.request_stream("batch")])
     r.xreadgroup(keys.GROUP, "w", {keys.request_stream("batch"): ">"}, count=1)
     client.submit("room again", lane="batch", idempotency_key="k2")
     with pytest.raises(QueueFull):
@@ -62,7 +62,7 @@ def test_blocking_submit_waits_for_room(redis_url):
     client = Client(redis_url, settings=Settings(max_queued_per_lane=1))
     client.submit("fills the lane", lane="batch")
     r = redis.Redis.from_url(redis_url)
-    ensure_groups(r, ["batch"])
+    ensure_groups(r, [keys.request_stream("batch")])
 
     def take_later() -> None:
         time.sleep(0.3)

@@ -22,7 +22,7 @@ from broker_config.embedded import EmbeddedRedis
 from producer.client import Client
 from results import records
 
-from .faults import FAST, LANES, pending
+from .faults import FAST, LANES, drained, pending
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -161,7 +161,7 @@ def test_chaos(tmp_path, tiny_model, workers_class):
         assert not problems, f"{len(problems)} token-stream problem(s):\n" + "\n".join(
             problems[:30]
         )
-        assert pending(r) == 0
+        assert drained(r)
         crashed = [p.pid for p in w.procs if p.poll() is not None and p.pid not in killed]
         assert not crashed, f"workers died without being killed: {crashed}; see {tmp_path}"
         assert not start_errors, start_errors

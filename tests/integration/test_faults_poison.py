@@ -14,7 +14,7 @@ from broker_config.groups import ensure_groups
 from producer.client import Client
 from results import records
 
-from .faults import FAST, LANES, final_records, pending
+from .faults import FAST, LANES, drained, final_records
 
 
 def deliver(r: redis.Redis, lane: str, times: int) -> bytes:
@@ -28,7 +28,7 @@ def deliver(r: redis.Redis, lane: str, times: int) -> bytes:
 
 def test_poison_entry_dead_lettered(redis_url, workers):
     r = redis.Redis.from_url(redis_url)
-    ensure_groups(r, list(LANES))
+    ensure_groups(r, [keys.request_stream(lane) for lane in LANES])
     client = Client(redis_url)
     poison = client.submit("poison", max_tokens=4, lane="batch")
     poison_entry = deliver(r, "batch", 3)
@@ -48,6 +48,6 @@ def test_poison_entry_dead_lettered(redis_url, workers):
     ((_, dead),) = r.xrange(keys.DEAD_LETTER)
     assert dead[b"lane"] == b"batch" and dead[b"entry_id"] == poison_entry
     assert json.loads(dead[b"fields"])["id"] == poison.id
-    assert pending(r) == 0  # the deleted entry's delivery was acked too
+    assert drained(r)  # the deleted entry's delivery was acked too
     assert proc.poll() is None  # unaffected
     assert client.submit("after", max_tokens=2).result(timeout=60).state == records.COMPLETED

@@ -11,7 +11,7 @@ from broker_config.embedded import EmbeddedRedis
 from producer.client import Client
 from results import records
 
-from .faults import FAST, LANES, count_final, end_entries, final_records, pending
+from .faults import FAST, LANES, count_final, drained, end_entries, final_records
 
 
 def test_redis_restart_mid_run(tmp_path, tiny_model, workers_class):
@@ -48,7 +48,7 @@ def test_redis_restart_mid_run(tmp_path, tiny_model, workers_class):
         recs = final_records(url, ids)
         assert [rec.state for rec in recs] == [records.COMPLETED] * 150
         assert end_entries(r, ids) == [1] * 150
-        assert pending(r) == 0
+        assert drained(r)
         assert all(p.poll() is None for p in w.procs)  # the workers rode it out
         assert "redis unavailable" in w.log(0) + w.log(1)
     finally:

@@ -24,7 +24,7 @@ from producer.client import Client
 from producer.errors import NotReplicated
 from results import records
 
-from .faults import FAST, LANES, end_entries, pending
+from .faults import FAST, LANES, drained, end_entries
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_failover_mid_run_gives_every_job_one_result(
             time.sleep(0.3)
         assert [rec.state for rec in recs] == [records.COMPLETED] * 300
         assert end_entries(r, ids) == [1] * 300  # one result each, written once
-        assert pending(r) == 0
+        assert drained(r)
         assert r.execute_command("ROLE")[0] in (b"master", "master")
         assert connect(url).connection_pool.get_master_address()[1] == sentinels.replica_port
         assert all(p.poll() is None for p in w.procs)  # the workers rode it out

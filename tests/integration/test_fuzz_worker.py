@@ -48,7 +48,7 @@ from broker_config.protocol import Code
 from results.records import JobRecord
 
 from .conftest import ENGINE_ARGS
-from .faults import LANES
+from .faults import LANES, drained, pending
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -595,12 +595,9 @@ def settle(served: Served, written: list[Written], timeout: float = SETTLE_S) ->
     unanswered = {id(w) for w in left}
     for w in written:
         violations += check_one(served, w, timed_out=id(w) in unanswered and served.alive())
-    if served.alive() and not left:
-        held = sum(
-            served.r.xpending(keys.request_stream(lane), keys.GROUP)["pending"] for lane in LANES
-        )
-        if held:
-            violations.append(f"{held} entries still pending after every entry was answered")
+    if served.alive() and not left and not drained(served.r):
+        held = pending(served.r)
+        violations.append(f"{held} entries still pending after every entry was answered")
     return violations
 
 

@@ -106,7 +106,9 @@ def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
     freed at once, and a first token that comes later changes nothing."""
     r = redis.Redis.from_url(redis_url)
     r.sadd(keys.WORKERS, "w-idle")
-    r.hset(keys.worker("w-idle"), mapping={"model": "idle", "state": "serving"})
+    r.hset(
+        keys.worker("w-idle"), mapping={"model": "idle", "served_model": "idle", "state": "serving"}
+    )
     secret, key = auth.create_key(r, "acme", concurrent=1)
     g = Gateway(redis_url, tmp_path / "gateway.log")
     try:

@@ -13,7 +13,7 @@ from broker_config.groups import ensure_groups, forget_dead_consumers, forget_de
 
 def test_forget_dead_consumers(redis_url):
     r = redis.Redis.from_url(redis_url)
-    ensure_groups(r, ["standard"])
+    ensure_groups(r, [keys.request_stream("standard")])
     stream = keys.request_stream("standard")
     first = r.xadd(stream, {"v": "1"})
     r.xadd(stream, {"v": "1"})
@@ -25,7 +25,7 @@ def test_forget_dead_consumers(redis_url):
     r.xack(stream, keys.GROUP, third)  # idle and empty too, but with a live heartbeat
     r.hset(keys.worker("alive"), "beat_ms", 1)
     time.sleep(0.05)
-    assert forget_dead_consumers(r, ["standard", "batch"], min_idle_ms=10) == ["standard/dead"]
+    assert forget_dead_consumers(r, ["standard", "batch"], min_idle_ms=10) == [f"{stream}/dead"]
     names = {c["name"].decode() for c in r.xinfo_consumers(stream, keys.GROUP)}
     assert names == {"holder", "alive"}
     assert forget_dead_consumers(r, ["standard"], min_idle_ms=60_000) == []

@@ -14,6 +14,8 @@ import redis.asyncio
 
 from broker_config import keys
 from broker_config.groups import ensure_groups
+from broker_config.settings import Settings
+from gpu_workers.writer import Writer
 from results import jobs, records
 
 pytestmark = pytest.mark.integration
@@ -29,8 +31,11 @@ def r(redis_url: str) -> redis.Redis:
 
 
 def submit(r: redis.Redis, job_id: str, **over) -> str:
+    """QUEUED then SUBMIT, as the SDK sends them; the record written for nothing deleted."""
     named = dict(
         lane=LANE,
+        model=keys.DEFAULT_MODEL,
+        shard=0,
         job_id=job_id,
         fields=["v", "1", "id", job_id, "body", "x"],
         created_ms=1234,
@@ -41,12 +46,39 @@ def submit(r: redis.Redis, job_id: str, **over) -> str:
         idempotency_ttl_s=700,
         max_queued=0,
     )
-    return jobs.run(r, jobs.submit(**{**named, **over}))
+    sub = jobs.submit(**{**named, **over})
+    record = jobs.run(r, sub.record)
+    try:
+        reply = jobs.run(r, sub.queue)
+    except redis.ResponseError as e:
+        reply = e
+    drop = sub.cleanup(record, reply)
+    if drop is not None:
+        r.execute_command(*drop)
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+SUBMIT = dict(
+    lane=LANE,
+    model=keys.DEFAULT_MODEL,
+    shard=0,
+    job_id="",
+    fields=["v", "2"],
+    created_ms=1,
+    priority=0,
+    metadata_json=None,
+    stream_maxlen=1000,
+    queued_ttl_s=500,
+    idempotency_ttl_s=700,
+    max_queued=0,
+)
 
 
 def take(r: redis.Redis, consumer: str = "w1") -> str:
     """The oldest waiting entry of LANE, read by `consumer`: its entry id."""
-    ensure_groups(r, [LANE])
+    ensure_groups(r, [keys.request_stream(LANE)])
     got = r.xreadgroup(keys.GROUP, consumer, {keys.request_stream(LANE): ">"}, count=1)
     return got[0][1][0][0]
 
@@ -66,10 +98,11 @@ def begin(r: redis.Redis, job_id: str, **over) -> str:
 
 
 def finalize(r: redis.Redis, job_id: str, entry_id: str, **over) -> int:
+    """FINALIZE, then what its reply makes due (as the worker's writer does)."""
     named = dict(
         job_id=job_id,
         lane=LANE,
-        entry_id=entry_id,
+        entry=(keys.request_stream(LANE), entry_id),
         state=records.COMPLETED,
         finish_reason="length",
         fields=records.final_fields(
@@ -78,9 +111,13 @@ def finalize(r: redis.Redis, job_id: str, entry_id: str, **over) -> int:
         ttl_s=800,
         stream_ttl_s=300,
         stream_maxlen=100,
-        dead_letter_maxlen=50,
     )
-    return jobs.run(r, jobs.finalize(**{**named, **over}))
+    writer = Writer(r, Settings(dead_letter_maxlen=50), "w1")
+    call = jobs.finalize(**{**named, **over})
+    reply = jobs.run(r, call)
+    writer.replied(call, reply)
+    writer.execute(writer.acks)
+    return reply
 
 
 def message(pubsub) -> dict:
@@ -103,16 +140,26 @@ def test_submit(r):
     assert entry == {"v": "1", "id": "j1", "body": "x"}
     rec = records.get(r, "j1")
     assert (rec.state, rec.lane, rec.priority, rec.created_ms) == ("queued", LANE, -3, 1234)
+    assert r.hget(keys.job("j1"), "model") == keys.DEFAULT_MODEL
     assert rec.metadata == {"m": 1} and 490 < r.ttl(keys.job("j1")) <= 500
     assert r.get(keys.idempotency("k")) == "j1" and 690 < r.ttl(keys.idempotency("k")) <= 700
     assert submit(r, "j2", idempotency_key="k") == "j1"  # the earlier job; nothing added
-    assert r.xlen(keys.request_stream(LANE)) == 1
+    assert r.xlen(keys.request_stream(LANE)) == 1 and not r.exists(keys.job("j2"))
     submit(r, "j3", metadata_json=None)
     assert records.get(r, "j3").metadata is None
     with pytest.raises(redis.ResponseError, match="QUEUEFULL 2"):
         submit(r, "j4", max_queued=2)
+    assert not r.exists(keys.job("j4"))  # refused: no record left behind
     take(r)  # a taken entry no longer waits
     assert submit(r, "j4", max_queued=2) == "j4"
+    # a worker that took the entry first (on a Cluster the two calls may cross): QUEUED
+    # leaves its record alone
+    r.delete(keys.job("j4"))
+    begin(r, "j4")
+    assert jobs.run(r, jobs.submit(**{**SUBMIT, "job_id": "j4"}).record) == 0
+    rec = records.get(r, "j4")  # still running; what BEGIN does not write is filled in
+    assert (rec.state, rec.created_ms) == ("running", 1)
+    assert r.hget(keys.job("j4"), "model") == keys.DEFAULT_MODEL
 
 
 def test_begin(r):
@@ -188,15 +235,13 @@ def test_finalize_resync_and_without_a_lane(r):
     entry_id = take(r)
     begin(r, "j1")
     call = jobs.finalize(
-        job_id="j1",
-        lane=None,  # nothing to ack: the entry stays pending
+        job_id="j1",  # no entry: nothing to ack, the entry stays pending
         state="completed",
         finish_reason="stop",
         fields=records.final_fields(text="whole", token_ids=[1], worker="w1", finished_ms=1),
         ttl_s=60,
         stream_ttl_s=60,
         stream_maxlen=100,
-        dead_letter_maxlen=50,
     )
     assert jobs.run(r, jobs.resynced(call)) == 1
     assert stream(r, "j1")[1:] == [
@@ -254,13 +299,23 @@ def test_requeue(r):
     entry_id = take(r)
     begin(r, "j1")
     fields = {b"v": b"1", b"id": b"j1", b"attempts": b"2"}
-    call = jobs.requeue(lane=LANE, job_id="j1", entry_id=entry_id, maxlen=100, fields=fields)
+    stream_key = keys.request_stream(LANE)
+    assert jobs.run(r, jobs.release(job_id="j1")) == 1
+    call = jobs.requeue(stream=stream_key, entry_id=entry_id, maxlen=100, again=True, fields=fields)
     assert jobs.run(r, call) == 1
-    ((new_id, entry),) = r.xrange(keys.request_stream(LANE))
+    ((new_id, entry),) = r.xrange(stream_key)
     assert new_id != entry_id and entry == {"v": "1", "id": "j1", "attempts": "2"}
     rec = records.get(r, "j1")
     assert rec.state == "queued" and rec.worker is None and rec.started_ms is None
-    assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
+    assert r.xpending(stream_key, keys.GROUP)["pending"] == 0
+    # a job with a result is not re-added: its entry is only acked
+    entry_id = take(r)
+    begin(r, "j1")
+    assert finalize(r, "j1", entry_id) == 1
+    assert jobs.run(r, jobs.release(job_id="j1")) == 0
+    r.delete(keys.job("str"))
+    r.set(keys.job("str"), "x")  # the next worker reports bad_record: re-added
+    assert jobs.run(r, jobs.release(job_id="str")) == 1
 
 
 def test_renew_reports_entries_another_consumer_took(r):
@@ -268,7 +323,7 @@ def test_renew_reports_entries_another_consumer_took(r):
     submit(r, "b")
     mine, taken = take(r, "w1"), take(r, "w1")
     r.xclaim(keys.request_stream(LANE), keys.GROUP, "w2", 0, [taken])
-    call = jobs.renew(lane=LANE, consumer="w1", entry_ids=[mine, taken])
+    call = jobs.renew(stream=keys.request_stream(LANE), consumer="w1", entry_ids=[mine, taken])
     assert jobs.run(r, call) == [taken]
 
 

@@ -37,7 +37,12 @@ def scrape(port: int) -> Samples:
     return out
 
 
+QUEUE_GAUGES = ("plurai_queue_depth", "plurai_queue_pending", "plurai_queue_oldest_age_seconds")
+
+
 def value(m: Samples, name: str, **labels: str) -> float:
+    if name in QUEUE_GAUGES:  # per model and lane
+        labels = {"model": "default", **labels}
     return m.get((name, frozenset(labels.items())), 0.0)
 
 

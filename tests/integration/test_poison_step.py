@@ -19,7 +19,7 @@ from producer.client import Client
 from results import records
 
 from .conftest import ENGINE_ARGS
-from .faults import FAST, LANES, end_entries, pending
+from .faults import FAST, LANES, drained, end_entries, pending
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,7 +112,7 @@ def test_poison_step_fails_only_its_job(redis_url, workers, tiny_model):
     ]
     assert not wrong, f"good jobs whose tokens differ from an offline run: {wrong}"
     assert [d for d in (dead_letters_naming(r, i) for i in ids) if d] == []
-    assert pending(r) == 0
+    assert drained(r)
     assert all(p.poll() is None for p in live), "a worker is down at the end"
     if deaths:  # tolerated (the run completed after restarts), but worth seeing
         warnings.warn("workers died on the poison step:\n" + "\n".join(deaths), stacklevel=1)

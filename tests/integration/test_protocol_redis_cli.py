@@ -32,15 +32,19 @@ def test_redis_cli_client(redis_url, workers):
     workers.start(1)
     job = "cli-job-0123456789"
     body = '{"prompt": "hello from a shell", "temperature": 0, "metadata": {"from": "cli"}}'
+    # the model's shard count (nil: 1 shard), then the XADD to its shard 0 (docs/protocol.md)
+    assert cli(redis_url, "HGET", "plurai:models", "default")[0].startswith('{"shards":1,')
     reply = cli(
         redis_url,
         "XADD",
-        "plurai:req:interactive",
+        "plurai:{default}:req:interactive",
         "*",
         "v",
-        "1",
+        "2",
         "id",
         job,
+        "model",
+        "default",
         "prompt_tokens",
         "5",
         "max_tokens",
@@ -63,7 +67,7 @@ def test_redis_cli_client(redis_url, workers):
             "COUNT",
             "100",
             "STREAMS",
-            f"plurai:out:{job}",
+            f"plurai:out:{{{job}}}",
             last,
         )
         assert flat, "no token stream entry within 30 s"
@@ -80,13 +84,13 @@ def test_redis_cli_client(redis_url, workers):
     assert events[-1] == {"type": "end", "state": "completed", "finish_reason": "length"}
     text = "".join(e["text"] for e in events if e["type"] == "delta")
 
-    record = pairs(cli(redis_url, "HGETALL", f"plurai:job:{job}"))
+    record = pairs(cli(redis_url, "HGETALL", f"plurai:job:{{{job}}}"))
     assert record["state"] == "completed"
     assert record["text"] == text
     assert record["output_tokens"] == "6"
     assert record["metadata"] == '{"from": "cli"}'
     ttl = subprocess.run(
-        [find_binary("redis-cli"), "-u", redis_url, "TTL", f"plurai:job:{job}"],
+        [find_binary("redis-cli"), "-u", redis_url, "TTL", f"plurai:job:{{{job}}}"],
         check=True,
         capture_output=True,
         text=True,

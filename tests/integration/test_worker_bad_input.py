@@ -13,6 +13,8 @@ import redis
 from broker_config import keys, protocol
 from results import records, wait
 
+from .faults import drained
+
 MAX_MODEL_LEN = 256
 LIMIT = 64
 
@@ -66,7 +68,7 @@ CASES = [
     ("unknown body field", entry({"prompt": "hi", "temprature": 0.5}), "bad_field", "temprature"),
     ("unknown content type", entry(content_type="text/plain"), "bad_field", "content_type"),
     ("missing body", entry(**{"body": None}), "bad_field", "body"),
-    ("unknown version", entry(v="2"), "unsupported_version", "'1'"),
+    ("unknown version", entry(v="3"), "unsupported_version", "'2'"),
     ("missing version", entry(v=None), "bad_field", "'v'"),
     ("missing prompt", entry({"temperature": 0}), "invalid_prompt", "prompt"),
     ("prompt not a string", entry({"prompt": 42}), "invalid_prompt", "string"),
@@ -129,7 +131,7 @@ def test_entry_without_job_id_goes_to_dead_letter(served: redis.Redis) -> None:
     dead = served.xrange(keys.DEAD_LETTER)
     assert len(dead) == 1
     assert b"'id'" in dead[0][1][b"error"] and b"no id" in dead[0][1][b"fields"]
-    assert served.xpending(stream, keys.GROUP)["pending"] == 0
+    assert drained(served)
 
 
 def test_msgpack_body_roundtrip(served: redis.Redis) -> None:

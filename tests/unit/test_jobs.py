@@ -12,7 +12,8 @@ from results import jobs, scripts
 
 
 def test_sha_is_the_sha1_of_the_script_text() -> None:
-    for name in ("SUBMIT", "BEGIN", "DELTAS", "FINALIZE", "CANCEL", "REQUEUE", "RENEW", "CHECK"):
+    names = ("QUEUED", "SUBMIT", "BEGIN", "DELTAS", "FINALIZE", "CANCEL", "RELEASE", "REQUEUE")
+    for name in (*names, "RENEW", "CHECK"):
         assert jobs.sha(name) == hashlib.sha1(getattr(scripts, name).encode()).hexdigest()
     with pytest.raises(KeyError, match="no script"):
         jobs.sha("NOPE")
@@ -20,15 +21,18 @@ def test_sha_is_the_sha1_of_the_script_text() -> None:
 
 def test_command_is_evalsha_with_the_number_of_keys() -> None:
     call = jobs.check(job_ids=["a", "b"])
-    assert call.command() == ["EVALSHA", jobs.sha("CHECK"), 2, "plurai:job:a", "plurai:job:b"]
+    assert call.command() == ["EVALSHA", jobs.sha("CHECK"), 2, "plurai:job:{a}", "plurai:job:{b}"]
     assert call.command("f00")[1] == "f00"
-    renew = jobs.renew(lane="batch", consumer="w", entry_ids=[b"1-0", b"2-0"])
-    assert renew.command()[2:] == [1, "plurai:req:batch", keys.GROUP, "w", b"1-0", b"2-0"]
+    stream = keys.request_stream("batch")
+    renew = jobs.renew(stream=stream, consumer="w", entry_ids=[b"1-0", b"2-0"])
+    assert renew.command()[2:] == [1, "plurai:{default}:req:batch", keys.GROUP, "w", b"1-0", b"2-0"]
 
 
 def test_submit_keys_with_and_without_an_idempotency_key() -> None:
     named = dict(
         lane="standard",
+        model="m",
+        shard=3,
         job_id="j1",
         fields=["v", 1],
         created_ms=5,
@@ -40,10 +44,18 @@ def test_submit_keys_with_and_without_an_idempotency_key() -> None:
         max_queued=0,
     )
     plain = jobs.submit(**named)
-    assert plain.keys == ["plurai:req:standard", "plurai:job:j1"]
-    assert (plain.job_id, plain.lane) == ("j1", "standard")
+    # each call's keys share one hash tag: one Cluster slot
+    assert plain.record.keys == ["plurai:job:{j1}"]
+    assert plain.queue.keys == ["plurai:{m:3}:req:standard"]
+    assert (plain.job_id, plain.lane, plain.model) == ("j1", "standard", "m")
     keyed = jobs.submit(**named, idempotency_key="k")
-    assert keyed.keys[2] == keys.idempotency("k") and keyed.args == plain.args
+    assert keyed.queue.keys == ["plurai:{m:3}:req:standard", "plurai:{m:3}:idem:k"]
+    assert keyed.queue.args == plain.queue.args
+    # a record written for nothing is deleted: the key was another job's, or the lane full
+    assert plain.cleanup(1, "j1") is None
+    assert plain.cleanup(1, "other") == ["DEL", "plurai:job:{j1}"]
+    assert plain.cleanup(1, Exception("QUEUEFULL 5")) == ["DEL", "plurai:job:{j1}"]
+    assert plain.cleanup(0, "other") is None  # the record was there before: not ours
 
 
 def test_deltas_encode_mode_text_and_ids() -> None:
@@ -56,22 +68,25 @@ def test_deltas_encode_mode_text_and_ids() -> None:
     assert call.args == ["w", 100, "d", "hi", "[1,2]", "r", "all", "[3]"]
 
 
-def test_finalize_without_a_lane_has_no_stream_to_ack() -> None:
+def test_finalize_acks_its_entry_only_after_its_reply() -> None:
     named = dict(
         job_id="j",
-        entry_id=b"1-0",
         state="completed",
         finish_reason="stop",
         fields=["text", "x"],
         ttl_s=1,
         stream_ttl_s=2,
         stream_maxlen=3,
-        dead_letter_maxlen=4,
     )
-    with_lane = jobs.finalize(**named, lane="batch")
-    without = jobs.finalize(**named, lane=None)
-    assert len(with_lane.keys) == 4 and with_lane.keys[3] == keys.request_stream("batch")
-    assert without.keys == with_lane.keys[:3]
+    stream = keys.request_stream("batch")
+    with_entry = jobs.finalize(**named, lane="batch", entry=(stream, b"1-0"))
+    without = jobs.finalize(**named)
+    assert with_entry.keys == without.keys == [keys.job("j"), keys.output("j")]
+    assert with_entry.then == jobs.ack(stream, b"1-0") and without.then == []
+    assert jobs.ack(stream, b"1-0") == [
+        ["XACK", stream, keys.GROUP, b"1-0"],
+        ["XDEL", stream, b"1-0"],
+    ]
 
 
 def test_resynced_rewrites_unless_the_job_had_no_deltas() -> None:
@@ -79,7 +94,7 @@ def test_resynced_rewrites_unless_the_job_had_no_deltas() -> None:
         return jobs.finalize(
             job_id="j",
             lane="batch",
-            entry_id="1-0",
+            entry=(keys.request_stream("batch"), "1-0"),
             state="completed",
             finish_reason="stop",
             fields=[],
@@ -87,7 +102,6 @@ def test_resynced_rewrites_unless_the_job_had_no_deltas() -> None:
             stream_ttl_s=2,
             stream_maxlen=3,
             resync=resync,
-            dead_letter_maxlen=4,
         )
 
     auto = final(jobs.RESYNC_AUTO)

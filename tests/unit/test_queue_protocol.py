@@ -125,8 +125,9 @@ def test_sdk_entry_parses_back(monkeypatch: pytest.MonkeyPatch) -> None:
         deadline=1.5,
     )
     job_id = call.job_id
-    assert (call.script, call.lane) == ("SUBMIT", "batch")
-    assert call.keys == ["plurai:req:batch", f"plurai:job:{job_id}", "plurai:idem:k"]
+    assert (call.queue.script, call.lane, call.model) == ("SUBMIT", "batch", "default")
+    assert call.queue.keys == ["plurai:{default}:req:batch", "plurai:{default}:idem:k"]
+    assert call.record.keys == [f"plurai:job:{{{job_id}}}"]
     assert named["metadata_json"] == '{"x":1}' and named["idempotency_key"] == "k"
     entry = named["fields"]
     f = {

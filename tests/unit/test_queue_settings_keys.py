@@ -64,11 +64,18 @@ def test_bad_lanes_refused() -> None:
 
 
 def test_key_names() -> None:
-    assert keys.request_stream("batch") == "plurai:req:batch"
-    assert keys.job("abc") == "plurai:job:abc"
-    assert keys.output("abc") == "plurai:out:abc"
+    # protocol v2: hash tags keep each script's keys in one Redis Cluster slot
+    assert keys.request_stream("batch") == "plurai:{default}:req:batch"
+    assert keys.request_stream("batch", "m-1", 2) == "plurai:{m-1:2}:req:batch"
+    assert keys.job("abc") == "plurai:job:{abc}"
+    assert keys.output("abc") == "plurai:out:{abc}"
     assert keys.done_channel("abc") == "plurai:done:abc"
-    assert keys.idempotency("k") == "plurai:idem:k"
+    assert keys.idempotency("k") == "plurai:{default}:idem:k"
+    assert keys.idempotency("k", "m", 1) == "plurai:{m:1}:idem:k"
+    assert keys.MODELS == "plurai:models"
+    # the shard: CRC-32 of the idempotency key (or job id), modulo the shard count
+    assert keys.shard_of("k", 1) == 0
+    assert {keys.shard_of(f"job-{i}", 4) for i in range(100)} == {0, 1, 2, 3}
     assert keys.worker("w1") == "plurai:worker:w1"
     assert keys.GROUP == "workers"
     assert keys.CANCEL_CHANNEL == "plurai:cancel"
@@ -84,8 +91,9 @@ def test_text() -> None:
 def test_group_bootstrap_is_idempotent() -> None:
     r = fakeredis.FakeRedis()
     r.xadd(keys.request_stream("batch"), {"early": "1"})
-    ensure_groups(r, ["interactive", "batch"])
-    ensure_groups(r, ["interactive", "batch"])
+    streams = [keys.request_stream("interactive"), keys.request_stream("batch")]
+    ensure_groups(r, streams)
+    ensure_groups(r, streams)
     groups = r.xinfo_groups(keys.request_stream("batch"))
     assert [g["name"] for g in groups] == [b"workers"]
     # the group starts at 0: an entry added before any worker is still delivered

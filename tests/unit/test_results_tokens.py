@@ -67,10 +67,10 @@ def test_parse_and_record() -> None:
 
 def test_reader_follows_ids_and_stops_at_end() -> None:
     reader = tokens.Reader("j")
-    assert reader.request() == {"plurai:out:j": "0-0"}
+    assert reader.request() == {"plurai:out:{j}": "0-0"}
     reply = [
         [
-            b"plurai:out:j",
+            b"plurai:out:{j}",
             [
                 (b"1-0", {b"type": b"start"}),
                 (b"2-0", {b"type": b"end", b"state": b"completed"}),
@@ -80,7 +80,7 @@ def test_reader_follows_ids_and_stops_at_end() -> None:
     ]
     got = [e.type for e in reader.feed(reply)]
     assert got == ["start", "end"] and reader.ended and reader.last_id == b"2-0"
-    resp3 = {"plurai:out:j": [("4-0", {"type": "delta", "text": "x"})]}
+    resp3 = {"plurai:out:{j}": [("4-0", {"type": "delta", "text": "x"})]}
     assert [e.text for e in tokens.Reader("j").feed(resp3)] == ["x"]
 
 

@@ -15,7 +15,15 @@ EVERY = Stream(tokens=4, seconds=0.1)
 
 def running(stream: bool = True) -> Running:
     env = protocol.Envelope(job_id="job-12345678", max_tokens=64, prompt_tokens=3)
-    return Running(Entry("standard", b"1-0", {}, protocol.Request(env, prompt="x", stream=stream)))
+    return Running(
+        Entry(
+            "standard",
+            "plurai:{default}:req:standard",
+            b"1-0",
+            {},
+            protocol.Request(env, prompt="x", stream=stream),
+        )
+    )
 
 
 def out(tok: int, text: str, finished: bool = False) -> StepOutput:

@@ -8,6 +8,7 @@ import fakeredis
 import pytest
 import redis
 
+from broker_config import keys
 from broker_config.settings import Settings
 from gpu_workers.writer import Writer
 from results import jobs
@@ -20,8 +21,9 @@ class Down(fakeredis.FakeRedis):
 
 def test_a_failed_store_keeps_the_result_and_a_lost_write_drops_the_held_tokens() -> None:
     w = Writer(Down(), Settings(), "w1")
-    held = w.deltas([jobs.Delta("job-12345678", "abc", [1, 2, 3])])
-    final = w.final("job-12345678", "standard", b"1-0", "cancelled", "abort", [], jobs.RESYNC_AUTO)
+    (held,) = w.deltas([jobs.Delta("job-12345678", "abc", [1, 2, 3])])
+    entry = (keys.request_stream("standard"), b"1-0")
+    final = w.final("job-12345678", "standard", entry, "cancelled", "abort", [], jobs.RESYNC_AUTO)
     with pytest.raises(redis.ConnectionError):
         w.store([held, final])
     assert [c.script for c in w.unsent] == ["DELTAS", "FINALIZE"]

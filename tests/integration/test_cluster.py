@@ -1,0 +1,76 @@
+"""Redis Cluster: a real 3-master cluster (redis-server binaries started by the fixture),
+the default model's lanes sharded over 3 streams. Every key of one job shares a hash tag,
+so each script touches one slot: 300 jobs through 2 workers get one result each, and the
+fault suite's worker-crash test passes on the cluster too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker_config import keys
+from broker_config.connection import connect, connect_async, is_cluster
+from producer import AsyncClient, Client
+from results import records
+
+from .conftest import Workers
+from .faults import FAST, drained, end_entries, final_records
+from .test_faults_worker_crash import sigkill_mid_run
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 3
+
+
+@pytest.fixture
+def cluster_workers(cluster_url, tiny_model, tmp_path):
+    w = Workers(cluster_url, tiny_model, tmp_path)
+    yield w
+    w.stop()
+    r = connect(cluster_url)
+    r.flushall(target_nodes=r.ALL_NODES)  # the cluster is shared by the module's tests
+
+
+def test_300_jobs_through_two_workers(cluster_url, cluster_workers):
+    cluster_workers.start(2, env={**FAST, "PLURAI_SHARDS": str(SHARDS)})
+    client = Client(cluster_url)
+    assert is_cluster(client.redis)
+    reqs = [
+        {"prompt": f"cluster job {i}", "max_tokens": 6, "ignore_eos": True, "lane": "standard"}
+        for i in range(290)
+    ]
+    jobs = client.submit_many(reqs)
+    # idempotency keys pick the shard, so a repeat finds its key
+    keyed = [client.submit(f"keyed {i}", max_tokens=6, idempotency_key=f"k{i}") for i in range(10)]
+    again = [client.submit("other text", max_tokens=6, idempotency_key=f"k{i}") for i in range(10)]
+    assert [j.id for j in again] == [j.id for j in keyed]
+    ids = [j.id for j in jobs + keyed]
+    recs = final_records(cluster_url, ids)
+    assert [rec.state for rec in recs] == [records.COMPLETED] * 300
+    r = connect(cluster_url)
+    assert end_entries(r, ids) == [1] * 300  # one result each
+    # the shards spread the intake over the masters: each master holds a shard's stream
+    nodes = {r.keyslot(keys.request_stream("standard", keys.DEFAULT_MODEL, n)) for n in range(3)}
+    assert len(nodes) == 3
+    per_master = [r.dbsize(target_nodes=n) for n in r.get_primaries()]
+    assert all(per_master), per_master
+    assert {rec.worker for rec in recs} == {
+        w.decode() for w in r.smembers(keys.WORKERS)
+    }  # both workers took work
+    assert drained(r, SHARDS)
+
+    async def use_async() -> None:  # the asyncio client routes by slot as well
+        async with AsyncClient(cluster_url) as aclient:
+            job = await aclient.submit("async on the cluster", max_tokens=4, ignore_eos=True)
+            assert (await job.result(timeout=60)).output_tokens == 4
+        ar = connect_async(cluster_url)
+        assert is_cluster(ar)
+        await ar.aclose()
+
+    asyncio.run(use_async())
+    client.close()
+
+
+def test_sigkill_worker_mid_run_on_the_cluster(cluster_url, cluster_workers):
+    sigkill_mid_run(cluster_url, cluster_workers, shards=SHARDS)
