@@ -47,6 +47,12 @@ import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
+from redis.commands.policies import (
+    CommandPolicies,
+    RequestPolicy,
+    ResponsePolicy,
+    StaticPolicyResolver,
+)
 
 from broker_config.settings import Settings
 
@@ -210,6 +216,26 @@ def is_cluster(r: object) -> bool:
     return isinstance(r, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
 
 
+class _ScriptsByKey(StaticPolicyResolver):
+    """Route script calls by their first key in cluster pipelines too: without this,
+    redis-py asks the server (COMMAND GETKEYS) for every EVALSHA it pipelines, a round
+    trip per script call."""
+
+    KEYED = CommandPolicies(RequestPolicy.DEFAULT_KEYED, ResponsePolicy.DEFAULT_KEYED)
+
+    def resolve(self, command_name: str) -> CommandPolicies | None:
+        if command_name in ("eval", "evalsha"):
+            return self.KEYED
+        return super().resolve(command_name)
+
+
+class _Cluster(redis.cluster.RedisCluster):
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        pipe = super().pipeline(*args, **kwargs)
+        pipe._policy_resolver = self._policy_resolver  # redis-py gives pipelines the default
+        return pipe
+
+
 def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
     """A client of the URL's Redis; `options`: more of redis-py's connection settings
     (socket_timeout, retry, ...). A RedisCluster for a redis+cluster:// URL (see
@@ -218,8 +244,12 @@ def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
     c = parse_cluster(url)
     if c is not None:
         nodes = [redis.cluster.ClusterNode(h, p) for h, p in c.hosts]
-        return redis.cluster.RedisCluster(
-            startup_nodes=nodes, decode_responses=decode, **c.node_kwargs, **options
+        return _Cluster(
+            startup_nodes=nodes,
+            decode_responses=decode,
+            policy_resolver=_ScriptsByKey(),
+            **c.node_kwargs,
+            **options,
         )
     s = parse_sentinel(url)
     if s is not None:
