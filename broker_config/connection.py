@@ -55,6 +55,7 @@ from redis.commands.policies import (
 )
 
 from broker_config.settings import Settings
+from broker_config.text import text
 
 # the user info of any URL (to its last @, even a stray one in a password left unescaped),
 # and a password= parameter
@@ -234,6 +235,20 @@ class _Cluster(redis.cluster.RedisCluster):
         pipe = super().pipeline(*args, **kwargs)
         pipe._policy_resolver = self._policy_resolver  # redis-py gives pipelines the default
         return pipe
+
+    def determine_slot(self, *args: Any) -> int | None:
+        """XREAD and XREADGROUP name their streams after STREAMS; redis-py would ask the
+        server for them (COMMAND GETKEYS) on every read."""
+        command = str(args[0]).upper()
+        if command in ("XREAD", "XREADGROUP"):
+            words = [text(a).upper() for a in args]
+            start = 4 if command == "XREADGROUP" else 1  # past GROUP <group> <consumer>
+            streams = args[words.index("STREAMS", start) + 1 :]
+            slots = {self.keyslot(k) for k in streams[: len(streams) // 2]}
+            if len(slots) != 1:
+                raise redis.RedisClusterException(f"{command} of streams in several slots")
+            return slots.pop()
+        return super().determine_slot(*args)
 
 
 def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
