@@ -1,26 +1,21 @@
 """A lean pipeline for submit_many and the worker's per-step writes.
 
 redis-py's command packer costs more per argument than the rest of a submit together, so
-these callers encode RESP here, write a whole chunk to one connection, then read the
-replies. Same bytes on the wire as any client would send.
+these callers encode RESP with hiredis' C packer, write a whole chunk to one connection,
+then read the replies. Same bytes on the wire as any client would send.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import hiredis
 import redis
 
 
 def pack(args: list[Any]) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = b"%d" % a
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
+    """One command in RESP (str, bytes, int or float arguments)."""
+    return hiredis.pack_command(tuple(args))
 
 
 def run(r: redis.Redis, commands: list[bytes]) -> list[Any]:
