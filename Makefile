@@ -40,8 +40,11 @@ vllm-install: $(VLLM_VENV)/.installed
 peers: vllm-install
 	-[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 ] || apt-get install -y -q libgoogle-perftools4
 
-# Everything: the core suite, then the vLLM backend's tests in their own environment.
-test: test-core test-vllm
+# Everything: both environments installed side by side (their pip and compile steps
+# overlap), then the core suite, then the vLLM backend's tests in their own environment.
+test:
+	$(MAKE) -j2 install vllm-install
+	$(MAKE) test-core test-vllm
 
 EXACT_TESTS = tests/unit/test_engine_exact.py tests/unit/test_parallel.py
 

@@ -300,24 +300,7 @@ class Intake:
         self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
     ) -> list[Any]:
         shown = json.dumps({text(k): text(v) for k, v in fields.items()})[:65536]
-        return [
-            "XADD",
-            keys.DEAD_LETTER,
-            "MAXLEN",
-            "~",
-            self.settings.dead_letter_maxlen,
-            "*",
-            "lane",
-            lane,
-            "entry_id",
-            entry_id,
-            "error",
-            error,
-            "worker",
-            self.id,
-            "fields",
-            shown,
-        ]
+        return self.writer.dead_letter(lane, entry_id, error, worker=self.id, fields=shown)
 
     def hand_back(self, entries: list[Entry], failed: str = "") -> None:
         """Re-add these jobs' entries at the tail of their lanes. `failed`: why they were

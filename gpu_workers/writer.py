@@ -91,12 +91,16 @@ class Writer:
         if not isinstance(item, jobs.Call) or isinstance(reply, Exception):
             return
         if item.script == "FINALIZE" and reply == -1:
-            self.acks.append(self.dead_letter(item))
+            entry_id = item.then[0][3] if item.then else ""
+            error = "bad_record: the job record is not a hash; no result written"
+            self.acks.append(self.dead_letter(item.lane, entry_id, error, job_id=item.job_id))
         self.acks += item.then
 
-    def dead_letter(self, call: jobs.Call) -> list[Any]:
-        entry_id = call.then[0][3] if call.then else ""
-        error = "bad_record: the job record is not a hash; no result written"
+    def dead_letter(self, lane: str, entry_id: Any, error: str, **more: Any) -> list[Any]:
+        """The XADD of an entry to the dead-letter stream: its lane, id, why, then `more`
+        fields."""
+        fields = {"lane": lane, "entry_id": entry_id, "error": error, **more}
+        flat = [x for kv in fields.items() for x in kv]
         return [
             "XADD",
             keys.DEAD_LETTER,
@@ -104,14 +108,7 @@ class Writer:
             "~",
             self.settings.dead_letter_maxlen,
             "*",
-            "lane",
-            call.lane,
-            "entry_id",
-            entry_id,
-            "job_id",
-            call.job_id,
-            "error",
-            error,
+            *flat,
         ]
 
     # -- sending ------------------------------------------------------------------

@@ -29,6 +29,7 @@ import redis
 import torch
 
 from broker_config import keys
+from broker_config.connection import is_cluster
 from kv_store import block_format
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,11 @@ class RedisTier:
         if not hashes or time.monotonic() < self.down_until:
             return [None] * len(hashes)
         try:
-            found: list[bytes | None] = list(self.r.mget([self.key(h) for h in hashes]))
+            names = [self.key(h) for h in hashes]
+            # on a Redis Cluster the blocks spread over the slots by their hash: one MGET
+            # per slot (redis-py groups them by node)
+            get = self.r.mget_nonatomic if is_cluster(self.r) else self.r.mget
+            found: list[bytes | None] = list(get(names))
         except redis.RedisError as e:
             self._failed(e)
             return [None] * len(hashes)

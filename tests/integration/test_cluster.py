@@ -1,16 +1,20 @@
 """Redis Cluster: a real 3-master cluster (redis-server binaries started by the fixture),
 the default model's lanes sharded over 3 streams. Every key of one job shares a hash tag,
 so each script touches one slot: 300 jobs through 2 workers get one result each, and the
-fault suite's worker-crash test passes on the cluster too."""
+fault suite's worker-crash test passes on the cluster too. KV tier blocks spread over the
+masters by their hash."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import redis
+import torch
 
 from broker_config import keys
 from broker_config.connection import connect, connect_async, is_cluster
+from kv_store.redis_tier import RedisTier
 from producer import AsyncClient, Client
 from results import records
 
@@ -74,3 +78,22 @@ def test_300_jobs_through_two_workers(cluster_url, cluster_workers):
 
 def test_sigkill_worker_mid_run_on_the_cluster(cluster_url, cluster_workers):
     sigkill_mid_run(cluster_url, cluster_workers, shards=SHARDS)
+
+
+def test_kv_tier_blocks_spread_over_the_masters(cluster_url):
+    r = connect(cluster_url)
+    tier = RedisTier(r, "ab12", secret=None)
+    hashes = [bytes([i]) * 16 for i in range(30)]
+    for i, h in enumerate(hashes):
+        tier.put(h, torch.full((2, 1, 2, 4, 8), float(i)))
+    tier.flush()
+    got = tier.get_many([*hashes, b"\xff" * 16])
+    assert all(got[:30]) and got[30] is None and tier.errors == 0
+    assert all(r.dbsize(target_nodes=n) for n in r.get_primaries())  # spread by block hash
+    tier.close()
+    # a script may touch keys of one hash tag only: what every Plurai script keeps to
+    script = "redis.call('SET', KEYS[1], ARGV[1]) return redis.call('INCRBY', KEYS[2], 5)"
+    assert r.eval(script, 2, "{x}:a", "{x}:b", "v") == 5
+    with pytest.raises(redis.RedisClusterException, match="same key slot"):
+        r.eval(script, 2, "{x}:a", "{y}:b", "v")
+    r.flushall(target_nodes=r.ALL_NODES)

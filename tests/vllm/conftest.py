@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,20 @@ class VllmWorkers(Workers):
 
 class NativeWorkers(Workers):
     args = NATIVE_ARGS
+
+
+MAX_SEQS = 8  # the in-process backend's sequences
+
+
+@pytest.fixture(scope="session")
+def backend(small_model: Path) -> Iterator[Any]:
+    """One in-process VllmBackend for test_backend.py and test_structured.py: an engine
+    start costs ~10 s here."""
+    from gpu_workers.vllm_backend.backend import VllmBackend
+
+    b = VllmBackend(str(small_model), options={**OPTIONS, "max_num_seqs": MAX_SEQS})
+    yield b
+    b.close()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ mapped, priorities honoured, aborts freeing their blocks, the capacity query, th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,20 +10,9 @@ import pytest
 from gpu_workers.backend import RequestError, StepOutput
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
-from tests.vllm.conftest import MAX_MODEL_LEN, OPTIONS
+from tests.vllm.conftest import MAX_MODEL_LEN, MAX_SEQS
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
-
-MAX_SEQS = 8
-
-
-@pytest.fixture(scope="module")
-def backend(small_model: Path) -> Iterator:
-    from gpu_workers.vllm_backend.backend import VllmBackend
-
-    b = VllmBackend(str(small_model), options={**OPTIONS, "max_num_seqs": MAX_SEQS})
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="module")

@@ -162,13 +162,13 @@ def block_keys(prompt: list[int], salt: str | None = None) -> list[tuple[bytes, 
     return [(h, keys.kv_block(FINGERPRINT, h.hex())) for h in hashes]
 
 
-@pytest.fixture(scope="module", params=[None, "kv-test-secret"], ids=["plain", "mac"])
-def shared(
-    request: pytest.FixtureRequest, small_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def shared(small_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A computes P1-P3 (and P1 salted "x"); P2's and P3's blocks are damaged in Redis;
-    a fresh B runs P1-P3, then P1 salted "x" and "y"; then Redis stops and B runs P4."""
-    secret = request.param
+    a fresh B runs P1-P3, then P1 salted "x" and "y"; then Redis stops and B runs P4.
+    Both hold a secret, so every block carries a MAC (the path without one is the native
+    tier's: tests/integration/test_kv_redis_tier.py and test_security_kv.py)."""
+    secret = "kv-test-secret"
     tmp = tmp_path_factory.mktemp("kv")
     server = EmbeddedRedis(tmp / "redis")
     url = server.start()
@@ -272,7 +272,7 @@ def test_saved_blocks_hold_the_models_keys_and_values(
     hf = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
     with torch.no_grad():
         cache = hf(torch.tensor([P1]), use_cache=True).past_key_values
-    secret = shared["secret"].encode() if shared["secret"] else None
+    secret = shared["secret"].encode()
     fp = bytes.fromhex(FINGERPRINT)
     for i in (0, FULL - 1):
         h, key = block_keys(P1)[i]
@@ -285,16 +285,11 @@ def test_saved_blocks_hold_the_models_keys_and_values(
             torch.testing.assert_close(block[1, layer], v, atol=1e-4, rtol=1e-4)
 
 
-def test_blocks_carry_the_mac_only_with_a_secret(shared: dict[str, Any]) -> None:
+def test_blocks_carry_the_mac_of_the_secret(shared: dict[str, Any]) -> None:
     data = next(iter(shared["stored"].values()))
-    if shared["secret"] is None:
-        assert data[
-            block_format.HEADER_SIZE - block_format.MAC_SIZE : block_format.HEADER_SIZE
-        ] == (block_format.NO_MAC)
-    else:
-        block_format.verify(data, shared["secret"].encode())
-        with pytest.raises(block_format.BadBlock):
-            block_format.verify(data, b"another secret")
+    block_format.verify(data, shared["secret"].encode())
+    with pytest.raises(block_format.BadBlock):
+        block_format.verify(data, b"another secret")
 
 
 def test_the_url_and_secret_stay_out_of_the_logs(shared: dict[str, Any]) -> None:
@@ -302,8 +297,7 @@ def test_the_url_and_secret_stay_out_of_the_logs(shared: dict[str, Any]) -> None
     password = redis.connection.parse_url(shared["url"])["password"]
     assert password and password not in text
     assert shared["url"] not in text
-    if shared["secret"]:
-        assert shared["secret"] not in text
+    assert shared["secret"] not in text
 
 
 # -- the parts, without an engine ---------------------------------------------------------

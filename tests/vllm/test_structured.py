@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpu_workers.backend import RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
-from tests.vllm.conftest import OPTIONS
 from tests.vllm.test_backend import run
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
@@ -54,15 +51,6 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "choice": {"choice": CHOICES},
 }
 MAX_TOKENS = 200  # more than any output the schema allows takes, in this 2048-token vocab
-
-
-@pytest.fixture(scope="module")
-def backend(small_model: Path) -> Iterator:
-    from gpu_workers.vllm_backend.backend import VllmBackend
-
-    b = VllmBackend(str(small_model), options=OPTIONS)
-    yield b
-    b.close()
 
 
 def no_whitespace_outside_strings(text: str) -> bool:
