@@ -160,7 +160,7 @@ class EmbeddedRedis:
 
     def _kill(self) -> None:
         if self.proc is not None:
-            _kill(self.proc)
+            stop_process(self.proc)
 
     def __enter__(self) -> str:
         return self.start()
@@ -283,7 +283,7 @@ class LocalCluster:
                 if _ping(url):
                     return
                 time.sleep(0.02)
-            _kill(proc)
+            stop_process(proc)
             self.procs.pop()
             self.ports.pop()
             (folder / "nodes.conf").unlink(missing_ok=True)
@@ -313,7 +313,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         for proc in self.procs:
-            _kill(proc)
+            stop_process(proc)
         self.procs = []
         self.ports = []
 
@@ -327,7 +327,7 @@ class LocalCluster:
 
     def __del__(self) -> None:
         for proc in self.procs:
-            _kill(proc)
+            stop_process(proc)
 
 
 def _cluster_ready(r: redis.Redis, n: int) -> bool:
@@ -341,12 +341,13 @@ def _cluster_ready(r: redis.Redis, n: int) -> bool:
     )
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 5) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds."""
     if proc.poll() is not None:
         return
     proc.terminate()
     try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from broker_config import keys
 from broker_config.connection import redact
-from broker_config.embedded import EmbeddedRedis, free_port
+from broker_config.embedded import EmbeddedRedis, free_port, stop_process
 from producer.client import Client
 
 MODEL = Path("models/tiny-llama")
@@ -156,12 +156,7 @@ def main() -> int:
             ok = all(rec.state == "completed" for rec in records)
             return 0 if through_gateway(url) and ok else 1
         finally:
-            worker.terminate()
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+            stop_process(worker, timeout=60)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class Heartbeat:
         self, r: redis.Redis, settings: Settings, worker_id: str, model_names: set[str]
     ) -> None:
         self.r, self.settings, self.id, self.model_names = r, settings, worker_id, model_names
+        self.cluster = is_cluster(r)
 
     def publish(self, s: dict[str, Any], **figures: Any) -> None:
         """The worker's hash (expiring after three beats) and its name in the workers set.
@@ -94,12 +95,13 @@ class Heartbeat:
         lost), (job id, 2) where the record is no longer a hash."""
         if not job_ids:
             return []
-        if is_cluster(self.r):  # one call per job: each record in its own slot
-            pipe = self.r.pipeline(transaction=False)
-            for j in job_ids:
-                pipe.execute_command(*jobs.check(job_ids=[j]).command())
-            jobs.load(self.r, "CHECK")
-            flags = [reply[0] for reply in pipe.execute()]
-        else:
-            flags = jobs.run(self.r, jobs.check(job_ids=job_ids))
-        return [(j, f) for j, f in zip(job_ids, flags, strict=True) if f]
+        # one call per hash slot: every job at once on one Redis, a job each on a Cluster
+        by_slot: dict[int, list[str]] = {}
+        for j in job_ids:
+            slot = self.r.keyslot(keys.job(j)) if self.cluster else 0
+            by_slot.setdefault(slot, []).append(j)
+        out = []
+        for ids in by_slot.values():
+            flags = jobs.run(self.r, jobs.check(job_ids=ids))
+            out += [(j, f) for j, f in zip(ids, flags, strict=True) if f]
+        return out
