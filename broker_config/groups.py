@@ -30,7 +30,7 @@ def request_streams(r: redis.Redis, lanes: list[str]) -> list[str]:
 
     settings = Settings()
     routes = Routes(settings)
-    routes.load(r.hgetall(keys.MODELS))
+    routes.load(routes.read(r))
     models = dict.fromkeys([settings.default_model, *sorted(routes.models)])
     return [
         keys.request_stream(lane, model, shard)

@@ -8,6 +8,9 @@ import json
 import time
 from typing import Any
 
+import redis
+
+from broker_config import keys
 from broker_config.settings import Settings
 from broker_config.text import text
 
@@ -22,6 +25,25 @@ class Routes:
 
     def stale(self) -> bool:
         return time.monotonic() - self._read_at >= REFRESH_S
+
+    def read(self, r: Any) -> dict[Any, Any]:
+        """HGETALL of plurai:models; {} when the key holds another type (written by
+        something else: the next worker heartbeat takes it back)."""
+        try:
+            return r.hgetall(keys.MODELS)
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            return {}
+
+    async def read_async(self, r: Any) -> dict[Any, Any]:
+        """`read`, awaited."""
+        try:
+            return await r.hgetall(keys.MODELS)
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            return {}
 
     def load(self, raw: dict[Any, Any]) -> None:
         """Take a reading of plurai:models (HGETALL); malformed values are skipped."""

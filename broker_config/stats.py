@@ -145,7 +145,7 @@ def models(r: redis.Redis, default: str) -> dict[str, int]:
     from broker_config.settings import Settings
 
     routes = Routes(Settings())
-    routes.load(r.hgetall(keys.MODELS))
+    routes.load(routes.read(r))
     return {m: routes.shards(m) for m in dict.fromkeys([default, *sorted(routes.models)])}
 
 

@@ -75,7 +75,7 @@ class AsyncClient:
 
     async def fresh_routes(self) -> Routes:
         if self.routes.stale():
-            self.routes.load(await self.redis.hgetall(keys.MODELS))
+            self.routes.load(await self.routes.read_async(self.redis))
         return self.routes
 
     async def send(

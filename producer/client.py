@@ -87,7 +87,7 @@ class Client:
 
     def fresh_routes(self) -> Routes:
         if self.routes.stale():
-            self.routes.load(self.redis.hgetall(keys.MODELS))
+            self.routes.load(self.routes.read(self.redis))
         return self.routes
 
     def send(self, subs: list[jobs.Submission], before: list[Job] | None = None) -> list[Job]:

@@ -40,3 +40,27 @@ def test_model_names_are_checked() -> None:
     for bad in ("has:colon", "{tag}", "", "x" * 129, "space s"):
         with pytest.raises(ValueError, match="model name"):
             Settings(served_model=bad)
+
+
+def test_a_models_key_of_another_type_reads_as_empty() -> None:
+    """Something wrote plurai:models as a string: submits still go to shard 0 and status
+    still reads; the next worker heartbeat takes the key back."""
+    import asyncio
+
+    import fakeredis
+    import fakeredis.aioredis
+
+    from broker_config import keys, stats
+    from producer import AsyncClient, Client
+
+    r = fakeredis.FakeRedis()
+    r.set(keys.MODELS, "not a hash")
+    assert Client(redis=r).fresh_routes().models == {}
+    assert [m.model for m in stats.snapshot(r, ["standard"]).lanes] == ["default"]
+
+    async def aio() -> None:
+        ar = fakeredis.aioredis.FakeRedis()
+        await ar.set(keys.MODELS, "not a hash")
+        assert (await AsyncClient(redis=ar).fresh_routes()).models == {}
+
+    asyncio.run(aio())
