@@ -63,7 +63,7 @@ def error(
 
 
 def unavailable() -> JSONResponse:
-    return unavailable()
+    return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
 
 
 class Gateway:

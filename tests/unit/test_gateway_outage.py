@@ -1,0 +1,48 @@
+"""The gateway with its Redis gone: every route answers 503 `unavailable` with Retry-After
+in OpenAI's error shape, never a 500 (Starlette's test client; the Redis URL names a port
+nothing listens on)."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from broker_config.embedded import free_port
+from broker_config.settings import Settings
+from gateway.serve import create_app
+
+
+@pytest.fixture
+def api():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    settings = Settings(redis_url=url)
+    with TestClient(create_app(settings, url), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    "method,path,body",
+    [
+        ("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/batches", None),
+        ("GET", "/v1/batches/batch_0123456789abcdef", None),
+    ],
+)
+def test_no_redis_is_503_unavailable(api, method, path, body):
+    r = api.request(method, path, json=body)
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["code"] == "unavailable" and err["type"] == "server_error"
+    assert "Redis" in err["message"]
+
+
+def test_health_says_redis_is_down(api):
+    r = api.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "redis unavailable"}
