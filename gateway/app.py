@@ -26,7 +26,7 @@ import redis
 import redis.asyncio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from broker_config import keys, protocol
 from broker_config.settings import Settings
@@ -45,6 +45,7 @@ from results.records import JobRecord
 log = logging.getLogger("plurai.gateway")
 
 SSE = "text/event-stream"
+DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
 
 
@@ -324,6 +325,7 @@ class Gateway:
     ) -> AsyncGenerator[bytes, None]:
         assert self.client is not None
         self.metrics.open_streams.inc()
+        tail = b""  # the end's own text goes out with the closing chunk, in one write
         try:
             async with aclosing(events):  # type: ignore[type-var]
                 yield _event(openai.chunk(job, job_id, created, first, first=True))
@@ -334,13 +336,15 @@ class Gateway:
                         except tokens.JobRestarted as e:
                             if not job.background:  # nobody will read what it writes
                                 self._cancel_later(job_id)
-                            yield _event(error_body(str(e), "job_restarted", kind="server_error"))
-                            yield b"data: [DONE]\n\n"
+                            body = error_body(str(e), "job_restarted", kind="server_error")
+                            yield _event(body) + DONE
                             return
-                        if delta:
-                            yield _event(openai.chunk(job, job_id, created, delta))
+                        text = _event(openai.chunk(job, job_id, created, delta)) if delta else b""
                         if ev.type == tokens.END:
+                            tail = text
                             break
+                        if text:
+                            yield text
             if (
                 ev
                 and ev.state == records.COMPLETED
@@ -348,30 +352,29 @@ class Gateway:
                 and job.logprobs is None
             ):
                 # the end entry says all the closing chunk needs: no record to read
-                yield _event(openai.chunk(job, job_id, created, None, ev.finish_reason or "stop"))
-                yield b"data: [DONE]\n\n"
+                reason = ev.finish_reason or "stop"
+                yield tail + _event(openai.chunk(job, job_id, created, None, reason)) + DONE
                 return
             rec = await records.get_async(self.client.redis, job_id)
         except redis.RedisError:
             # the client learns why its stream ends; the job goes on (Redis cannot take a
             # cancel now), its record readable once Redis is back
             message = "the queue's Redis is unavailable"
-            yield _event(error_body(message, "unavailable", kind="server_error"))
-            yield b"data: [DONE]\n\n"
+            yield tail + _event(error_body(message, "unavailable", kind="server_error")) + DONE
             return
         finally:
             self.metrics.open_streams.dec()
         if rec.state != records.COMPLETED:
             message = rec.error_message or f"the job ended {rec.state}"
-            yield _event(error_body(message, rec.error_code or rec.state, kind="server_error"))
+            tail += _event(error_body(message, rec.error_code or rec.state, kind="server_error"))
         else:
             last = openai.chunk(job, job_id, created, None, rec.finish_reason or "stop")
             # the token stream carries no logprobs: they come whole, on the last chunk
             last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
-            yield _event(last)
+            tail += _event(last)
             if job.include_usage:
-                yield _event(openai.usage_chunk(job, rec, created))
-        yield b"data: [DONE]\n\n"
+                tail += _event(openai.usage_chunk(job, rec, created))
+        yield tail + DONE
 
     async def list_models(self, request: Request) -> Response:
         assert self.models is not None
@@ -512,30 +515,59 @@ async def _head(
     return "", None
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events, whose `close(complete)` runs once the response is over, sent
-    whole or not. Starlette never starts the body of a stream whose client has already
-    left, so the body's own `finally` cannot be relied on to release what it holds."""
+class _EventStream(Response):
+    """Server-sent events from `body`, whose `close(complete)` runs once the response is
+    over, sent whole or not. A client that leaves ends the body at once, even one that
+    left before anything was sent (so the body's own `finally` cannot be relied on to
+    release what it holds: `close` does). `data: [DONE]` is every stream's last event, so
+    the chunk that carries it also ends the response, in the same write."""
+
+    media_type = SSE
 
     def __init__(
         self, body: AsyncIterator[bytes], close: Callable[[bool], Awaitable[None]]
     ) -> None:
-        super().__init__(
-            body, media_type=SSE, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        self.body_iterator = body
         self.close = close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        left = streaming = False
         complete = False
 
-        async def sending(message: Any) -> None:
-            nonlocal complete
-            await send(message)
-            complete = message["type"] == "http.response.body" and not message.get("more_body")
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            if streaming:
+                task.cancel()
 
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, sending)
+            streaming = True
+            await asyncio.sleep(0)  # a client already gone is seen before anything is sent
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            last = False
+            async for chunk in self.body_iterator:
+                last = chunk.endswith(DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    break
+            if not last:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            complete = True
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()
         finally:
+            streaming = False
+            watcher.cancel()
             await self.close(complete)
 
 

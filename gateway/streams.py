@@ -35,6 +35,7 @@ class Follow:
     def __init__(self, job_id: str) -> None:
         self.reader = tokens.Reader(job_id)
         self.queue: asyncio.Queue[tokens.Event | BaseException] = asyncio.Queue()
+        self.done = False  # its end (or an error) is delivered: no need to read it again
 
 
 class Streams:
@@ -47,6 +48,7 @@ class Streams:
         self.task: asyncio.Task | None = None
         self.idle = asyncio.Event()  # set while nothing is followed
         self.blocked = False  # whether the reader waits in XREAD now
+        self.woken = False  # whether a wake-up was sent during this XREAD
 
     async def events(self, job_id: str) -> AsyncIterator[tokens.Event]:
         """Every event of the job's stream from its start, until `end`."""
@@ -60,7 +62,8 @@ class Streams:
             if self.task is None or self.task.done():
                 self.task = asyncio.ensure_future(self._run())
             self.idle.set()  # a reader waiting for work takes this stream in its next read
-            if self.blocked:  # a reader blocked on other streams must read again
+            if self.blocked and not self.woken:  # a reader blocked on others must read again
+                self.woken = True  # one wake-up brings in every stream followed meanwhile
                 pipe = self.r.pipeline(transaction=False)
                 pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
                 pipe.expire(self.wake_key, WAKE_TTL_S)
@@ -84,14 +87,16 @@ class Streams:
 
     async def _run(self) -> None:
         while True:
-            if not self.followed:
+            request: dict[Any, Any] = {
+                k: f.reader.last_id for k, f in self.followed.items() if not f.done
+            }
+            if not request:  # a stream whose end was read is not read again
                 self.idle.clear()
                 await self.idle.wait()
                 continue
-            request: dict[Any, Any] = {k: f.reader.last_id for k, f in self.followed.items()}
             request[self.wake_key] = self.wake_id
             try:
-                self.blocked = True
+                self.blocked, self.woken = True, False
                 try:
                     async with asyncio.timeout(READ_TIMEOUT_S):
                         reply = await self.r.xread(request, count=256, block=BLOCK_MS)
@@ -107,7 +112,9 @@ class Streams:
                 elif not isinstance(e, redis.RedisError):
                     log.exception("the shared stream reader failed")
                 for f in self.followed.values():
-                    f.queue.put_nowait(e)
+                    if not f.done:
+                        f.done = True
+                        f.queue.put_nowait(e)
                 await asyncio.sleep(0.2)
 
     def _deliver(self, reply: Any) -> None:
@@ -117,11 +124,13 @@ class Streams:
                 self.wake_id = entries[-1][0]
                 continue
             f = self.followed.get(key)
-            if f is None:
+            if f is None or f.done:
                 continue
             try:
                 for ev in f.reader.feed([(stream, entries)]):
                     f.queue.put_nowait(ev)
+                f.done = f.reader.ended
             except (ValueError, TypeError) as e:  # a damaged entry fails its own stream
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
+                f.done = True
                 f.queue.put_nowait(e)
