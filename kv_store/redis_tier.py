@@ -60,7 +60,17 @@ class RedisTier:
         retry_after_s: float = 5.0,
         secret: bytes | None | _Env = FROM_ENV,
     ) -> None:
+        try:
+            fp = bytes.fromhex(fingerprint)
+        except ValueError:
+            fp = b""
+        if len(fp) < 16:  # the block header keeps 16 bytes of it
+            raise ValueError(
+                f"the KV tier's model fingerprint must be at least 32 hex digits, "
+                f"not {fingerprint[:40]!r}"
+            )
         self.r = r
+        self.fp = fp
         self.secret = (secret_from_env() if isinstance(secret, _Env) else secret) or None
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
@@ -138,14 +148,17 @@ class RedisTier:
             items = [b for b in batch if b is not None]
             if items and time.monotonic() >= self.down_until:
                 try:
-                    fp = bytes.fromhex(self.fingerprint)
                     pipe = self.r.pipeline(transaction=False)
                     for h, block in items:
-                        data = block_format.encode(block, h, fp, self.secret)
+                        data = block_format.encode(block, h, self.fp, self.secret)
                         pipe.set(self.key(h), data, ex=self.ttl_s)
                     pipe.execute()
                 except redis.RedisError as e:  # down, or full (OOM with noeviction)
                     self._failed(e)
+                    self.dropped += len(items)
+                except Exception:  # a bug must not end the thread: flush() would hang
+                    log.exception("%d KV blocks could not be written", len(items))
+                    self.errors += 1
                     self.dropped += len(items)
             elif items:
                 self.dropped += len(items)

@@ -117,3 +117,23 @@ def test_the_secret_defaults_to_the_environment(monkeypatch):
     t = RedisTier(r, FP.hex())
     assert t.secret is None
     t.close()
+
+
+def test_a_fingerprint_that_is_not_hex_is_refused_at_once():
+    r = fakeredis.FakeRedis()
+    for bad in ("not-hex", "", "ab" * 7, "zz" * 16):
+        with pytest.raises(ValueError, match="fingerprint"):
+            RedisTier(r, bad)
+
+
+def test_a_block_the_writer_cannot_encode_is_dropped_and_the_writer_goes_on(caplog):
+    r = fakeredis.FakeRedis()
+    t = tier(r)
+    t.put(H, torch.zeros(SHAPE, dtype=torch.int64))  # no such dtype in the block format
+    t.flush()  # returns: the writer thread did not die on it
+    assert t.dropped == 1 and t.errors == 1
+    assert "could not be written" in caplog.text
+    t.put(H, torch.randn(SHAPE))
+    t.flush()
+    assert t.get_many([H]) != [None]
+    t.close()
