@@ -285,27 +285,27 @@ class Gateway:
     async def stream(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
         assert self.client is not None
         assert self.streams is not None
-        events = self.streams.events(job_id)
+        batches = self.streams.batches(job_id)
         follower = tokens.TextFollower()
         try:  # up to the first text, or the end; a client that leaves meanwhile cancels it
-            first, ev = await _unless_gone(request, _head(events, follower))
+            first, ev, rest = await _unless_gone(request, _head(batches, follower))
             if ev is not None and ev.type == tokens.END:
                 rec = await records.get_async(self.client.redis, job_id)
                 if rec.state != records.COMPLETED:
-                    await events.aclose()
+                    await batches.aclose()
                     return self.answer(job, rec)
         except _Gone:
-            await events.aclose()
+            await batches.aclose()
             return self._left(job, job_id)
         except BaseException:
-            await events.aclose()
+            await batches.aclose()
             raise
         created = int(time.time())
-        body = self._sse(job, job_id, created, first, ev, events, follower)
+        body = self._sse(job, job_id, created, first, ev, rest, batches, follower)
 
         async def close(complete: bool) -> None:
             await body.aclose()
-            await events.aclose()  # when the body never started
+            await batches.aclose()  # when the body never started
             if not complete and not job.background:  # the client left mid-stream
                 self._cancel_later(job_id)
             self._later(lease.close())
@@ -320,61 +320,83 @@ class Gateway:
         created: int,
         first: str,
         ev: tokens.Event | None,
-        events: AsyncIterator[tokens.Event],
+        rest: list[tokens.Event],
+        batches: AsyncIterator[list[tokens.Event]],
         follower: tokens.TextFollower,
     ) -> AsyncGenerator[bytes, None]:
+        """The SSE chunks of a stream whose first text (or end) is read: one chunk per
+        batch of events read together, the end's chunk (finish_reason, and logprobs or
+        usage when asked) carrying the text that came with it, and `[DONE]` in the same
+        write."""
         assert self.client is not None
+        text, head = first, True  # text not yet sent; whether the first chunk is still due
+        end = ev if ev is not None and ev.type == tokens.END else None
+
+        def take(batch: list[tokens.Event]) -> tokens.Event | None:
+            nonlocal text
+            for e in batch:
+                text += follower.feed(e)
+                if e.type == tokens.END:
+                    return e
+            return None
+
+        def pending() -> bytes:
+            return _event(openai.chunk(job, job_id, created, text, first=head)) if text else b""
+
         self.metrics.open_streams.inc()
-        tail = b""  # the end's own text goes out with the closing chunk, in one write
         try:
-            async with aclosing(events):  # type: ignore[type-var]
-                yield _event(openai.chunk(job, job_id, created, first, first=True))
-                if ev is None or ev.type != tokens.END:
-                    async for ev in events:
-                        try:
-                            delta = follower.feed(ev)
-                        except tokens.JobRestarted as e:
-                            if not job.background:  # nobody will read what it writes
-                                self._cancel_later(job_id)
-                            body = error_body(str(e), "job_restarted", kind="server_error")
-                            yield _event(body) + DONE
-                            return
-                        text = _event(openai.chunk(job, job_id, created, delta)) if delta else b""
-                        if ev.type == tokens.END:
-                            tail = text
-                            break
+            async with aclosing(batches):  # type: ignore[type-var]
+                try:
+                    if end is None:
+                        end = take(rest)
+                    while end is None:
                         if text:
-                            yield text
+                            yield pending()
+                            text, head = "", False
+                        batch = await anext(batches, None)
+                        if batch is None:
+                            break
+                        end = take(batch)
+                except tokens.JobRestarted as e:
+                    if not job.background:  # nobody will read what it writes
+                        self._cancel_later(job_id)
+                    body = error_body(str(e), "job_restarted", kind="server_error")
+                    yield pending() + _event(body) + DONE
+                    return
             if (
-                ev
-                and ev.state == records.COMPLETED
+                end is not None
+                and end.state == records.COMPLETED
                 and not job.include_usage
                 and job.logprobs is None
             ):
                 # the end entry says all the closing chunk needs: no record to read
-                reason = ev.finish_reason or "stop"
-                yield tail + _event(openai.chunk(job, job_id, created, None, reason)) + DONE
+                reason = end.finish_reason or "stop"
+                last = openai.chunk(job, job_id, created, text or None, reason, first=head)
+                yield _event(last) + DONE
                 return
             rec = await records.get_async(self.client.redis, job_id)
         except redis.RedisError:
             # the client learns why its stream ends; the job goes on (Redis cannot take a
             # cancel now), its record readable once Redis is back
             message = "the queue's Redis is unavailable"
-            yield tail + _event(error_body(message, "unavailable", kind="server_error")) + DONE
+            yield pending() + _event(error_body(message, "unavailable", kind="server_error")) + DONE
             return
         finally:
             self.metrics.open_streams.dec()
         if rec.state != records.COMPLETED:
             message = rec.error_message or f"the job ended {rec.state}"
-            tail += _event(error_body(message, rec.error_code or rec.state, kind="server_error"))
-        else:
-            last = openai.chunk(job, job_id, created, None, rec.finish_reason or "stop")
-            # the token stream carries no logprobs: they come whole, on the last chunk
-            last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
-            tail += _event(last)
-            if job.include_usage:
-                tail += _event(openai.usage_chunk(job, rec, created))
-        yield tail + DONE
+            body = error_body(message, rec.error_code or rec.state, kind="server_error")
+            yield pending() + _event(body) + DONE
+            return
+        last = openai.chunk(
+            job, job_id, created, text or None, rec.finish_reason or "stop", first=head
+        )
+        # the token stream carries no logprobs: they come whole, on the last chunk
+        last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
+        closing = _event(last)
+        if job.include_usage:
+            closing += _event(openai.usage_chunk(job, rec, created))
+        yield closing + DONE
 
     async def list_models(self, request: Request) -> Response:
         assert self.models is not None
@@ -505,14 +527,16 @@ def _retrieved(task: asyncio.Future) -> None:
 
 
 async def _head(
-    events: AsyncIterator[tokens.Event], follower: tokens.TextFollower
-) -> tuple[str, tokens.Event | None]:
-    """A stream's first text and the event that brought it (or its end event)."""
-    async for ev in events:
-        first = follower.feed(ev)
-        if first or ev.type == tokens.END:
-            return first, ev
-    return "", None
+    batches: AsyncIterator[list[tokens.Event]], follower: tokens.TextFollower
+) -> tuple[str, tokens.Event | None, list[tokens.Event]]:
+    """A stream's first text, the event that brought it (or its end event), and the
+    events read with it that follow it."""
+    async for batch in batches:
+        for i, ev in enumerate(batch):
+            first = follower.feed(ev)
+            if first or ev.type == tokens.END:
+                return first, ev, batch[i + 1 :]
+    return "", None, []
 
 
 class _EventStream(Response):

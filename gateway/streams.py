@@ -34,7 +34,7 @@ class Follow:
 
     def __init__(self, job_id: str) -> None:
         self.reader = tokens.Reader(job_id)
-        self.queue: asyncio.Queue[tokens.Event | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[tokens.Event] | BaseException] = asyncio.Queue()
         self.done = False  # its end (or an error) is delivered: no need to read it again
 
 
@@ -50,12 +50,13 @@ class Streams:
         self.blocked = False  # whether the reader waits in XREAD now
         self.woken = False  # whether a wake-up was sent during this XREAD
 
-    async def events(self, job_id: str) -> AsyncIterator[tokens.Event]:
-        """Every event of the job's stream from its start, until `end`."""
+    async def batches(self, job_id: str) -> AsyncIterator[list[tokens.Event]]:
+        """Every event of the job's stream from its start, until `end`, in the batches
+        that were read together (what came at once can be sent on in one piece)."""
         f = Follow(job_id)
         if f.reader.key in self.followed:  # the same job twice (one idempotency key)
             async for ev in tokens.events_async(self.r, job_id, block_ms=BLOCK_MS):
-                yield ev
+                yield [ev]
             return
         self.followed[f.reader.key] = f
         try:
@@ -69,11 +70,11 @@ class Streams:
                 pipe.expire(self.wake_key, WAKE_TTL_S)
                 await pipe.execute()
             while True:
-                ev = await f.queue.get()
-                if isinstance(ev, BaseException):
-                    raise ev
-                yield ev
-                if ev.type == tokens.END:
+                batch = await f.queue.get()
+                if isinstance(batch, BaseException):
+                    raise batch
+                yield batch
+                if batch[-1].type == tokens.END:
                     return
         finally:
             self.followed.pop(f.reader.key, None)
@@ -126,11 +127,16 @@ class Streams:
             f = self.followed.get(key)
             if f is None or f.done:
                 continue
+            batch: list[tokens.Event] = []
             try:
-                for ev in f.reader.feed([(stream, entries)]):
-                    f.queue.put_nowait(ev)
+                batch.extend(f.reader.feed([(stream, entries)]))
                 f.done = f.reader.ended
             except (ValueError, TypeError) as e:  # a damaged entry fails its own stream
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
                 f.done = True
+                if batch:
+                    f.queue.put_nowait(batch)
                 f.queue.put_nowait(e)
+                continue
+            if batch:
+                f.queue.put_nowait(batch)

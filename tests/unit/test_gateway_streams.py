@@ -26,7 +26,7 @@ def run(coro, timeout: float = 20):
 
 async def started(s: streams.Streams, job_id: str):
     """A follower of `job_id`, already waiting for its first event."""
-    it = s.events(job_id)
+    it = s.batches(job_id)
     first = asyncio.ensure_future(anext(it))
     await asyncio.sleep(0.05)
     return it, first
@@ -49,7 +49,7 @@ def test_a_stream_followed_before_the_first_xread_lands_is_picked_up(redis_url) 
             b, b_first = await started(s, "job-b-busy")  # its wake-up lands first
             await r.xadd(keys.output("job-b-busy"), {"type": tokens.START})
             t0 = time.monotonic()
-            ev = await asyncio.wait_for(b_first, 2)  # not after a whole BLOCK_MS
+            (ev,) = await asyncio.wait_for(b_first, 2)  # not after a whole BLOCK_MS
             assert ev.type == tokens.START and time.monotonic() - t0 < 2
             await b.aclose()
         finally:
@@ -70,7 +70,7 @@ def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> N
             with pytest.raises(ValueError):
                 await asyncio.wait_for(bad_first, 2)
             await r.xadd(keys.output("job-good"), {"type": tokens.END, "state": "completed"})
-            assert (await asyncio.wait_for(good_first, 2)).type == tokens.END
+            assert (await asyncio.wait_for(good_first, 2))[0].type == tokens.END
             await good.aclose()
             assert not s.followed
         finally:
@@ -113,7 +113,7 @@ def test_a_reader_error_reaches_every_follower_and_nothing_spins_after(
             assert len(calls) == before
             it, first = await started(s, "job-later")  # and serves the next at once
             await r.xadd(keys.output("job-later"), {"type": tokens.START})
-            assert (await asyncio.wait_for(first, 2)).type == tokens.START
+            assert (await asyncio.wait_for(first, 2))[0].type == tokens.START
             await it.aclose()
         finally:
             await s.close()
@@ -170,6 +170,33 @@ def test_redis_errors_reach_followers(redis_url) -> None:
             _, first = await started(s, "job-redis-down")
             with pytest.raises(redis.ConnectionError):
                 await asyncio.wait_for(first, 2)
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
+
+
+def test_entries_read_together_come_as_one_batch(redis_url) -> None:
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        try:
+            it, first = await started(s, "job-batched")
+            pipe = r.pipeline(transaction=True)  # lands at once: one XREAD reads it all
+            key = keys.output("job-batched")
+            pipe.xadd(key, {"type": tokens.DELTA, "text": "a", "token_ids": "[1]"})
+            pipe.xadd(key, {"type": tokens.DELTA, "text": "b", "token_ids": "[2]"})
+            pipe.xadd(key, {"type": tokens.END, "state": "completed", "finish_reason": "stop"})
+            await pipe.execute()
+            batch = await asyncio.wait_for(first, 2)
+            assert [(e.type, e.text) for e in batch] == [
+                (tokens.DELTA, "a"),
+                (tokens.DELTA, "b"),
+                (tokens.END, ""),
+            ]
+            assert await anext(it, None) is None  # the end closes it
+            assert not s.followed
         finally:
             await s.close()
             await r.aclose()
