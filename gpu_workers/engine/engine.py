@@ -73,7 +73,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.eos_ids = self._eos_ids()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        self.sampler = Sampler(config.seed, self.grammars)
+        self.sampler = Sampler(config.seed, self.grammars, self.runner.ops)
         self.prompts = Prompts(self.tokenizer, self.vocab_size, self.max_model_len)
         self.tokenize = self.prompts.tokenize
         self.seqs: dict[str, Sequence] = {}

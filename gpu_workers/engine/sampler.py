@@ -9,6 +9,8 @@ samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -17,9 +19,10 @@ from gpu_workers.engine.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, seed: int, grammars: Grammars | None = None) -> None:
+    def __init__(self, seed: int, grammars: Grammars | None = None, ops: Any = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.grammars = grammars
+        self.ops = ops  # the fused CPU kernels (top-p), or None for numpy
 
     @torch.inference_mode()
     def __call__(
@@ -103,10 +106,10 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         top_p = torch.tensor([p.top_p for p in params])
         if (top_p < 1.0).all():
-            probs = _nucleus(probs, top_p)
+            probs = _nucleus(probs, top_p, self.ops)
         elif (top_p < 1.0).any():
             rows = (top_p < 1.0).nonzero().squeeze(1)
-            probs[rows] = _nucleus(probs[rows], top_p[rows])
+            probs[rows] = _nucleus(probs[rows], top_p[rows], self.ops)
         min_p = torch.tensor([p.min_p for p in params])
         if (min_p > 0).any():
             floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
@@ -173,17 +176,22 @@ _LOW = (127 - 40) << 4  # the key of 2^-40
 _BUCKETS = (128 << 4) - _LOW  # up to 1.0
 
 
-def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, ops: Any = None) -> torch.Tensor:
     """Zero (in place) all but the most probable tokens whose mass first reaches top_p,
     per row (tokens tied with the last one kept are kept too).
 
     No sort of the vocabulary: one pass buckets each row's probabilities by value and sums
     each bucket's mass (float64); the bucket where the mass counted from the top first
-    reaches top_p holds the cutoff, and only that bucket's tokens are sorted."""
-    p = probs.numpy()
-    rows = len(p)
+    reaches top_p holds the cutoff, and only that bucket's tokens are sorted. The fused
+    CPU kernel (`ops.top_p_`) does the same per row in three passes, without numpy's
+    row-sized temporaries (about a tenth of the time)."""
     # a top_p of 0 (or one that rounds to it) still keeps the most probable token
     want = np.maximum(top_p.numpy().astype(np.float64), np.finfo(np.float64).tiny)
+    if ops is not None and probs.dtype == torch.float32 and probs.is_contiguous():
+        ops.top_p_(probs, torch.from_numpy(want))
+        return probs
+    p = probs.numpy()
+    rows = len(p)
     key = np.maximum(((p.view(np.int32) & 0x7FFFFFFF) >> _SHIFT) - _LOW, 0)  # -0.0 is 0
     offsets = np.arange(rows)[:, None] * _BUCKETS
     mass = np.bincount(

@@ -470,6 +470,66 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+// Top-p (nucleus) over rows of probabilities, in place: the same cutoff as the sampler's
+// numpy path (gpu_workers/engine/sampler.py, _nucleus): each row's probabilities are
+// bucketed by their top float bits (exponent and 4 mantissa bits; everything below 2^-40
+// in the lowest bucket) with the bucket masses summed in float64 in index order; the
+// highest bucket whose mass with all above it reaches `want` holds the cutoff; only its
+// tokens are sorted (value descending, index ascending on ties), and each is kept while
+// the mass above it is under `want` (the first at least). Values under the cutoff become
+// 0. One pass to bucket, one to gather, one to mask, per row, rows in parallel.
+constexpr int kShift = 19;
+constexpr int kLow = (127 - 40) << 4;
+constexpr int kBuckets = (128 << 4) - kLow;
+
+inline int bucket_of(float v) {
+  const int k = static_cast<int>((std::bit_cast<uint32_t>(v) & 0x7FFFFFFFu) >> kShift) - kLow;
+  return std::clamp(k, 0, kBuckets - 1);  // NaN or > 2 land in the top bucket: never out of bounds
+}
+
+void top_p_(torch::Tensor probs, torch::Tensor want) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat && probs.is_contiguous() &&
+                  probs.device().is_cpu(),
+              "top_p_: probs must be a contiguous CPU float32 [rows, vocab]");
+  TORCH_CHECK(want.dim() == 1 && want.scalar_type() == torch::kDouble && want.is_contiguous() &&
+                  want.size(0) == probs.size(0),
+              "top_p_: want must be float64 [rows]");
+  const int64_t rows = probs.size(0), vocab = probs.size(1);
+  float* all = probs.data_ptr<float>();
+  const double* wants = want.const_data_ptr<double>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<double> mass(kBuckets), below(kBuckets);
+    std::vector<std::pair<float, int64_t>> tied;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* p = all + r * vocab;
+      const double w = wants[r];
+      std::fill(mass.begin(), mass.end(), 0.0);
+      for (int64_t j = 0; j < vocab; ++j) mass[bucket_of(p[j])] += static_cast<double>(p[j]);
+      double acc = 0.0;
+      for (int b = 0; b < kBuckets; ++b) below[b] = acc += mass[b];
+      const double total = below[kBuckets - 1];
+      int reach = 0;
+      for (int b = 0; b < kBuckets; ++b) reach += (total - below[b] + mass[b]) >= w;
+      const int bucket = reach - 1;
+      if (bucket < 0) continue;  // rounding left no bucket reaching it: the row is kept whole
+      const double before = total - below[bucket];
+      tied.clear();
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (bucket_of(p[j]) == bucket) tied.emplace_back(p[j], j);
+      }
+      if (tied.empty()) continue;
+      std::sort(tied.begin(), tied.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      size_t count = 0;
+      double run = 0.0;  // the bucket's mass ranked above the token
+      while (count < tied.size() && before + run < w) run += static_cast<double>(tied[count++].first);
+      const float cutoff = tied[std::max<size_t>(count, 1) - 1].first;
+      for (int64_t j = 0; j < vocab; ++j) p[j] = p[j] < cutoff ? 0.0f : p[j];
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -477,4 +537,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary_cache", &rotary_cache, "rotary on q, k in place; k, v into the paged cache");
   m.def("paged_decode", &paged_decode, "decode attention read from the paged cache");
+  m.def("top_p_", &top_p_, "top-p in place over rows of probabilities (the sampler's cutoff)");
 }

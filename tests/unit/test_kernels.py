@@ -220,3 +220,59 @@ def test_engine_takes_the_torch_path_where_the_kernels_do_not_apply(model_factor
     assert engine_factory(path, kernels="native").runner.ops is not None
     with pytest.raises(ValueError, match="kernels must be auto, native or torch"):
         engine_factory(path, kernels="fast")
+
+
+def test_top_p_keeps_what_the_numpy_path_keeps(ops):
+    """The kernel's cutoff is the sampler's numpy path's, to the bit: random rows of
+    vocabularies up to 40k, flat to peaked, exact ties, top_p of 0 and near 1."""
+    from gpu_workers.engine.sampler import _nucleus
+
+    gen = torch.Generator().manual_seed(2)
+    for trial in range(150):
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        vocab = int(torch.randint(2, 40000, (1,), generator=gen))
+        spread = float(torch.rand(1, generator=gen)) * 12
+        probs = (torch.randn(rows, vocab, generator=gen) * spread).softmax(-1)
+        if trial % 7 == 0:  # many exact ties
+            probs = torch.round(probs * 1000) / 1000
+            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+        top_p = torch.rand(rows, generator=gen).clamp(min=1e-3, max=0.9999)
+        if trial % 11 == 0:
+            top_p[:] = 0.0
+        want = _nucleus(probs.clone(), top_p)
+        got = _nucleus(probs.clone(), top_p, ops)
+        assert torch.equal(got, want), trial
+
+
+def test_top_p_refuses_bad_shapes_and_survives_nan(ops):
+    probs = torch.rand(3, 50)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.top_p_(probs.double(), torch.full((3,), 0.9, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.top_p_(probs.t(), torch.full((50,), 0.9, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="want"):
+        ops.top_p_(probs, torch.full((2,), 0.9, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="want"):
+        ops.top_p_(probs, torch.full((3,), 0.9))
+    nan = torch.full((2, 50), float("nan"))
+    nan[1, :10] = 1.0e30  # out of a probability's range: still no read or write outside
+    ops.top_p_(nan, torch.full((2,), 0.9, dtype=torch.float64))
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_the_kernel(ops):
+    from gpu_workers.engine.sampler import Sampler
+    from gpu_workers.engine.sampling_params import SamplingParams
+    from gpu_workers.engine.sequence import Sequence
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=gen) * 4
+
+    def draw(with_ops):
+        seqs = []
+        for i in range(6):
+            sp = SamplingParams(temperature=0.7, top_p=0.8 if i % 3 else 1.0, seed=i, max_tokens=4)
+            seqs.append(Sequence(f"s{i}", [1, 2, 3], sp))
+        sampler = Sampler(0, ops=ops if with_ops else None)
+        return [sampler(logits.clone(), seqs)[0] for _ in range(5)]
+
+    assert draw(True) == draw(False)
