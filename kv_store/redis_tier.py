@@ -64,10 +64,9 @@ class RedisTier:
             fp = bytes.fromhex(fingerprint)
         except ValueError:
             fp = b""
-        if len(fp) < 16:  # the block header keeps 16 bytes of it
+        if not fp:  # it names the keys, and the block header keeps 16 bytes of it
             raise ValueError(
-                f"the KV tier's model fingerprint must be at least 32 hex digits, "
-                f"not {fingerprint[:40]!r}"
+                f"the KV tier's model fingerprint must be hex digits, not {fingerprint[:40]!r}"
             )
         self.r = r
         self.fp = fp
