@@ -55,7 +55,7 @@ class Routes:
                     "shards": max(1, min(int(info["shards"]), 256)),
                     "beat_ms": int(info["beat_ms"]),
                 }
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):  # Infinity: OverflowError
                 continue
         self.models, self._read_at = models, time.monotonic()
 

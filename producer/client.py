@@ -111,9 +111,11 @@ class Client:
                 replies[i] = reply
         acked = replies.pop() if s.submit_replicas else 0
         del replies[: len(listed)]
-        ids, cleanup = submitted(subs, replies, s.queue_full_retry_s, before or [], self.job)
-        if cleanup:
+        ids, cleanup, error = submitted(subs, replies, s.queue_full_retry_s, before or [], self.job)
+        if cleanup:  # also when refused: a record QUEUED wrote would read "queued" for days
             self._run(cleanup)
+        if error is not None:
+            raise error
         if s.submit_replicas and acked < s.submit_replicas:
             raise NotReplicated(
                 [j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from broker_config.protocol import valid_job_id
 from broker_config.text import text
 from results import records
 from results.records import JobRecord
@@ -75,6 +76,19 @@ class UnknownModel(LookupError):
         self.served = served
 
 
+class BadIdempotencyKey(ValueError):
+    """The idempotency key's Redis key holds something other than a job id (written by
+    something else); nothing was queued. Delete that key, or submit with another."""
+
+    def __init__(self, key: str, owner: str) -> None:
+        super().__init__(
+            f"{key} holds {owner[:60]!r}, not the id of the job that owns the idempotency "
+            "key; nothing was queued"
+        )
+        self.key = key
+        self.owner = owner
+
+
 def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | None:
     """The QueueFull that a SUBMIT error reply stands for, or None for any other error."""
     text = str(error)
@@ -89,12 +103,12 @@ def submitted(
     retry_after: float,
     before: list[J],
     job: Callable[[str], J],
-) -> tuple[list[J], list[list[Any]]]:
+) -> tuple[list[J], list[list[Any]], Exception | None]:
     """The jobs of a chunk of submissions, from their replies (QUEUED's then SUBMIT's for
-    each, an error reply as its exception), and the commands that delete the records
-    written for nothing. If a lane was full, raises QueueFull after the chunk, its
-    `accepted` holding `before` and the jobs queued; any other error reply is raised as
-    it is."""
+    each, an error reply as its exception), the commands that delete the records written
+    for nothing, and the error to raise once those are sent: QueueFull if a lane was full,
+    its `accepted` holding `before` and the jobs queued, or any other error reply as it
+    is."""
     out: list[J] = []
     cleanup: list[list[Any]] = []
     full: QueueFull | None = None
@@ -107,18 +121,18 @@ def submitted(
         # SUBMIT's reply decides: a job queued without its record (QUEUED refused) runs
         # all the same, and its worker's BEGIN writes the record.
         if not isinstance(reply, Exception):
-            out.append(job(text(reply)))
-            continue
+            owner = text(reply)
+            if owner == sub.job_id or valid_job_id(owner):
+                out.append(job(owner))
+                continue
+            reply = BadIdempotencyKey(sub.queue.keys[-1], owner)
         lane_full = queue_full(reply, sub.lane, retry_after)
         if lane_full is None:
             error = error or reply
         full = full or lane_full
-    if error is not None:
-        raise error
     if full is not None:
         full.accepted = before + out
-        raise full
-    return out, cleanup
+    return out, cleanup, error or full
 
 
 def final(rec: JobRecord, timeout: float | None) -> JobRecord:
@@ -134,6 +148,7 @@ def final(rec: JobRecord, timeout: float | None) -> JobRecord:
 
 
 __all__ = [
+    "BadIdempotencyKey",
     "JobCancelled",
     "JobFailed",
     "JobRestarted",

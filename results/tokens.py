@@ -17,6 +17,7 @@ import redis.asyncio
 
 from broker_config import keys
 from broker_config.text import text
+from results import records
 
 START = "start"
 DELTA = "delta"
@@ -68,6 +69,17 @@ class Reader:
                 if self.ended:
                     return
 
+    def gone(self, rec: records.JobRecord) -> Iterator[Event]:
+        """The events of a final job whose stream has expired (PLURAI_OUTPUT_TTL_S is shorter
+        than the record's TTL): a reset, the record's whole text, its end. Nothing while the
+        job is not final: the stream may be yet to come."""
+        if not rec.final:
+            return
+        self.ended = True
+        yield Event(RESET)
+        yield Event(DELTA, text=rec.text or "", token_ids=rec.token_ids or [])
+        yield Event(END, state=rec.state, finish_reason=rec.finish_reason)
+
 
 def events(
     r: redis.Redis, job_id: str, block_ms: int = 1000, last_id: str = "0-0"
@@ -78,7 +90,10 @@ def events(
     """
     reader = Reader(job_id, last_id)
     while not reader.ended:
-        yield from reader.feed(r.xread(reader.request(), count=256, block=block_ms))
+        reply = r.xread(reader.request(), count=256, block=block_ms)
+        yield from reader.feed(reply)
+        if not reply and not r.exists(reader.key):  # a final job's stream may have expired
+            yield from reader.gone(records.get(r, job_id))
 
 
 async def events_async(
@@ -87,8 +102,12 @@ async def events_async(
     """`events`, awaited."""
     reader = Reader(job_id, last_id)
     while not reader.ended:
-        for ev in reader.feed(await r.xread(reader.request(), count=256, block=block_ms)):
+        reply = await r.xread(reader.request(), count=256, block=block_ms)
+        for ev in reader.feed(reply):
             yield ev
+        if not reply and not await r.exists(reader.key):
+            for ev in reader.gone(await records.get_async(r, job_id)):
+                yield ev
 
 
 def stream_items(reply: Any) -> list[tuple[Any, list[Any]]]:

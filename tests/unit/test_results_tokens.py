@@ -105,3 +105,36 @@ def test_waiter_settles_by_record_or_message(monkeypatch: pytest.MonkeyPatch) ->
     assert forever.wait_s() == 1.0
     forever.heard({"channel": "plurai:done:a", "data": "failed"})
     assert forever.wait_s() is None
+
+
+@pytest.mark.timeout(20)
+def test_stream_of_a_final_job_whose_stream_expired_ends() -> None:
+    """The token stream expires long before the record (PLURAI_OUTPUT_TTL_S 1 h, the result
+    24 h): streaming such a job gives the record's text and ends, not a wait forever."""
+    import asyncio
+
+    import fakeredis
+    import fakeredis.aioredis
+
+    from broker_config import keys
+    from producer import AsyncClient, Client
+    from results import records
+
+    done = {"state": "completed", "final": "1", "text": "hello", "finish_reason": "stop"}
+    r = fakeredis.FakeRedis(decode_responses=True)
+    r.hset(keys.job("expired01"), mapping=done)
+    r.hset(keys.job("queued001"), mapping={"state": "queued"})
+    client = Client(redis=r)
+    assert list(client.job("expired01").stream(block_ms=10)) == ["hello"]
+    got = list(tokens.events(r, "expired01", block_ms=10))
+    assert [e.type for e in got] == ["reset", "delta", "end"] and got[-1].state == "completed"
+    # not final: the stream may be yet to come, so the read goes on
+    reader = tokens.Reader("queued001")
+    assert list(reader.gone(records.get(r, "queued001"))) == [] and not reader.ended
+
+    async def aio() -> list[str]:
+        ar = fakeredis.aioredis.FakeRedis(decode_responses=True)
+        await ar.hset(keys.job("expired01"), mapping=done)
+        return [t async for t in AsyncClient(redis=ar).job("expired01").stream(block_ms=10)]
+
+    assert asyncio.run(aio()) == ["hello"]

@@ -23,11 +23,14 @@ def test_shards_liveness_and_refusal() -> None:
             "junk": b"\xff not json",
             "partial": json.dumps({"shards": 3}),
             "huge": registry_value(10**9, now),
+            "inf": '{"shards": Infinity, "beat_ms": 1}',  # json.loads takes it: int() overflows
+            "late": '{"shards": 2, "beat_ms": 1e999}',
         }
     )
     assert not routes.stale()
     assert routes.shards("live") == 4 and routes.shards("old") == 2
     assert routes.shards("unknown") == 1 and routes.shards("junk") == 1
+    assert routes.shards("inf") == 1 and routes.shards("late") == 1
     assert routes.shards("huge") == 256  # bounded
     assert routes.live() == ["huge", "live"]
     assert not routes.refused("live") and routes.refused("old") and routes.refused("named")
