@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from broker_config import keys, protocol
@@ -37,7 +37,7 @@ from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
 from gateway.streams import Streams
 from producer.aio import AsyncClient
-from producer.errors import QueueFull
+from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownModel
 from producer.request import prepare
 from results import records, tokens, wait
 from results.records import JobRecord
@@ -46,6 +46,8 @@ log = logging.getLogger("plurai.gateway")
 
 SSE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
+BAD_RECORD = "the job's token stream or record in Redis is damaged"
+DAMAGED = (ValueError, TypeError, RecursionError)  # what reading such an entry raises
 T = TypeVar("T")
 
 
@@ -201,8 +203,11 @@ class Gateway:
             )
         except BadRequest as e:
             return error(e.status, e.message, e.code, e.param)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it
         try:
             names = await self.models.names()
+            served = await self.models.route(job.model)  # may read them again
         except redis.RedisError:
             return unavailable()
         if not names:
@@ -213,7 +218,6 @@ class Gateway:
                 retry_after=5,
                 kind="server_error",
             )
-        served = await self.models.route(job.model)
         if served is None:
             return error(
                 404,
@@ -233,8 +237,11 @@ class Gateway:
             options["idempotency_key"] = auth.scoped_idempotency_key(key, idem)
         try:
             sub = prepare(self.settings, await self.client.fresh_routes(), **options)
-        except (TypeError, ValueError) as e:  # what prepare refuses (priority, sizes)
+        # what prepare refuses (priority, sizes); msgpack: an integer over 64 bits
+        except (TypeError, ValueError, OverflowError) as e:
             return error(400, str(e), "bad_field")
+        except UnknownModel as e:  # plurai:models has no live beat of it (yet)
+            return error(404, str(e), "model_not_found", "model")
         except redis.RedisError:
             return unavailable()
         lease = Lease(self.client.redis, key, sub.job_id)
@@ -246,8 +253,14 @@ class Gateway:
                 job_id = (await self.client.send([sub]))[0].id
             except QueueFull as full:
                 return error(429, str(full), "queue_full", retry_after=full.retry_after)
+            except BadIdempotencyKey:
+                message = "the Idempotency-Key is held by something other than a job; use another"
+                return error(409, message, "idempotency_key_conflict")
+            except NotReplicated as e:  # queued on the primary only (a failover loses
+                # it); a retry with the same Idempotency-Key queues nothing twice
+                return error(503, str(e), "not_replicated", retry_after=1)
             if job.stream:
-                return await self.stream(request, job, job_id, lease)
+                return await self.stream(request, job, job_id, lease, job_id == sub.job_id)
             return await self.whole(request, job, job_id)
         except redis.RedisError:
             return unavailable()
@@ -265,6 +278,9 @@ class Gateway:
             )
         except _Gone:
             return self._left(job, job_id)
+        except DAMAGED as e:  # a damaged record
+            self._damaged(job, job_id, e)
+            return error(500, BAD_RECORD, "bad_record")
         return self.answer(job, rec)
 
     def _left(self, job: Job, job_id: str) -> Response:
@@ -274,6 +290,13 @@ class Gateway:
             self._cancel_later(job_id)
         return Response(status_code=499)  # nobody reads it
 
+    def _damaged(self, job: Job, job_id: str, e: Exception) -> None:
+        """The job's token stream or record holds what no worker writes: cancel the job
+        (unless it runs in the background), whose answer cannot be read."""
+        log.warning("job %s: a damaged token stream or record (%s)", job_id, e)
+        if not job.background:
+            self._cancel_later(job_id)
+
     def answer(self, job: Job, rec: JobRecord) -> Response:
         if rec.state == records.COMPLETED:
             return JSONResponse(openai.completion(job, rec))
@@ -282,10 +305,12 @@ class Gateway:
         code = rec.error_code or "internal"
         return error(openai.STATUS.get(code, 500), rec.error_message or code, code)
 
-    async def stream(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
+    async def stream(
+        self, request: Request, job: Job, job_id: str, lease: Lease, new: bool = True
+    ) -> Response:
         assert self.client is not None
         assert self.streams is not None
-        batches = self.streams.batches(job_id)
+        batches = self.streams.batches(job_id, new)
         follower = tokens.TextFollower()
         try:  # up to the first text, or the end; a client that leaves meanwhile cancels it
             first, ev, rest = await _unless_gone(request, _head(batches, follower))
@@ -297,6 +322,10 @@ class Gateway:
         except _Gone:
             await batches.aclose()
             return self._left(job, job_id)
+        except DAMAGED as e:  # a damaged entry (streams.py) or record
+            await batches.aclose()
+            self._damaged(job, job_id, e)
+            return error(500, BAD_RECORD, "bad_record")
         except BaseException:
             await batches.aclose()
             raise
@@ -380,6 +409,12 @@ class Gateway:
             # cancel now), its record readable once Redis is back
             message = "the queue's Redis is unavailable"
             yield pending() + _event(error_body(message, "unavailable", kind="server_error")) + DONE
+            return
+        except DAMAGED as e:  # a damaged entry (streams.py) or record
+            self._damaged(job, job_id, e)
+            yield (
+                pending() + _event(error_body(BAD_RECORD, "bad_record", kind="server_error")) + DONE
+            )
             return
         finally:
             self.metrics.open_streams.dec()

@@ -20,7 +20,7 @@ import redis
 import redis.asyncio
 
 from broker_config import keys
-from results import tokens
+from results import records, tokens
 
 log = logging.getLogger("plurai.gateway")
 
@@ -50,11 +50,20 @@ class Streams:
         self.blocked = False  # whether the reader waits in XREAD now
         self.woken = False  # whether a wake-up was sent during this XREAD
 
-    async def batches(self, job_id: str) -> AsyncIterator[list[tokens.Event]]:
+    async def batches(self, job_id: str, new: bool = True) -> AsyncIterator[list[tokens.Event]]:
         """Every event of the job's stream from its start, until `end`, in the batches
-        that were read together (what came at once can be sent on in one piece)."""
+        that were read together (what came at once can be sent on in one piece).
+
+        A job submitted before (`new` false: an idempotency key's earlier job) is read on
+        its own: a finished job whose stream has expired gets its record's text at once
+        (the shared reader would wait for that stream forever)."""
         f = Follow(job_id)
-        if f.reader.key in self.followed:  # the same job twice (one idempotency key)
+        if not new and not await self.r.exists(f.reader.key):  # expired, or yet to come
+            batch = list(f.reader.gone(await records.get_async(self.r, job_id)))
+            if batch:
+                yield batch
+                return
+        if not new or f.reader.key in self.followed:
             async for ev in tokens.events_async(self.r, job_id, block_ms=BLOCK_MS):
                 yield [ev]
             return
@@ -131,7 +140,8 @@ class Streams:
             try:
                 batch.extend(f.reader.feed([(stream, entries)]))
                 f.done = f.reader.ended
-            except (ValueError, TypeError) as e:  # a damaged entry fails its own stream
+            # a damaged entry fails its own stream (token_ids nested too deep: RecursionError)
+            except (ValueError, TypeError, RecursionError) as e:
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
                 f.done = True
                 if batch:

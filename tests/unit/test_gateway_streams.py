@@ -80,6 +80,27 @@ def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> N
     run(go())
 
 
+def test_a_deeply_nested_entry_fails_only_its_own_stream(redis_url) -> None:
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        try:
+            bad, bad_first = await started(s, "job-nested")
+            good, good_first = await started(s, "job-good")
+            deep = "[" * 100_000  # json.loads: RecursionError, not ValueError
+            await r.xadd(keys.output("job-nested"), {"type": "delta", "token_ids": deep})
+            with pytest.raises(RecursionError):
+                await asyncio.wait_for(bad_first, 2)
+            await r.xadd(keys.output("job-good"), {"type": tokens.END, "state": "completed"})
+            assert (await asyncio.wait_for(good_first, 2))[0].type == tokens.END
+            await good.aclose()
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
+
+
 def test_a_reader_error_reaches_every_follower_and_nothing_spins_after(
     redis_url, monkeypatch, caplog
 ) -> None:

@@ -1,0 +1,209 @@
+"""The gateway's answers to bad input and odd Redis content, in OpenAI's error shape and
+never a bare 500 (Starlette's test client against a real redis-server; a worker's
+heartbeat is written by hand, and so is what a worker would write for a job)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from starlette.testclient import TestClient
+
+from broker_config import keys, protocol
+from broker_config.settings import Settings
+from gateway.models import Models
+from gateway.serve import create_app
+from results import tokens
+
+JOB = "gwerrors0123456789abcd"  # the id every job of a test gets
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url)
+    r.sadd(keys.WORKERS, "w1")
+    beat = int(time.time() * 1000)
+    fields = {"model": "m", "max_model_len": 256, "state": "serving", "beat_ms": beat}
+    r.hset(keys.worker("w1"), mapping={**fields, "served_model": "m"})
+    yield r
+    r.close()
+
+
+def client(url: str, **settings) -> TestClient:
+    return TestClient(
+        create_app(Settings(redis_url=url, **settings), url), raise_server_exceptions=False
+    )
+
+
+@pytest.fixture
+def api(redis_url: str, r: redis.Redis, monkeypatch) -> Iterator[TestClient]:
+    monkeypatch.setattr(protocol, "new_job_id", lambda: JOB)
+    with client(redis_url) as c:
+        yield c
+
+
+def worker(r: redis.Redis, *entries: dict, record: dict | None = None) -> threading.Thread:
+    """Writes what a worker would, once the job is queued: `entries` to its token stream,
+    then `record` to its record."""
+
+    def write() -> None:
+        while not r.exists(keys.job(JOB)):
+            time.sleep(0.01)
+        for e in entries:
+            r.xadd(keys.output(JOB), e)
+        if record is not None:
+            r.hset(keys.job(JOB), mapping=record)
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    return t
+
+
+def openai_error(resp, status: int, code: str) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == code and set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"seed": 2**70},
+        {"prompt": [2**70]},
+        {"metadata": {"a": -(2**64)}},
+        {"stop_token_ids": [2**64]},
+    ],
+)
+def test_an_integer_over_64_bits_is_a_400(api, extra) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, **extra}
+    openai_error(api.post("/v1/completions", json=body), 400, "bad_field")
+
+
+def test_a_submit_no_replica_acknowledged_is_a_503(redis_url, r, monkeypatch) -> None:
+    # PLURAI_SUBMIT_REPLICAS=1 on a Redis without replicas: WAIT never gets its ack
+    monkeypatch.setattr(protocol, "new_job_id", lambda: JOB)
+    with client(redis_url, submit_replicas=1, submit_replicas_timeout_ms=10) as api:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        resp = api.post("/v1/completions", json=body)
+    openai_error(resp, 503, "not_replicated")
+    assert resp.headers["retry-after"] == "1"
+
+
+STREAM = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}
+DAMAGED = {"type": tokens.DELTA, "text": "x", "token_ids": "[1,"}  # not JSON
+
+
+def test_a_damaged_token_stream_before_the_first_text_is_an_error(api, r) -> None:
+    worker(r, DAMAGED)
+    openai_error(api.post("/v1/completions", json=STREAM), 500, "bad_record")
+    assert cancelled(r)  # nobody can read its answer
+
+
+def cancelled(r: redis.Redis) -> bool:
+    give_up = time.monotonic() + 5
+    while r.hget(keys.job(JOB), "state") != b"cancelled":
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_damaged_record_is_an_error(api, r) -> None:
+    worker(r, record={"state": "completed", "final": "1", "text": "a", "prompt_tokens": "x"})
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    openai_error(api.post("/v1/completions", json=body), 500, "bad_record")
+
+
+def test_a_damaged_token_stream_ends_the_stream_with_an_error_event(api, r) -> None:
+    worker(r, {"type": tokens.DELTA, "text": "a", "token_ids": "[1]"})
+    with api.stream("POST", "/v1/completions", json=STREAM) as resp:
+        assert resp.status_code == 200
+        r.xadd(keys.output(JOB), DAMAGED)
+        lines = [x for x in resp.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == "a"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "bad_record"
+    assert cancelled(r)
+
+
+def test_a_client_gone_while_its_body_is_read_is_no_server_error(api) -> None:
+    sent = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+    api.portal.call(api.app, scope, receive, send)  # raised before
+    assert sent[0]["status"] == 499
+
+
+def test_redis_lost_while_the_model_is_routed_is_a_503(api, monkeypatch) -> None:
+    # names() read the models a moment ago; route() finds them stale and reads again
+    async def route(self, name: str) -> str | None:
+        raise redis.ConnectionError("gone")
+
+    monkeypatch.setattr(Models, "route", route)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    openai_error(api.post("/v1/completions", json=body), 503, "unavailable")
+
+
+def test_a_model_the_routes_refuse_is_a_404(redis_url, r) -> None:
+    # PLURAI_UNSERVED=refuse, and plurai:models has no beat of the model yet (its worker's
+    # heartbeat was read first: the two are read at different times)
+    with client(redis_url, unserved="refuse") as api:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        err = openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
+    assert err["param"] == "model"
+
+
+def test_an_idempotency_key_held_by_no_job_is_a_409(api, r) -> None:
+    r.set(keys.idempotency("inv-1", "m"), "not a job id {x}")
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    resp = api.post("/v1/completions", json=body, headers={"Idempotency-Key": "inv-1"})
+    err = openai_error(resp, 409, "idempotency_key_conflict")
+    assert "plurai" not in err["message"]  # no Redis key names in what a client reads
+    assert not r.exists(keys.job(JOB))  # nothing queued, no record left behind
+
+
+def test_a_streamed_repeat_after_its_stream_expired_gets_the_answer(api, r, monkeypatch) -> None:
+    """The same Idempotency-Key again, streamed, once the first job's token stream has
+    expired (its record lives longer): the record's text and [DONE], not a wait forever."""
+    ids = iter([JOB, "gwerrorsrepeat456789abc"])
+    monkeypatch.setattr(protocol, "new_job_id", lambda: next(ids))
+    done = {"type": tokens.END, "state": "completed", "finish_reason": "length"}
+    record = {"state": "completed", "final": "1", "text": "ab", "token_ids": "[1, 2]"}
+    record |= {"finish_reason": "length", "output_tokens": "2"}
+    worker(r, {"type": tokens.DELTA, "text": "ab", "token_ids": "[1,2]"}, done, record=record)
+    headers = {"Idempotency-Key": "inv-2"}
+    first = api.post("/v1/completions", json=STREAM, headers=headers)
+    assert first.status_code == 200 and first.text.endswith("data: [DONE]\n\n")
+    r.delete(keys.output(JOB))  # expired
+    with api.stream("POST", "/v1/completions", json=STREAM, headers=headers) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [x for x in resp.iter_lines() if x]
+    chunks = [json.loads(x[6:]) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "ab"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert lines[-1] == "data: [DONE]"
