@@ -89,19 +89,17 @@ def main() -> None:
     runner.run = run  # type: ignore[method-assign]
 
     # decode-only steps grouped by running sequences (1-4, 5-8, ...); prefill steps last
-    groups: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    def group(rows: int, decodes: int) -> int:
+        return -(-decodes // 4) * 4 if rows == decodes else PREFILL
+
+    groups: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for rows, _, decodes, fwd, step in steps:
-        g = groups[-(-decodes // 4) * 4 if rows == decodes else PREFILL]
+        g = groups[group(rows, decodes)]
         g[0] += 1
         g[1] += fwd
         g[2] += step
     names = {k: "with prefill" if k == PREFILL else f"decode {k - 3}-{k}" for k in groups}
     useful = sum(r.max_tokens for r in reqs)
-    print(f"{len(steps)} steps, {total:.2f} s, {useful / total:.1f} useful tok/s ({args.dtype})")
-    print(f"{'steps':14} {'n':>4} {'forward s':>10} {'rest s':>7} {'ms/step':>8}")
-    for k in sorted(groups):
-        n, fwd, step = groups[k]
-        print(f"{names[k]:14} {n:4d} {fwd:10.2f} {step - fwd:7.2f} {1000 * step / n:8.1f}")
 
     model = runner.model
     linears = [
@@ -123,6 +121,19 @@ def main() -> None:
 
             gemm[(rows, sampling)] = median_time(matmuls)
     gemm_total = sum(gemm[(rows, sampling)] for rows, sampling, *_ in steps)
+    for rows, sampling, decodes, *_ in steps:
+        groups[group(rows, decodes)][3] += gemm[(rows, sampling)]
+    print(f"{len(steps)} steps, {total:.2f} s, {useful / total:.1f} useful tok/s ({args.dtype})")
+    print(
+        f"{'steps':14} {'n':>4} {'forward s':>10} {'rest s':>7} {'ms/step':>8} "
+        f"{'matmuls s':>10} {'run/matmuls':>12}"
+    )
+    for k in sorted(groups):
+        n, fwd, step, mm = groups[k]
+        print(
+            f"{names[k]:14} {n:4d} {fwd:10.2f} {step - fwd:7.2f} {1000 * step / n:8.1f} "
+            f"{mm:10.2f} {step / mm:12.2f}"
+        )
     forward_total = sum(s[3] for s in steps)
     print(
         f"forward {forward_total:.2f} s, of which the same steps' matmuls alone take "
@@ -145,8 +156,13 @@ def main() -> None:
                 # the run over its matmul-only time: 1.0 would be all GEMM
                 "run_over_gemm": round(total / gemm_total, 3),
                 "groups": {
-                    names[k]: {"steps": n, "forward_s": round(f, 3), "step_s": round(st, 3)}
-                    for k, (n, f, st) in sorted(groups.items())
+                    names[k]: {
+                        "steps": n,
+                        "forward_s": round(f, 3),
+                        "step_s": round(st, 3),
+                        "gemm_only_s": round(mm, 3),
+                    }
+                    for k, (n, f, st, mm) in sorted(groups.items())
                 },
             }
         )
