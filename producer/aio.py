@@ -23,7 +23,7 @@ from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.client import _CHUNK, cancel_call
-from producer.errors import NotReplicated, QueueFull, final, submitted
+from producer.errors import QueueFull, check_replicas, final, submitted
 from producer.request import SCRIPTS, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
@@ -104,10 +104,7 @@ class AsyncClient:
             await self._run(cleanup)
         if error is not None:
             raise error
-        if s.submit_replicas and acked < s.submit_replicas:
-            raise NotReplicated(
-                [j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms
-            )
+        check_replicas([j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms)
         return ids
 
     async def _run(self, commands: list[list[Any]]) -> list[Any]:

@@ -21,7 +21,7 @@ from broker_config.connection import connect, is_cluster, resolve_url
 from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from broker_config.text import text
-from producer.errors import NotReplicated, QueueFull, final, submitted
+from producer.errors import QueueFull, check_replicas, final, submitted
 from producer.request import SCRIPTS, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
@@ -116,10 +116,7 @@ class Client:
             self._run(cleanup)
         if error is not None:
             raise error
-        if s.submit_replicas and acked < s.submit_replicas:
-            raise NotReplicated(
-                [j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms
-            )
+        check_replicas([j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms)
         return ids
 
     def _run(self, commands: list[list[Any]]) -> list[Any]:

@@ -89,6 +89,17 @@ class BadIdempotencyKey(ValueError):
         self.owner = owner
 
 
+def check_replicas(job_ids: list[str], acked: Any, wanted: int, timeout_ms: int) -> None:
+    """Raises NotReplicated unless `wanted` replicas acknowledged the submit (`acked`:
+    WAIT's reply; an error reply, e.g. WAIT refused by an ACL, counts as none)."""
+    if not wanted:
+        return
+    got = acked if isinstance(acked, int) else 0
+    if got < wanted:
+        cause = acked if isinstance(acked, Exception) else None
+        raise NotReplicated(job_ids, got, wanted, timeout_ms) from cause
+
+
 def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | None:
     """The QueueFull that a SUBMIT error reply stands for, or None for any other error."""
     text = str(error)
@@ -149,6 +160,7 @@ def final(rec: JobRecord, timeout: float | None) -> JobRecord:
 
 __all__ = [
     "BadIdempotencyKey",
+    "check_replicas",
     "JobCancelled",
     "JobFailed",
     "JobRestarted",

@@ -25,14 +25,31 @@ CANCELLED = "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 
 
+class BadRecord(ValueError):
+    """A job record holding what no worker writes (a field that does not parse); its
+    `code` is the protocol's `bad_record`."""
+
+    code = "bad_record"
+
+
 def _int(h: dict[str, str], name: str) -> int | None:
     v = h.get(name)
-    return int(v) if v not in (None, "") else None
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise BadRecord(f"record field {name!r} is not an integer: {v[:40]!r}") from None
 
 
 def _json(h: dict[str, str], name: str) -> Any:
     v = h.get(name)
-    return json.loads(v) if v else None
+    if not v:
+        return None
+    try:
+        return json.loads(v)
+    except (ValueError, RecursionError):
+        raise BadRecord(f"record field {name!r} is not JSON: {v[:40]!r}") from None
 
 
 @dataclass
@@ -67,6 +84,13 @@ class JobRecord:
         h = {text(k): text(v) for k, v in raw.items()}
         if not h:
             return cls(id=job_id, state="unknown")
+        try:
+            return cls._parse(job_id, h)
+        except BadRecord as e:
+            raise BadRecord(f"job {job_id}: {e}") from None
+
+    @classmethod
+    def _parse(cls, job_id: str, h: dict[str, str]) -> JobRecord:
         return cls(
             id=job_id,
             state=h.get("state", QUEUED),

@@ -23,6 +23,7 @@ from broker_config.celery_app import app
 from broker_config.connection import resolve_url
 from broker_config.groups import forget_dead_consumers, forget_dead_workers
 from broker_config.settings import BulkSettings, Settings
+from broker_config.text import text
 from producer.bulk import drive, store
 from producer.client import Client
 
@@ -60,8 +61,8 @@ def step(batch_id: str, gen: int) -> str:
         return "invalid"
     client = _client()
     current = client.redis.hget(keys.batch(batch_id), "gen")
-    if current is None or int(current) != gen:
-        return "superseded"
+    if current is None or text(current) != str(gen):
+        return "superseded"  # a kick started a newer chain (or the record is damaged)
     status = drive.step(client, batch_id, BulkSettings())
     if status not in store.TERMINAL:
         app.send_task(STEP, args=[batch_id, gen])
