@@ -35,7 +35,7 @@ from gateway.auth import Key, Unauthorized
 from gateway.metrics import GatewayMetrics
 from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
-from gateway.streams import Streams
+from gateway.streams import DAMAGED, Streams
 from producer.aio import AsyncClient
 from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownModel
 from producer.request import prepare
@@ -47,7 +47,6 @@ log = logging.getLogger("plurai.gateway")
 SSE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
 BAD_RECORD = "the job's token stream or record in Redis is damaged"
-DAMAGED = (ValueError, TypeError, RecursionError)  # what reading such an entry raises
 T = TypeVar("T")
 
 
@@ -279,8 +278,7 @@ class Gateway:
         except _Gone:
             return self._left(job, job_id)
         except DAMAGED as e:  # a damaged record
-            self._damaged(job, job_id, e)
-            return error(500, BAD_RECORD, "bad_record")
+            return self._damaged(job, job_id, e)
         return self.answer(job, rec)
 
     def _left(self, job: Job, job_id: str) -> Response:
@@ -290,12 +288,13 @@ class Gateway:
             self._cancel_later(job_id)
         return Response(status_code=499)  # nobody reads it
 
-    def _damaged(self, job: Job, job_id: str, e: Exception) -> None:
+    def _damaged(self, job: Job, job_id: str, e: Exception) -> JSONResponse:
         """The job's token stream or record holds what no worker writes: cancel the job
-        (unless it runs in the background), whose answer cannot be read."""
+        (unless it runs in the background), whose answer cannot be read; the answer."""
         log.warning("job %s: a damaged token stream or record (%s)", job_id, e)
         if not job.background:
             self._cancel_later(job_id)
+        return error(500, BAD_RECORD, "bad_record")
 
     def answer(self, job: Job, rec: JobRecord) -> Response:
         if rec.state == records.COMPLETED:
@@ -324,8 +323,7 @@ class Gateway:
             return self._left(job, job_id)
         except DAMAGED as e:  # a damaged entry (streams.py) or record
             await batches.aclose()
-            self._damaged(job, job_id, e)
-            return error(500, BAD_RECORD, "bad_record")
+            return self._damaged(job, job_id, e)
         except BaseException:
             await batches.aclose()
             raise
@@ -369,8 +367,11 @@ class Gateway:
                     return e
             return None
 
-        def pending() -> bytes:
-            return _event(openai.chunk(job, job_id, created, text, first=head)) if text else b""
+        def failed(message: str, code: str) -> bytes:
+            """The end of a stream that cannot finish: the text not yet sent, the error
+            event, [DONE]."""
+            unsent = _event(openai.chunk(job, job_id, created, text, first=head)) if text else b""
+            return unsent + _event(error_body(message, code, kind="server_error")) + DONE
 
         self.metrics.open_streams.inc()
         try:
@@ -380,7 +381,7 @@ class Gateway:
                         end = take(rest)
                     while end is None:
                         if text:
-                            yield pending()
+                            yield _event(openai.chunk(job, job_id, created, text, first=head))
                             text, head = "", False
                         batch = await anext(batches, None)
                         if batch is None:
@@ -389,8 +390,7 @@ class Gateway:
                 except tokens.JobRestarted as e:
                     if not job.background:  # nobody will read what it writes
                         self._cancel_later(job_id)
-                    body = error_body(str(e), "job_restarted", kind="server_error")
-                    yield pending() + _event(body) + DONE
+                    yield failed(str(e), "job_restarted")
                     return
             if (
                 end is not None
@@ -407,21 +407,17 @@ class Gateway:
         except redis.RedisError:
             # the client learns why its stream ends; the job goes on (Redis cannot take a
             # cancel now), its record readable once Redis is back
-            message = "the queue's Redis is unavailable"
-            yield pending() + _event(error_body(message, "unavailable", kind="server_error")) + DONE
+            yield failed("the queue's Redis is unavailable", "unavailable")
             return
         except DAMAGED as e:  # a damaged entry (streams.py) or record
             self._damaged(job, job_id, e)
-            yield (
-                pending() + _event(error_body(BAD_RECORD, "bad_record", kind="server_error")) + DONE
-            )
+            yield failed(BAD_RECORD, "bad_record")
             return
         finally:
             self.metrics.open_streams.dec()
         if rec.state != records.COMPLETED:
             message = rec.error_message or f"the job ended {rec.state}"
-            body = error_body(message, rec.error_code or rec.state, kind="server_error")
-            yield pending() + _event(body) + DONE
+            yield failed(message, rec.error_code or rec.state)
             return
         last = openai.chunk(
             job, job_id, created, text or None, rec.finish_reason or "stop", first=head

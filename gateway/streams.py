@@ -27,6 +27,8 @@ log = logging.getLogger("plurai.gateway")
 BLOCK_MS = 5000
 READ_TIMEOUT_S = BLOCK_MS / 1000 + 10  # an XREAD not back by then went to a dead connection
 WAKE_TTL_S = 60
+# what parsing a damaged entry or record raises (token_ids nested too deep: RecursionError)
+DAMAGED = (ValueError, TypeError, RecursionError)
 
 
 class Follow:
@@ -140,8 +142,7 @@ class Streams:
             try:
                 batch.extend(f.reader.feed([(stream, entries)]))
                 f.done = f.reader.ended
-            # a damaged entry fails its own stream (token_ids nested too deep: RecursionError)
-            except (ValueError, TypeError, RecursionError) as e:
+            except DAMAGED as e:  # a damaged entry fails its own stream
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
                 f.done = True
                 if batch:

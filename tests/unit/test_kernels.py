@@ -226,19 +226,9 @@ def test_top_p_keeps_what_the_numpy_path_keeps(ops):
     """The kernel's cutoff is the sampler's numpy path's, to the bit: random rows of
     vocabularies up to 40k, flat to peaked, exact ties, top_p of 0 and near 1."""
     from gpu_workers.engine.sampler import _nucleus
+    from tests.unit.test_sampling import top_p_cases
 
-    gen = torch.Generator().manual_seed(2)
-    for trial in range(150):
-        rows = int(torch.randint(1, 12, (1,), generator=gen))
-        vocab = int(torch.randint(2, 40000, (1,), generator=gen))
-        spread = float(torch.rand(1, generator=gen)) * 12
-        probs = (torch.randn(rows, vocab, generator=gen) * spread).softmax(-1)
-        if trial % 7 == 0:  # many exact ties
-            probs = torch.round(probs * 1000) / 1000
-            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
-        top_p = torch.rand(rows, generator=gen).clamp(min=1e-3, max=0.9999)
-        if trial % 11 == 0:
-            top_p[:] = 0.0
+    for trial, probs, top_p in top_p_cases(seed=2, n=150, top_max=0.9999):
         want = _nucleus(probs.clone(), top_p)
         got = _nucleus(probs.clone(), top_p, ops)
         assert torch.equal(got, want), trial

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -189,13 +190,13 @@ def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
     assert torch.equal(_nucleus(probs, torch.tensor([1e-46])) > 0, torch.tensor([[0, 1, 0]]) > 0)
 
 
-def test_nucleus_matches_a_full_sort_on_random_rows():
-    """Vocabularies up to 40k, flat to peaked rows, ties, top_p of 0: the kept tokens are
-    exactly those of a sort of the whole row (float64 sums)."""
-    from gpu_workers.engine.sampler import _nucleus
-
-    gen = torch.Generator().manual_seed(1)
-    for trial in range(120):
+def top_p_cases(
+    seed: int, n: int, top_max: float
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Random batches for top-p: (trial, probabilities, top_p) with 1-11 rows over
+    vocabularies up to 40k, flat to peaked, many exact ties every 7th, top_p 0 every 11th."""
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(n):
         rows = int(torch.randint(1, 12, (1,), generator=gen))
         vocab = int(torch.randint(2, 40000, (1,), generator=gen))
         spread = float(torch.rand(1, generator=gen)) * 12
@@ -203,9 +204,18 @@ def test_nucleus_matches_a_full_sort_on_random_rows():
         if trial % 7 == 0:  # many exact ties
             probs = torch.round(probs * 1000) / 1000
             probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
-        top_p = torch.rand(rows, generator=gen).clamp(min=1e-3, max=0.999)
+        top_p = torch.rand(rows, generator=gen).clamp(min=1e-3, max=top_max)
         if trial % 11 == 0:
             top_p[:] = 0.0
+        yield trial, probs, top_p
+
+
+def test_nucleus_matches_a_full_sort_on_random_rows():
+    """Vocabularies up to 40k, flat to peaked rows, ties, top_p of 0: the kept tokens are
+    exactly those of a sort of the whole row (float64 sums)."""
+    from gpu_workers.engine.sampler import _nucleus
+
+    for trial, probs, top_p in top_p_cases(seed=1, n=120, top_max=0.999):
         sp, _ = probs.sort(-1, descending=True)
         above = sp.double().cumsum(-1) - sp.double()
         keep = above < top_p.double()[:, None]
