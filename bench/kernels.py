@@ -1,7 +1,8 @@
 """What each fused CPU kernel (gpu_workers/kernels) gains, alone and in place.
 
 Alone: each kernel against the torch ops it replaces, at the bench model's shapes, for a
-decode step of 2 and of 32 sequences (~230 cached tokens each) and a 512-token prefill
+decode step of 2 and of 32 sequences (~230 cached tokens each; decode attention takes the
+layers' caches in turn, so it reads from memory as in a step) and a 512-token prefill
 chunk (medians of many calls).
 In place: the throughput workload through the engine with every kernel, then with one
 kernel at a time swapped for its torch equivalent (same call, torch ops inside), then on
@@ -14,6 +15,7 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -121,8 +123,16 @@ def alone(ops, cfg, dtype: torch.dtype) -> dict:
             tables = torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width)
             lens = torch.full((rows,), context)
             q = rand(rows, hq, d)
-            calls["paged_decode"] = lambda impl, q=q, kc=k_cache, vc=v_cache, t=tables, n=lens: (
-                impl(q, kc, vc, t, n, d**-0.5)
+            # one cache per layer, taken in turn, as a step reads them: together larger
+            # than the L3 cache, as in the engine, where the reads come from memory
+            layers = itertools.cycle(
+                [
+                    (rand(hk, blocks, bs, d), rand(hk, blocks, bs, d))
+                    for _ in range(cfg.num_hidden_layers)
+                ]
+            )
+            calls["paged_decode"] = lambda impl, q=q, t=tables, n=lens, layers=layers: impl(
+                q, *next(layers), t, n, d**-0.5
             )
         for name, call in calls.items():
             native = median_us(lambda call=call, name=name: call(getattr(ops, name)))

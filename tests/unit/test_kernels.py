@@ -92,9 +92,13 @@ def attention_pair(hq: int, hk: int, d: int, bs: int, nb: int, dtype, ops) -> tu
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("hq", "hk", "bs"), [(8, 4, 16), (4, 4, 2), (6, 1, 1), (8, 2, 8)])
-def test_paged_decode_matches_the_gathering_path(ops, dtype, hq, hk, bs):
-    d = 64
+@pytest.mark.parametrize(
+    ("hq", "hk", "bs", "d"),
+    # head dims 64 and 128 have their own unrolled code; 36 is no multiple of the vector
+    # width, so its last lanes take the scalar remainder
+    [(8, 4, 16, 64), (4, 4, 2, 64), (6, 1, 1, 64), (8, 2, 8, 64), (8, 4, 16, 128), (4, 2, 4, 36)],
+)
+def test_paged_decode_matches_the_gathering_path(ops, dtype, hq, hk, bs, d):
     lens = [1, bs, 3 * bs + 1, 37, 5 * bs]  # one token, exact blocks, partial last blocks
     width = -(-max(lens) // bs)
     nb = len(lens) * width + 3
