@@ -334,31 +334,21 @@ inline vec chunk_dots_bf16(const __m512bh* q, const uint16_t* k) {
 }
 #endif
 
-// acc = acc * alpha + sum over j < cnt of p[j] * v[j]; rows read in order, the accumulators
-// held in registers when the head dim is known
+// acc = acc * alpha + sum over j < cnt of p[j] * v[j], one vector of acc at a time (D: the
+// head dim when known at compile time, which unrolls the loops fully; 0: any)
 template <int64_t D>
 inline void chunk_sum(const float* __restrict__ p, const float* __restrict__ v, int64_t cnt,
                       int64_t dim, float alpha, float* __restrict__ acc) {
-  if constexpr (D > 0 && D % kLanes == 0) {
-    constexpr int64_t n = D / kLanes;
-    vec a[n];
-    for (int64_t i = 0; i < n; ++i) a[i] = load(acc + i * kLanes) * alpha;
-    for (int64_t j = 0; j < cnt; ++j) {
-      for (int64_t i = 0; i < n; ++i) a[i] += p[j] * load(v + j * D + i * kLanes);
-    }
-    for (int64_t i = 0; i < n; ++i) store(acc + i * kLanes, a[i]);
-  } else {
-    const int64_t d = D ? D : dim, full = d / kLanes * kLanes;
-    for (int64_t i = 0; i < full; i += kLanes) {
-      vec a = load(acc + i) * alpha;
-      for (int64_t j = 0; j < cnt; ++j) a += p[j] * load(v + j * d + i);
-      store(acc + i, a);
-    }
-    for (int64_t i = full; i < d; ++i) {
-      float a = acc[i] * alpha;
-      for (int64_t j = 0; j < cnt; ++j) a += p[j] * v[j * d + i];
-      acc[i] = a;
-    }
+  const int64_t d = D ? D : dim, full = d / kLanes * kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    vec a = load(acc + i) * alpha;
+    for (int64_t j = 0; j < cnt; ++j) a += p[j] * load(v + j * d + i);
+    store(acc + i, a);
+  }
+  for (int64_t i = full; i < d; ++i) {
+    float a = acc[i] * alpha;
+    for (int64_t j = 0; j < cnt; ++j) a += p[j] * v[j * d + i];
+    acc[i] = a;
   }
 }
 
@@ -423,7 +413,7 @@ void decode_tasks(const torch::Tensor& q, const torch::Tensor& k_cache,
       const T* kbase = kc + h * nblocks * bs * d;
       const T* vbase = vc + h * nblocks * bs * d;
       const T* qrow = qp + s * q.stride(0) + h * group * q.stride(1);
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < group && !native_bf16; ++g) {
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = f32(qrow[g * q.stride(1) + i]) * scale;
       }
 #if defined(__AVX512BF16__)
