@@ -74,7 +74,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         else:
             rec = records.get(client.redis, args.job_id)
     print(json.dumps(rec.to_dict(), indent=2, ensure_ascii=False))
-    return 0 if rec.state != "unknown" else 1
+    return 0 if rec.state != records.UNKNOWN else 1
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
 from gateway.streams import DAMAGED, Streams
 from producer.aio import AsyncClient
-from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownModel
+from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownJob, UnknownModel
 from producer.request import prepare
 from results import records, tokens, wait
 from results.records import JobRecord
@@ -301,6 +301,8 @@ class Gateway:
             return JSONResponse(openai.completion(job, rec))
         if rec.state == records.CANCELLED:
             return error(409, f"job {rec.id} was cancelled", "cancelled")
+        if rec.state == records.UNKNOWN:  # an idempotency key's earlier job, long gone
+            return error(404, str(UnknownJob(rec.id)), "job_expired")
         code = rec.error_code or "internal"
         return error(openai.STATUS.get(code, 500), rec.error_message or code, code)
 
@@ -415,6 +417,9 @@ class Gateway:
             return
         finally:
             self.metrics.open_streams.dec()
+        if rec.state == records.UNKNOWN:
+            yield failed(str(UnknownJob(job_id)), "job_expired")
+            return
         if rec.state != records.COMPLETED:
             message = rec.error_message or f"the job ended {rec.state}"
             yield failed(message, rec.error_code or rec.state)

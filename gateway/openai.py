@@ -143,8 +143,8 @@ def _common(body: dict[str, Any], default_max_tokens: int) -> tuple[dict[str, An
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required: one of GET /v1/models", param="model")
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):  # not true, not 1.0
         raise BadRequest("n must be 1: send one request per choice", param="n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

@@ -152,7 +152,8 @@ class AsyncJob:
         return (await self.record()).state
 
     async def result(self, timeout: float | None = None) -> JobRecord:
-        """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled."""
+        """Wait for the final result. Raises TimeoutError, JobFailed, JobCancelled, or UnknownJob
+        (no record: never submitted here, or expired)."""
         (rec,) = await wait.wait_many_async(
             self.client.redis, [self.id], timeout, self.client.listeners
         )

@@ -169,7 +169,8 @@ class Job:
         return self.record().state
 
     def result(self, timeout: float | None = None) -> JobRecord:
-        """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled."""
+        """Wait for the final result. Raises TimeoutError, JobFailed, JobCancelled, or UnknownJob
+        (no record: never submitted here, or expired)."""
         return final(wait.wait(self.client.redis, self.id, timeout, self.client.listeners), timeout)
 
     def stream(self, block_ms: int = 1000) -> Iterator[str]:

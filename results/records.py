@@ -23,13 +23,26 @@ COMPLETED = "completed"
 FAILED = "failed"
 CANCELLED = "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+# No record: never submitted to this Redis, or expired (result_ttl_s after the job ended).
+# Nothing will write one, so a wait for such a job ends at once.
+UNKNOWN = "unknown"
 
 
 class BadRecord(ValueError):
-    """A job record holding what no worker writes (a field that does not parse); its
-    `code` is the protocol's `bad_record`."""
+    """A job record holding what no worker writes (a field that does not parse, or a key
+    of another type); its `code` is the protocol's `bad_record`."""
 
     code = "bad_record"
+
+
+def damaged(e: Exception, job_id: str, what: str) -> Exception:
+    """What to raise for an error met reading one of the job's keys: a BadRecord where the
+    key holds another type (WRONGTYPE) or bytes that are not UTF-8, `e` itself otherwise."""
+    if isinstance(e, UnicodeDecodeError):
+        return BadRecord(f"job {job_id}: its {what} holds bytes that are not UTF-8")
+    if isinstance(e, redis.ResponseError) and str(e).startswith("WRONGTYPE"):
+        return BadRecord(f"job {job_id}: its {what} key holds another type, not Plurai's")
+    return e
 
 
 def _int(h: dict[str, str], name: str) -> int | None:
@@ -55,7 +68,7 @@ def _json(h: dict[str, str], name: str) -> Any:
 @dataclass
 class JobRecord:
     id: str
-    state: str  # one of the states above, or "unknown" when no record exists
+    state: str  # one of the states above, or UNKNOWN when no record exists
     final: bool = False
     text: str | None = None
     token_ids: list[int] | None = None
@@ -83,7 +96,7 @@ class JobRecord:
     def from_hash(cls, job_id: str, raw: dict[Any, Any]) -> JobRecord:
         h = {text(k): text(v) for k, v in raw.items()}
         if not h:
-            return cls(id=job_id, state="unknown")
+            return cls(id=job_id, state=UNKNOWN)
         try:
             return cls._parse(job_id, h)
         except BadRecord as e:
@@ -120,20 +133,33 @@ class JobRecord:
 
 
 def get(r: redis.Redis, job_id: str) -> JobRecord:
-    return JobRecord.from_hash(job_id, r.hgetall(keys.job(job_id)))
+    """The job's record; raises BadRecord where its key holds something no worker wrote."""
+    return get_many(r, [job_id])[0]
 
 
 def get_many(r: redis.Redis, job_ids: list[str]) -> list[JobRecord]:
     """Many records in one round trip (a pipeline of HGETALL)."""
-    return _parse(job_ids, _reads(r.pipeline(transaction=False), job_ids).execute())
+    try:
+        replies = _reads(r.pipeline(transaction=False), job_ids).execute(False)
+    except UnicodeDecodeError as e:  # a client that decodes replies
+        raise damaged(e, _which(job_ids), "record") from None
+    return _parse(job_ids, replies)
 
 
 async def get_async(r: redis.asyncio.Redis, job_id: str) -> JobRecord:
-    return JobRecord.from_hash(job_id, await r.hgetall(keys.job(job_id)))
+    return (await get_many_async(r, [job_id]))[0]
 
 
 async def get_many_async(r: redis.asyncio.Redis, job_ids: list[str]) -> list[JobRecord]:
-    return _parse(job_ids, await _reads(r.pipeline(transaction=False), job_ids).execute())
+    try:
+        replies = await _reads(r.pipeline(transaction=False), job_ids).execute(False)
+    except UnicodeDecodeError as e:
+        raise damaged(e, _which(job_ids), "record") from None
+    return _parse(job_ids, replies)
+
+
+def _which(job_ids: list[str]) -> str:
+    return job_ids[0] if len(job_ids) == 1 else f"{job_ids[0]} or another of {len(job_ids)}"
 
 
 def _reads(pipe: Any, job_ids: list[str]) -> Any:
@@ -143,6 +169,11 @@ def _reads(pipe: Any, job_ids: list[str]) -> Any:
 
 
 def _parse(job_ids: list[str], replies: list[Any]) -> list[JobRecord]:
+    """The records of a pipeline run with raise_on_error off: a WRONGTYPE reply is a
+    BadRecord, any other error is raised as it came."""
+    for j, h in zip(job_ids, replies, strict=True):
+        if isinstance(h, redis.ResponseError):
+            raise damaged(h, j, "record")
     return [JobRecord.from_hash(j, h) for j, h in zip(job_ids, replies, strict=True)]
 
 

@@ -72,7 +72,12 @@ class Reader:
     def gone(self, rec: records.JobRecord) -> Iterator[Event]:
         """The events of a final job whose stream has expired (PLURAI_OUTPUT_TTL_S is shorter
         than the record's TTL): a reset, the record's whole text, its end. Nothing while the
-        job is not final: the stream may be yet to come."""
+        job is not final: the stream may be yet to come. For a job with no record at all
+        (never submitted, or expired), an end in state `unknown`."""
+        if rec.state == records.UNKNOWN:  # no record either: nothing will ever come
+            self.ended = True
+            yield Event(END, state=records.UNKNOWN)
+            return
         if not rec.final:
             return
         self.ended = True
@@ -86,11 +91,15 @@ def events(
 ) -> Iterator[Event]:
     """Every event of the job's stream from the start, blocking for new ones, until `end`.
 
-    Waits forever for a job that never starts; callers wanting a bound use Job.result.
+    Waits as long as the job is queued; callers wanting a bound use Job.result. A job with
+    no record ends at once, in state `unknown`.
     """
     reader = Reader(job_id, last_id)
     while not reader.ended:
-        reply = r.xread(reader.request(), count=256, block=block_ms)
+        try:
+            reply = r.xread(reader.request(), count=256, block=block_ms)
+        except (redis.ResponseError, UnicodeDecodeError) as e:
+            raise records.damaged(e, job_id, "token stream") from None
         yield from reader.feed(reply)
         if not reply and not r.exists(reader.key):  # a final job's stream may have expired
             yield from reader.gone(records.get(r, job_id))
@@ -102,7 +111,10 @@ async def events_async(
     """`events`, awaited."""
     reader = Reader(job_id, last_id)
     while not reader.ended:
-        reply = await r.xread(reader.request(), count=256, block=block_ms)
+        try:
+            reply = await r.xread(reader.request(), count=256, block=block_ms)
+        except (redis.ResponseError, UnicodeDecodeError) as e:
+            raise records.damaged(e, job_id, "token stream") from None
         for ev in reader.feed(reply):
             yield ev
         if not reply and not await r.exists(reader.key):

@@ -46,7 +46,8 @@ class Waiter:
         return sorted(self._pending)
 
     def read(self, recs: list[records.JobRecord]) -> None:
-        self._pending -= {rec.id for rec in recs if rec.final}
+        # a job with no record is settled too: nothing will write one
+        self._pending -= {rec.id for rec in recs if rec.final or rec.state == records.UNKNOWN}
         self._quiet_at = time.monotonic() + _QUIET_S
 
     def heard(self, message: dict[str, Any]) -> None:

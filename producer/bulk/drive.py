@@ -371,7 +371,7 @@ class Driver:
         )
         bad = next((x for x in recs if x.state != records.COMPLETED), None)
         if bad is not None:
-            if bad.state == "unknown":
+            if bad.state == records.UNKNOWN:
                 code, msg = "job_expired", f"job {bad.id} has no record (expired)"
             else:
                 code = bad.error_code or bad.state

@@ -103,3 +103,45 @@ def test_sigterm_hands_running_jobs_back(redis_url, workers):
     assert rec.output_tokens == 2500 and rec.text == text
     types = [f[b"type"] for _, f in r.xrange(keys.output(job.id))]
     assert types.count(b"start") == 2 and types.count(b"reset") == 1 and types[-1] == b"end"
+
+
+def test_a_token_stream_key_of_another_type_is_a_bad_record(redis_url):
+    """A job whose token stream key holds a list (written by something else): stream()
+    raises BadRecord naming the key, not a raw WRONGTYPE; sync and asyncio."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.job("listout01"), mapping={"state": "running"})
+    r.rpush(keys.output("listout01"), "x")
+    with pytest.raises(records.BadRecord, match="job listout01: its token stream key holds"):
+        list(Client(redis_url).job("listout01").stream(block_ms=10))
+
+    async def aio() -> None:
+        async with AsyncClient(redis_url) as c:
+            with pytest.raises(records.BadRecord, match="its token stream key"):
+                async for _ in c.job("listout01").stream(block_ms=10):
+                    pass
+
+    asyncio.run(aio())
+
+
+def test_bytes_that_are_not_utf8_in_a_record_or_stream_are_a_bad_record(redis_url):
+    """A record or token stream holding bytes that are not UTF-8 (not written by a worker):
+    BadRecord naming the job, not a UnicodeDecodeError; the client reads on after it."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.job("badutf001"), mapping={"state": "completed", "final": "1", "text": b"a\xff"})
+    r.hset(keys.job("badutf002"), mapping={"state": "running"})
+    r.xadd(keys.output("badutf002"), {"type": "delta", "text": b"\xfe", "token_ids": "[1]"})
+    r.hset(keys.job("good00001"), mapping={"state": "completed", "final": "1", "text": "ok"})
+    client = Client(redis_url)
+    with pytest.raises(records.BadRecord, match="job badutf001: its record holds bytes"):
+        client.job("badutf001").result()
+    with pytest.raises(records.BadRecord, match="job badutf002: its token stream holds bytes"):
+        list(client.job("badutf002").stream(block_ms=10))
+    assert client.job("good00001").result().text == "ok"
+
+    async def aio() -> str | None:
+        async with AsyncClient(redis_url) as c:
+            with pytest.raises(records.BadRecord, match="its record holds bytes"):
+                await c.job("badutf001").result()
+            return (await c.job("good00001").result()).text
+
+    assert asyncio.run(aio()) == "ok"

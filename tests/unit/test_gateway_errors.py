@@ -207,3 +207,28 @@ def test_a_streamed_repeat_after_its_stream_expired_gets_the_answer(api, r, monk
     assert "".join(c["choices"][0]["text"] for c in chunks) == "ab"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.timeout(30)
+def test_a_repeat_whose_job_record_expired_is_a_404(api, r, monkeypatch) -> None:
+    """The same Idempotency-Key again once the first job's record (and stream) expired but
+    the key still names it: 404 job_expired at once, streamed or not, not a wait forever."""
+    ids = iter([JOB, "gwerrorsrepeat456789abc", "gwerrorsrepeat456789abd"])
+    monkeypatch.setattr(protocol, "new_job_id", lambda: next(ids))
+    done = {"type": tokens.END, "state": "completed", "finish_reason": "length"}
+    record = {"state": "completed", "final": "1", "text": "ab", "token_ids": "[1, 2]"}
+    worker(r, {"type": tokens.DELTA, "text": "ab", "token_ids": "[1,2]"}, done, record=record)
+    headers = {"Idempotency-Key": "inv-3"}
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    assert api.post("/v1/completions", json=body, headers=headers).status_code == 200
+    r.delete(keys.output(JOB), keys.job(JOB))  # expired
+    for b in (body, STREAM):
+        err = openai_error(api.post("/v1/completions", json=b, headers=headers), 404, "job_expired")
+        assert "no record" in err["message"]
+
+
+@pytest.mark.parametrize("n", [True, 1.0, "1", 2, 0])
+def test_n_other_than_the_integer_1_is_refused(api, r, n) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "n": n}
+    err = openai_error(api.post("/v1/completions", json=body), 400, "bad_field")
+    assert err["param"] == "n" and not r.exists(keys.job(JOB))

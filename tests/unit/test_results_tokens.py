@@ -138,3 +138,72 @@ def test_stream_of_a_final_job_whose_stream_expired_ends() -> None:
         return [t async for t in AsyncClient(redis=ar).job("expired01").stream(block_ms=10)]
 
     assert asyncio.run(aio()) == ["hello"]
+
+
+@pytest.mark.timeout(20)
+def test_waiting_on_a_job_with_no_record_ends_with_unknown_job() -> None:
+    """A job id never submitted here (or whose record expired): result() without a timeout
+    and stream() end at once with UnknownJob, saying why; wait_all returns its record as
+    `unknown` beside the others, not a wait forever."""
+    import asyncio
+
+    import fakeredis
+    import fakeredis.aioredis
+
+    from broker_config import keys
+    from producer import AsyncClient, Client, UnknownJob
+    from results import records
+
+    r = fakeredis.FakeRedis(decode_responses=True)
+    r.hset(keys.job("done00001"), mapping={"state": "completed", "final": "1", "text": "x"})
+    client = Client(redis=r)
+    with pytest.raises(UnknownJob, match="no record: it was never submitted"):
+        client.job("nosuchjob").result()
+    with pytest.raises(UnknownJob):
+        list(client.job("nosuchjob").stream(block_ms=10))
+    got = client.wait_all(["nosuchjob", "done00001"])
+    assert [x.state for x in got] == [records.UNKNOWN, records.COMPLETED]
+
+    async def aio() -> None:
+        c = AsyncClient(redis=fakeredis.aioredis.FakeRedis(decode_responses=True))
+        with pytest.raises(UnknownJob):
+            await c.job("nosuchjob").result()
+        with pytest.raises(UnknownJob):
+            async for _ in c.job("nosuchjob").stream(block_ms=10):
+                pass
+
+    asyncio.run(aio())
+
+
+def test_a_record_key_of_another_type_is_a_bad_record_not_a_redis_error() -> None:
+    """Something else wrote the job's record key (a string): the SDK says which key is
+    damaged (BadRecord, code bad_record), not a raw WRONGTYPE. (The token stream's key:
+    tests/integration/test_producer_client.py, since fakeredis's XREAD does not check.)"""
+    import asyncio
+
+    import fakeredis
+    import fakeredis.aioredis
+
+    from broker_config import keys
+    from producer import AsyncClient, Client
+    from results import records
+
+    r = fakeredis.FakeRedis(decode_responses=True)
+    r.set(keys.job("strjob001"), "oops")
+    r.hset(keys.job("done00001"), mapping={"state": "completed", "final": "1", "text": "x"})
+    client = Client(redis=r)
+    for call in (
+        lambda: client.job("strjob001").status(),
+        lambda: client.job("strjob001").result(timeout=1),
+        lambda: client.wait_all(["done00001", "strjob001"], timeout=1),
+    ):
+        with pytest.raises(records.BadRecord, match="job strjob001: its record key holds"):
+            call()
+
+    async def aio() -> None:
+        ar = fakeredis.aioredis.FakeRedis(decode_responses=True)
+        await ar.set(keys.job("strjob001"), "oops")
+        with pytest.raises(records.BadRecord, match="its record key"):
+            await AsyncClient(redis=ar).job("strjob001").result(timeout=1)
+
+    asyncio.run(aio())
