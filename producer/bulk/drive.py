@@ -177,15 +177,18 @@ class Driver:
         self.finished: set[str] = set()
         self.pubsub: Any = None
         self.reqs: dict[int, dict[str, Any]] = {}
+        self.unstarted: list[int] = []  # active lines with no jobs, when the batch must stop
         if active:
             st = self.r.hmget(keys.batch_state(batch_id), active)
             rq = self.r.hmget(keys.batch_requests(batch_id), active)
             for i, s, q in zip(active, st, rq, strict=True):
                 self.reqs[i] = json.loads(q)
-                if s is None and self.problem is None:  # died between marking it active
+                if s is not None:
+                    self.state[i] = json.loads(s)
+                elif self.problem is None:  # died between marking it active
                     self._start([i])  # and saving its jobs
                 else:
-                    self.state[i] = json.loads(s)
+                    self.unstarted.append(i)
 
     def run(self) -> str:
         end = time.monotonic() + self.bs.pass_s
@@ -429,6 +432,8 @@ class Driver:
                 self.client.job(j).cancel()
         for i in list(self.state):
             self._error(i, code, message, (self.state[i]["p"], self.state[i]["o"]))
+        for i in self.unstarted:
+            self._error(i, code, message, (0, 0))
         rest = list(range(self.next, self.total))
         for start in range(0, len(rest), 5000):
             part = rest[start : start + 5000]

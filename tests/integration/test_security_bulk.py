@@ -149,10 +149,16 @@ def test_the_driver_uses_its_own_model_dir_never_the_records(
     }
     assert set(loaded) == {str(tiny_model)}  # nothing was read from the record's folder
 
-    # a running batch whose driver is reconfigured with another model fails the same way
+    # a running batch whose driver is reconfigured with another model fails the same way,
+    # every line with its error line: one whose driver died between marking it active and
+    # saving its jobs included
+    client.redis.hdel(keys.batch_state(same), "0")
+    assert client.redis.sismember(keys.batch_active(same), "0")
     monkeypatch.setenv("PLURAI_MODEL_DIR", str(other))
     assert run_steps(client, same, store.TERMINAL) == store.FAILED
-    assert manage.info(client, same)["errors"]["data"][0]["code"] == "model_mismatch"
+    info = manage.info(client, same)
+    assert info["errors"]["data"][0]["code"] == "model_mismatch"
+    assert info["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
 
     # no model configured at all
     monkeypatch.delenv("PLURAI_MODEL_DIR")
