@@ -455,7 +455,7 @@ class Batches:
         MAX_FILE_BYTES and MAX_FILE_LINES; returns its size."""
         name = keys.file(file_id)
         utf8 = codecs.getincrementaldecoder("utf-8")()
-        size = newlines = 0
+        size = ends = 0
         blank, last = True, b""
         try:
             while chunk := await upload.read(CHUNK):
@@ -463,8 +463,12 @@ class Batches:
                 if size > MAX_FILE_BYTES:
                     raise _too_large()
                 utf8.decode(chunk)
-                newlines += chunk.count(b"\n")
-                if newlines > MAX_FILE_LINES:
+                # line ends as the batch reads the file (universal newlines): \n, \r\n, \r;
+                # a \r that ends a read is counted with the next (it may start a \r\n)
+                ends += last == b"\r" and chunk[:1] != b"\n"
+                ends += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+                ends -= chunk[-1:] == b"\r"
+                if ends > MAX_FILE_LINES:
                     raise BadRequest(
                         f"the file has over {MAX_FILE_LINES} lines", code="too_many_lines"
                     )
@@ -475,7 +479,7 @@ class Batches:
                 else:
                     await self.r.append(name, chunk)
             utf8.decode(b"", final=True)
-            if newlines + (last not in (b"", b"\n")) > MAX_FILE_LINES:
+            if ends + (last not in (b"", b"\n")) > MAX_FILE_LINES:  # a last \r or line
                 raise BadRequest(f"the file has over {MAX_FILE_LINES} lines", code="too_many_lines")
             if blank:
                 raise BadRequest("the file is empty: send JSONL, one request a line", param="file")

@@ -87,10 +87,17 @@ def step(client: Client, batch_id: str, bs: BulkSettings) -> str:
         return validate(r, batch_id, meta, bs)  # cancelled lines get error lines too
     if status in (store.IN_PROGRESS, store.CANCELLING):
         return Driver(client, batch_id, meta, bs).run()
+    if status != store.FINALIZING:  # damaged (or by hand): a step would follow step forever
+        fail_reason(r, batch_id, ("invalid_status", f"the batch's status {status!r} is unknown"))
+        r.hset(keys.batch(batch_id), "end_status", store.FAILED)
+        store.move(r, batch_id, store.FINALIZING, status)
+        meta = store.get(r, batch_id)
     return finish(r, batch_id, meta, bs)
 
 
 def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings) -> str:
+    if "valid" in meta:  # parsed (its input is gone), then the driver died before moving on
+        return validated(r, batch_id, meta["valid"] != "0")
     documents = bool(meta.get("task"))
     limit = Settings().max_tokens_limit
     _, problem = configured_model(meta)
@@ -140,7 +147,12 @@ def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettin
     pipe.delete(keys.batch_input(batch_id))  # parsed; the requests hash replaces it
     store.expire_pipe(pipe, batch_id, bs.running_ttl_s)
     pipe.execute()
-    if valid == 0:
+    return validated(r, batch_id, valid > 0)
+
+
+def validated(r: redis.Redis, batch_id: str, any_valid: bool) -> str:
+    """Move a parsed batch on: to in_progress, or (no valid line) to finalizing as failed."""
+    if not any_valid:
         r.hset(keys.batch(batch_id), mapping={"end_status": store.FAILED})
         return store.move(r, batch_id, store.FINALIZING, store.VALIDATING) or store.FAILED
     return store.move(r, batch_id, store.IN_PROGRESS, store.VALIDATING) or store.FAILED
@@ -150,8 +162,40 @@ def finish(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings
     total = int(meta.get("total", 0) or 0)
     finalize.finalize(r, batch_id, total, bs.ttl_s)
     end = meta.get("end_status") or store.COMPLETED
+    if end not in store.TERMINAL:  # damaged: a status that is not an end would never end
+        end = store.FAILED
     r.hset(keys.batch(batch_id), mapping={"finished_ms": store.now_ms()})
     return store.move(r, batch_id, end, store.FINALIZING) or end
+
+
+def _request(saved: Any) -> dict[str, Any] | None:
+    """A line's validated request (validate); None if it is gone or damaged."""
+    try:
+        req = json.loads(saved)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(req, dict) or not isinstance(req.get("custom_id"), str):
+        return None
+    if req.get("kind") == "doc":
+        return req if isinstance(req.get("text"), str) else None
+    ok = req.get("kind") in ("chat", "completion") and isinstance(req.get("options"), dict)
+    return req if ok else None
+
+
+def _progress(saved: Any) -> dict[str, Any] | None:
+    """A line's saved progress (Driver._submit); None if there is none or it is damaged."""
+    try:
+        st = json.loads(saved) if saved is not None else None
+    except ValueError:
+        return None
+    ok = (
+        isinstance(st, dict)
+        and isinstance(st.get("level"), int)
+        and isinstance(st.get("jobs"), list)
+        and all(isinstance(j, str) for j in st["jobs"])
+        and all(isinstance(st.get(k), int) for k in ("p", "o"))
+    )
+    return st if ok else None
 
 
 class Driver:
@@ -182,11 +226,13 @@ class Driver:
             st = self.r.hmget(keys.batch_state(batch_id), active)
             rq = self.r.hmget(keys.batch_requests(batch_id), active)
             for i, s, q in zip(active, st, rq, strict=True):
-                self.reqs[i] = json.loads(q)
-                if s is not None:
-                    self.state[i] = json.loads(s)
-                elif self.problem is None:  # died between marking it active
-                    self._start([i])  # and saving its jobs
+                if not self._load(i, q):
+                    continue
+                saved = _progress(s)
+                if saved is not None:
+                    self.state[i] = saved
+                elif self.problem is None:  # died between marking it active and saving its
+                    self._start([i])  # jobs (or they are damaged): the same keys, same jobs
                 else:
                     self.unstarted.append(i)
 
@@ -274,8 +320,7 @@ class Driver:
         start = []
         for i, q, d in zip(idx, reqs, done, strict=True):
             # else invalid (already an error line), done, or started already
-            if q is not None and d is None and i not in self.state:
-                self.reqs[i] = json.loads(q)
+            if q is not None and d is None and i not in self.state and self._load(i, q):
                 start.append(i)
         self.next = idx[-1] + 1
         self._start(start)
@@ -406,8 +451,24 @@ class Driver:
         if level > plan.MAX_LEVELS:
             self._error(i, "reduce_failed", f"no single result after {plan.MAX_LEVELS} levels", use)
             return None
-        prompts = self._split(plan.combine([x.text or "" for x in recs]), level)
+        try:  # the reduce template may leave less room than the map's
+            prompts = self._split(plan.combine([x.text or "" for x in recs]), level)
+        except ValueError as e:
+            self._error(i, "context_too_small", str(e), use)
+            return None
         return (level, [{"prompt": p, **self._sampling()} for p in prompts]), use
+
+    def _load(self, i: int, saved: Any) -> bool:
+        """Keep line i's saved request; False, and its error line, if it is gone or damaged
+        (rather than a crash of every pass)."""
+        req = _request(saved)
+        if req is not None:
+            self.reqs[i] = req
+            return True
+        message = f"line {i + 1}: its validated request is missing or damaged in Redis"
+        line = finalize.error_line(self.id, i, None, "damaged_record", message)
+        self._record(i, line, False, (0, 0))
+        return False
 
     def _error(self, i: int, code: str, message: str, usage: tuple[int, int]) -> None:
         line = finalize.error_line(self.id, i, self.reqs[i]["custom_id"], code, message)
@@ -439,8 +500,7 @@ class Driver:
             part = rest[start : start + 5000]
             reqs = self.r.hmget(keys.batch_requests(self.id), part)
             for i, q in zip(part, reqs, strict=True):
-                if q is not None:
-                    self.reqs[i] = json.loads(q)
+                if q is not None and self._load(i, q):
                     self._error(i, code, message, (0, 0))
         self.r.hset(keys.batch(self.id), mapping={"end_status": end_status, "next": self.total})
         moved = store.move(self.r, self.id, store.FINALIZING, store.CANCELLING, store.IN_PROGRESS)

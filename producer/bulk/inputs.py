@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from broker_config import protocol
 from broker_config.text import valid_text
 
 CHAT = "/v1/chat/completions"
@@ -55,7 +56,7 @@ def parse_line(
     where = f"line {number}"
     try:
         obj = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise LineError("invalid_json", f"{where}: not valid JSON ({e})") from None
     given = (
         obj.get("custom_id", obj.get("id") if documents else None)
@@ -147,6 +148,10 @@ def _openai(
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise bad("invalid_body", "stop must be a string or a list of strings")
         options["stop"] = stops
+    try:  # as the driver sends it: msgpack holds no integer beyond 64 bits
+        protocol.encode_body(options)
+    except (OverflowError, ValueError) as e:
+        raise bad("invalid_body", f"a value cannot be sent: {e}") from None
     kind = "chat" if url == CHAT else "completion"
     return {"custom_id": cid, "kind": kind, "options": options, "model": body.get("model")}
 

@@ -120,9 +120,9 @@ def unfinished(r: redis.Redis) -> list[str]:
     for b in ids:
         pipe.hget(keys.batch(b), "status")
     out = []
-    for b, st in zip(ids, pipe.execute(), strict=True):
-        if st is None:
-            r.zrem(keys.BATCHES, b)  # its keys expired
+    for b, st in zip(ids, pipe.execute(raise_on_error=False), strict=True):
+        if st is None or isinstance(st, redis.ResponseError):
+            r.zrem(keys.BATCHES, b)  # its keys expired (or its record is not a hash)
         elif text(st) not in TERMINAL:
             out.append(b)
     return out

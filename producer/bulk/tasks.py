@@ -16,6 +16,7 @@ import functools
 import logging
 from typing import Any
 
+import redis
 from celery import signals
 
 from broker_config import keys
@@ -78,7 +79,7 @@ def maintain() -> dict[str, Any]:
     kicked, expired = [], []
     for batch_id in store.unfinished(r):
         meta = store.get(r, batch_id)
-        created = int(meta.get("created_ms", now) or now)
+        created = _ms(meta, "created_ms", now)
         if now - created > bs.completion_window_s * 1000 and meta.get("status") in (
             store.VALIDATING,
             store.IN_PROGRESS,
@@ -89,9 +90,13 @@ def maintain() -> dict[str, Any]:
             pipe.execute()
             store.move(r, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS)
             expired.append(batch_id)
-        beat = int(meta.get("beat_ms", created) or created)
+        beat = _ms(meta, "beat_ms", created)
         if batch_id in expired or now - beat > bs.stale_s * 1000:
-            kick(client, batch_id)
+            try:
+                kick(client, batch_id)
+            except redis.ResponseError as e:  # e.g. a gen that is not a number
+                log.warning("batch %s not kicked, its record is damaged: %s", batch_id, e)
+                continue
             kicked.append(batch_id)
     # stranded entries are reclaimed by the live GPU workers themselves (XAUTOCLAIM); what
     # the dead ones leave behind is their name in the consumer group
@@ -105,6 +110,12 @@ def maintain() -> dict[str, Any]:
     }
 
 
+def _ms(meta: dict[str, str], name: str, default: int) -> int:
+    """A unix-ms field of a batch record; `default` when it is missing or damaged."""
+    v = meta.get(name, "")
+    return int(v) if v.isascii() and v.isdigit() else default
+
+
 @signals.worker_ready.connect
 def _resume(**_: Any) -> None:
     """A (re)started Celery worker picks up every unfinished batch at once, rather than
@@ -112,4 +123,7 @@ def _resume(**_: Any) -> None:
     client = _client()
     for batch_id in store.unfinished(client.redis):
         log.info("resuming batch %s", batch_id)
-        kick(client, batch_id)
+        try:
+            kick(client, batch_id)
+        except redis.ResponseError as e:
+            log.warning("batch %s not resumed, its record is damaged: %s", batch_id, e)

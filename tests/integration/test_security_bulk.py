@@ -47,9 +47,9 @@ def docs(n: int) -> list[str]:
     return [json.dumps({"id": f"doc-{i}", "text": f"the river stone {i}"}) for i in range(n)]
 
 
-def run_steps(client: Client, batch_id: str, until: frozenset[str], bs=BS) -> str:
+def run_steps(client: Client, batch_id: str, until: frozenset[str], bs=BS, n: int = 20) -> str:
     status = ""
-    for _ in range(20):
+    for _ in range(n):
         status = drive.step(client, batch_id, bs)
         if status in until:
             return status

@@ -5,12 +5,15 @@ tests/integration/test_gateway_batches.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import fakeredis
 import pytest
+from starlette.datastructures import UploadFile
 
 from gateway import batches
 from gateway.openai import BadRequest
@@ -139,3 +142,27 @@ def test_lines_naming_the_other_endpoint():
         line(COMPLETIONS, cid="y" * 5000),
     ):
         assert check(other, 1, CHAT, 4096) is None
+
+
+def test_line_ends_are_counted_as_the_batch_reads_them(monkeypatch):
+    # a lone \r ends a line too (universal newlines): it may not slip past MAX_FILE_LINES
+    monkeypatch.setattr(batches, "MAX_FILE_LINES", 4)
+    monkeypatch.setattr(batches, "CHUNK", 3)  # so a \r\n is cut between two reads
+    api = batches.Batches.__new__(batches.Batches)
+    api.gw = SimpleNamespace(client=SimpleNamespace(redis=fakeredis.FakeAsyncRedis()))
+
+    def lines(data: bytes) -> str:
+        try:
+            asyncio.run(api._store("file-x", UploadFile(io.BytesIO(data))))
+        except BadRequest as e:
+            return e.code
+        return "ok"
+
+    for sep in (b"\n", b"\r", b"\r\n"):
+        assert lines(b"{}" + sep + b"{}" + sep + b"{}" + sep + b"{}") == "ok"
+        assert lines(b"{}" + sep + b"{}" + sep + b"{}" + sep + b"{}" + sep) == "ok"
+        assert lines(b"{}" + sep + b"{}" + sep + b"{}" + sep + b"{}" + sep + b"{}") == (
+            "too_many_lines"
+        )
+    assert lines(b"{}\r" * 5) == "too_many_lines"
+    assert lines(b"{}\r\r\n\r" * 2) == "too_many_lines"  # 6 line ends, 4 of them blank
