@@ -489,14 +489,18 @@ class Lease:
     def __init__(self, r: redis.asyncio.Redis, key: Key | None, job_id: str) -> None:
         self.r, self.key, self.job_id = r, key, job_id
         self.streaming = False
+        self.held = False  # whether it may hold a concurrency slot, for `close` to release
         self.renewing: asyncio.Task | None = None
 
     async def admit(self, tokens_: int) -> Response | None:
         """None when admitted; else the 429 to answer."""
         if self.key is None or not self.key.limited:
             return None
+        # from the call on: an error may come after the script took the slot
+        self.held = bool(self.key.concurrent)
         verdict = await auth.admit(self.r, self.key, tokens_, self.job_id)
         if not verdict.admitted:
+            self.held = False
             return error(
                 429,
                 verdict.message or f"over the key's {verdict.limit} limit",
@@ -519,10 +523,12 @@ class Lease:
                 log.warning("could not renew a concurrency slot; trying again")
 
     async def close(self) -> None:
-        if self.renewing is None:
+        if self.renewing is not None:
+            self.renewing.cancel()
+            self.renewing = None
+        if not self.held:
             return
-        self.renewing.cancel()
-        self.renewing = None
+        self.held = False
         assert self.key is not None
         try:
             await auth.release(self.r, self.key, self.job_id)

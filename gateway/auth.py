@@ -355,27 +355,38 @@ def _as_text(v: Any) -> str | None:
 
 async def authenticate(r: redis.asyncio.Redis, secret: str | None) -> Key | None:
     """The key whose secret this is, or None (unknown, revoked or damaged: a 401). One
-    HGETALL; the secret itself is never logged."""
+    round trip: its record, and its entry in the index (a record the index does not name
+    is no key: `plurai keys list` cannot show it nor `revoke` remove it). The secret itself
+    is never logged."""
     if not isinstance(secret, str) or _SECRET.fullmatch(secret) is None:
         return None
     h = hash_secret(secret)
+    kid = key_id(h)
+    pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.api_key(h))
+    pipe.hget(keys.API_KEYS, kid)
     try:
-        raw = await r.hgetall(keys.api_key(h))
-    except redis.ResponseError as e:
-        if not str(e).startswith("WRONGTYPE"):
-            raise
-        log.warning("API key %s: its record is not a hash; treated as unknown", key_id(h))
-        return None
+        raw, listed = await pipe.execute(raise_on_error=False)
     except UnicodeDecodeError:  # a connection that decodes replies, and a record that is not UTF-8
-        log.warning("API key %s: its record is not UTF-8; treated as unknown", key_id(h))
+        log.warning("API key %s: its record or index entry is not UTF-8; treated as unknown", kid)
+        return None
+    for reply in (raw, listed):
+        if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):
+            raise reply
+    if isinstance(raw, Exception):
+        log.warning("API key %s: its record is not a hash; treated as unknown", kid)
         return None
     if not raw:
         return None
     try:
-        return parse_record(h, raw)
+        key = parse_record(h, raw)
     except BadRecord as e:
-        log.warning("API key %s: damaged record (%s); treated as unknown", key_id(h), e)
+        log.warning("API key %s: damaged record (%s); treated as unknown", kid, e)
         return None
+    if _as_text(listed) != h:  # its entry missing or damaged, or the index not a hash
+        log.warning("API key %s: not in the key index; treated as unknown", kid)
+        return None
+    return key
 
 
 def lane_for(key: Key | None, requested: str | None, settings: Settings) -> str:

@@ -74,7 +74,8 @@ def _as_dict(key: auth.Key) -> dict[str, object]:
 
 
 def _create(r: redis.Redis, args: argparse.Namespace) -> int:
-    lanes = [x.strip() for x in args.lanes.split(",") if x.strip()] if args.lanes else None
+    # an empty --lanes is refused (no lanes), never read as "every lane"
+    lanes = None if args.lanes is None else [x.strip() for x in args.lanes.split(",") if x.strip()]
     secret, key = auth.create_key(
         r,
         args.tenant,

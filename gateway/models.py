@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio
+from redis.client import NEVER_DECODE
 
 from broker_config import keys
-from broker_config.text import text
 
 REFRESH_S = 1.0
 _COUNT = re.compile(r"[0-9]{1,15}")
+_FIELDS = ("model", "model_id", "max_model_len", "state", "beat_ms", "served_model")
 
 
 @dataclass
@@ -35,23 +36,20 @@ class Models:
     async def live(self) -> list[Model]:
         if time.monotonic() - self.at < REFRESH_S:
             return self.cached
-        ids = [text(w) for w in await self.r.smembers(keys.WORKERS)]
+        # read undecoded: a heartbeat that is not UTF-8 is skipped, not a failed reply
+        found = await self.r.execute_command("SMEMBERS", keys.WORKERS, **{NEVER_DECODE: []})
+        ids = [w for w in map(_utf8, found) if w is not None]
         pipe = self.r.pipeline(transaction=False)
         for w in ids:
-            pipe.hmget(
-                keys.worker(w),
-                "model",
-                "model_id",
-                "max_model_len",
-                "state",
-                "beat_ms",
-                "served_model",
-            )
+            pipe.execute_command("HMGET", keys.worker(w), *_FIELDS, **{NEVER_DECODE: []})
         by_id: dict[str, Model] = {}
         for reply in await pipe.execute(raise_on_error=False):
             if not isinstance(reply, list):
                 continue  # a key of another type: not a worker's
-            model, model_id, max_len, state, beat, served = (text(v) if v else "" for v in reply)
+            fields = [_utf8(v) if v else "" for v in reply]
+            if None in fields:
+                continue  # not UTF-8: not a worker's
+            model, model_id, max_len, state, beat, served = fields
             if not model or state != "serving" or not served:
                 continue  # expired, or stopping
             names = set(model.split(","))
@@ -77,3 +75,12 @@ def _count(v: str) -> int:
     """A heartbeat's count field; 0 when it is not one (str.isdigit takes '²', which int
     refuses)."""
     return int(v) if _COUNT.fullmatch(v) else 0
+
+
+def _utf8(v: bytes | str) -> str | None:
+    if isinstance(v, str):
+        return v
+    try:
+        return v.decode("utf-8")
+    except UnicodeDecodeError:
+        return None

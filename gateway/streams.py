@@ -35,6 +35,7 @@ class Follow:
     """A followed token stream: its position and the events read but not yet taken."""
 
     def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
         self.reader = tokens.Reader(job_id)
         self.queue: asyncio.Queue[list[tokens.Event] | BaseException] = asyncio.Queue()
         self.done = False  # its end (or an error) is delivered: no need to read it again
@@ -111,7 +112,7 @@ class Streams:
                 self.blocked, self.woken = True, False
                 try:
                     async with asyncio.timeout(READ_TIMEOUT_S):
-                        reply = await self.r.xread(request, count=256, block=BLOCK_MS)
+                        reply = await self._read(request)
                 finally:
                     self.blocked = False
                 self._deliver(reply)
@@ -128,6 +129,28 @@ class Streams:
                         f.done = True
                         f.queue.put_nowait(e)
                 await asyncio.sleep(0.2)
+
+    async def _read(self, request: dict[Any, Any]) -> Any:
+        """The XREAD of every followed stream. A stream that cannot be read (its key of
+        another type, or an entry that is not UTF-8 on a connection that decodes) fails the
+        whole XREAD: then each stream is read on its own, and only those fail."""
+        try:
+            return await self.r.xread(request, count=256, block=BLOCK_MS)
+        except (redis.ResponseError, UnicodeDecodeError) as e:
+            if not _unreadable(e):
+                raise
+        reply: list[tuple[Any, list[Any]]] = []
+        for key, last in request.items():
+            try:
+                reply += tokens.stream_items(await self.r.xread({key: last}, count=256))
+            except (redis.ResponseError, UnicodeDecodeError) as e:
+                f = self.followed.get(key)
+                if f is None or not _unreadable(e):
+                    raise
+                log.warning("token stream %s: unreadable (%s)", key, e)
+                f.done = True
+                f.queue.put_nowait(records.damaged(e, f.job_id, "token stream"))
+        return reply
 
     def _deliver(self, reply: Any) -> None:
         for stream, entries in tokens.stream_items(reply):
@@ -151,3 +174,8 @@ class Streams:
                 continue
             if batch:
                 f.queue.put_nowait(batch)
+
+
+def _unreadable(e: Exception) -> bool:
+    """Whether a read failed on what a stream holds (records.damaged), not on Redis."""
+    return records.damaged(e, "", "") is not e

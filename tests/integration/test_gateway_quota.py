@@ -370,3 +370,12 @@ def test_cli_and_no_secret_anywhere(url, capsys, caplog):
 def test_cli_reports_an_unreachable_redis(capsys):
     code, out, err = cli("redis://:hunter2@127.0.0.1:1/0", "list", capsys=capsys)
     assert code == 1 and "Redis error" in err and "hunter2" not in err
+
+
+def test_cli_empty_lanes_are_refused_not_all_lanes(url, capsys):
+    """`--lanes "$LANES"` with LANES unset must not make a key of every lane."""
+    for lanes in ("", " , "):
+        code, out, err = cli(url, "create", "--tenant", "acme", "--lanes", lanes, capsys=capsys)
+        assert code == 2 and "lanes" in err and out == ""
+    with redis.Redis.from_url(url) as r:
+        assert not auth.any_keys(r)

@@ -263,3 +263,20 @@ def test_admit_checks_arguments_and_skips_redis_without_limits():
 def test_verdict_retry_after_header():
     assert auth.Verdict(False, "rpm", 0.001).retry_after == 1
     assert auth.Verdict(False, "rpm", 5.2).retry_after == 6
+
+
+def test_a_key_not_in_the_index_is_refused(r, server):
+    """The index is what `plurai keys list` shows and `revoke` removes: a record whose
+    index entry is damaged or gone is no key (listed as refused, revoked for good)."""
+    s1, k1 = auth.create_key(r, "acme", settings=SETTINGS)
+    s2, k2 = auth.create_key(r, "globex", settings=SETTINGS)
+    r.hset(keys.API_KEYS, k1.id, "not-a-hash")
+    assert auth.list_keys(r)[1] == [k1.id]
+    r.hdel(keys.API_KEYS, k2.id)  # unlisted: no one can see or revoke it
+    for decode in (False, True):
+        assert authenticate(server, s1, decode) is None
+        assert authenticate(server, s2, decode) is None
+    assert auth.revoke(r, k1.id)
+    assert authenticate(server, s1) is None
+    r.hset(keys.API_KEYS, k2.id, auth.hash_secret(s2))
+    assert authenticate(server, s2) == k2

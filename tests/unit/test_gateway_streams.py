@@ -17,7 +17,7 @@ import redis.asyncio
 
 from broker_config import keys
 from gateway import app, streams
-from results import tokens
+from results import records, tokens
 
 
 def run(coro, timeout: float = 20):
@@ -221,5 +221,37 @@ def test_entries_read_together_come_as_one_batch(redis_url) -> None:
         finally:
             await s.close()
             await r.aclose()
+
+    run(go())
+
+
+def test_a_stream_that_cannot_be_read_fails_only_itself(redis_url) -> None:
+    """The gateway's connection decodes replies: bytes that are not UTF-8 in one stream's
+    entry, or a stream key of another type, fail that stream (BadRecord), not every stream
+    read with it."""
+
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        raw = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        try:
+            good, good_first = await started(s, "job-good")
+            bad, bad_first = await started(s, "job-not-utf8")
+            await raw.set(keys.output("job-wrong-type"), "x")
+            wrong, wrong_first = await started(s, "job-wrong-type")
+            pipe = raw.pipeline(transaction=True)  # one XREAD reads both
+            pipe.xadd(keys.output("job-not-utf8"), {"type": "delta", "text": b"\xff\xfe"})
+            pipe.xadd(keys.output("job-good"), {"type": tokens.END, "state": "completed"})
+            await pipe.execute()
+            for first in (bad_first, wrong_first):
+                with pytest.raises(records.BadRecord):
+                    await asyncio.wait_for(first, 2)
+            assert (await asyncio.wait_for(good_first, 2))[0].type == tokens.END
+            await good.aclose()
+            assert not s.followed
+        finally:
+            await s.close()
+            await r.aclose()
+            await raw.aclose()
 
     run(go())
