@@ -120,6 +120,83 @@ async def direct(url: str, a: argparse.Namespace) -> tuple[float, list[float]]:
         return time.perf_counter() - t, ttfts
 
 
+async def _instant(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """An HTTP/1.1 server that answers every POST at once with a two-chunk SSE completion
+    stream, as the gateway's shape: what a client library costs with no server work."""
+    chunk = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m"}
+    first = dict(
+        chunk, choices=[{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]
+    )
+    last = dict(
+        chunk, choices=[{"index": 0, "text": "b", "logprobs": None, "finish_reason": "length"}]
+    )
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+
+    def part(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    one = part(b"data: " + json.dumps(first).encode() + b"\n\n")
+    end = part(b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n") + b"0\r\n\r\n"
+    try:
+        while True:
+            data = await reader.readuntil(b"\r\n\r\n")
+            size = next(
+                int(line.split(b":")[1])
+                for line in data.lower().split(b"\r\n")
+                if line.startswith(b"content-length:")
+            )
+            await reader.readexactly(size)
+            writer.write(head + one)
+            await writer.drain()
+            writer.write(end)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
+def _serve_instant(port: int) -> None:
+    async def serve() -> None:
+        server = await asyncio.start_server(_instant, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
+
+
+def client_floor(model: str, a: argparse.Namespace) -> dict[str, float]:
+    """TTFT p50 (ms) of the openai client and a bare httpx client, one request at a time,
+    against a server that answers at once: the part of the gateway path's TTFT that is the
+    client library's own, which no gateway can take away."""
+    import multiprocessing
+
+    port = free_port()
+    server = multiprocessing.get_context("fork").Process(target=_serve_instant, args=(port,))
+    server.start()
+    try:
+        import httpx
+
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                httpx.post(base + "/v1/completions", json={}, timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("the instant server did not start")
+        one = argparse.Namespace(**{**vars(a), "jobs": a.unloaded, "clients": 1})
+        out = {"openai": [], "http": []}
+        for _ in range(a.rounds):
+            out["openai"] += asyncio.run(through_gateway(base, model, one))[1]
+            out["http"] += asyncio.run(raw_http(base, model, one))[1]
+        return {k: 1000 * statistics.median(v) for k, v in out.items()}
+    finally:
+        server.terminate()
+        server.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
@@ -206,6 +283,11 @@ def main() -> None:
             f"TTFT p50 {res[name]['ttft_p50_ms']:.2f} ms p99 {res[name]['ttft_p99_ms']:.2f} ms"
         )
     idle_ms = {k: 1000 * statistics.median(v) for k, v in idle.items()}
+    floor = client_floor(model, a)
+    print(
+        f"client libraries alone (a server that answers at once): TTFT p50 openai "
+        f"{floor['openai']:.2f} ms, bare httpx {floor['http']:.2f} ms"
+    )
     print(
         f"one client: TTFT p50 gateway {idle_ms['gateway']:.2f} ms (bare HTTP client "
         f"{idle_ms['http']:.2f} ms), direct {idle_ms['direct']:.2f} ms "
@@ -239,6 +321,8 @@ def main() -> None:
         "added_ttft_p50_ms": round(idle_ms["gateway"] - idle_ms["direct"], 2),
         "unloaded_bare_http_ttft_p50_ms": round(idle_ms["http"], 2),
         "added_ttft_p50_ms_bare_http": round(idle_ms["http"] - idle_ms["direct"], 2),
+        "instant_server_ttft_p50_ms_openai": round(floor["openai"], 2),
+        "instant_server_ttft_p50_ms_bare_http": round(floor["http"], 2),
         "gateway_cpu_ms_per_request": round(cpu_ms, 3),
         "gateway_requests_per_s_per_process": round(1000 / cpu_ms),
         "openai_client_cpu_ms_per_job": round(client_ms["gateway"], 3),
