@@ -47,6 +47,7 @@ log = logging.getLogger("plurai.gateway")
 SSE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
 BAD_RECORD = "the job's token stream or record in Redis is damaged"
+FINAL_POLL_S = 1.0  # how often a background job's record is read for its end
 T = TypeVar("T")
 
 
@@ -260,14 +261,14 @@ class Gateway:
                 return error(503, str(e), "not_replicated", retry_after=1)
             if job.stream:
                 return await self.stream(request, job, job_id, lease, job_id == sub.job_id)
-            return await self.whole(request, job, job_id)
+            return await self.whole(request, job, job_id, lease)
         except redis.RedisError:
             return unavailable()
         finally:
-            if not lease.streaming:
+            if not lease.passed:
                 await lease.close()
 
-    async def whole(self, request: Request, job: Job, job_id: str) -> Response:
+    async def whole(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
         """Wait for the job's result; a client that leaves first cancels it (unless the
         request asked for `background`)."""
         assert self.client is not None
@@ -276,15 +277,18 @@ class Gateway:
                 request, wait.wait_many_async(self.client.redis, [job_id], None)
             )
         except _Gone:
-            return self._left(job, job_id)
+            return self._left(job, job_id, lease)
         except DAMAGED as e:  # a damaged record
             return self._damaged(job, job_id, e)
         return self.answer(job, rec)
 
-    def _left(self, job: Job, job_id: str) -> Response:
-        """The client left before its answer: cancel the job unless it runs in the
-        background."""
-        if not job.background:
+    def _left(self, job: Job, job_id: str, lease: Lease) -> Response:
+        """The client left before its answer: cancel the job, unless it runs in the
+        background, when its concurrency slot stays taken until it ends."""
+        if job.background:
+            lease.passed = True
+            self._later(lease.close_when_final())
+        else:
             self._cancel_later(job_id)
         return Response(status_code=499)  # nobody reads it
 
@@ -322,7 +326,7 @@ class Gateway:
                     return self.answer(job, rec)
         except _Gone:
             await batches.aclose()
-            return self._left(job, job_id)
+            return self._left(job, job_id, lease)
         except DAMAGED as e:  # a damaged entry (streams.py) or record
             await batches.aclose()
             return self._damaged(job, job_id, e)
@@ -335,11 +339,15 @@ class Gateway:
         async def close(complete: bool) -> None:
             await body.aclose()
             await batches.aclose()  # when the body never started
-            if not complete and not job.background:  # the client left mid-stream
+            if complete:
+                self._later(lease.close())
+            elif job.background:  # the client left; the job runs on, holding its slot
+                self._later(lease.close_when_final())
+            else:  # the client left mid-stream
                 self._cancel_later(job_id)
-            self._later(lease.close())
+                self._later(lease.close())
 
-        lease.streaming = True  # the stream closes it when it ends
+        lease.passed = True  # the stream closes it when it ends
         return _EventStream(body, close)
 
     async def _sse(
@@ -488,7 +496,7 @@ class Lease:
 
     def __init__(self, r: redis.asyncio.Redis, key: Key | None, job_id: str) -> None:
         self.r, self.key, self.job_id = r, key, job_id
-        self.streaming = False
+        self.passed = False  # its close is up to a stream or a background task
         self.held = False  # whether it may hold a concurrency slot, for `close` to release
         self.renewing: asyncio.Task | None = None
 
@@ -521,6 +529,20 @@ class Lease:
                 await auth.renew(self.r, self.key, self.job_id)
             except redis.RedisError:  # a blip: the lease outlasts two more tries
                 log.warning("could not renew a concurrency slot; trying again")
+
+    async def close_when_final(self) -> None:
+        """Close once the job has ended: for a `background` job whose client left, so that
+        running jobs count against the key's limit whether anyone reads them or not."""
+        try:
+            while self.held:
+                state, final = await self.r.hmget(keys.job(self.job_id), "state", "final")
+                if state is None or final is not None:  # ended (or its record expired)
+                    break
+                await asyncio.sleep(FINAL_POLL_S)
+        except redis.RedisError:
+            pass  # released below if Redis takes it; else the slot's lease runs out
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         if self.renewing is not None:

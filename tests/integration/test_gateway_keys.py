@@ -137,3 +137,52 @@ def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
             time.sleep(0.05)
     finally:
         g.stop()
+
+
+def test_a_background_job_whose_client_left_keeps_its_slot_until_it_ends(
+    redis_url, tmp_path
+) -> None:
+    """`background: true`, and the client leaves: the job runs on (not cancelled) and
+    still counts against the key's concurrent limit, so leaving is no way around it; the
+    slot comes back once the job has ended. Streamed and not."""
+    r = redis.Redis.from_url(redis_url)
+    r.sadd(keys.WORKERS, "w-idle")
+    r.hset(
+        keys.worker("w-idle"), mapping={"model": "idle", "served_model": "idle", "state": "serving"}
+    )
+    secret, key = auth.create_key(r, "acme", concurrent=1)
+    running = keys.quota_running(key.id)
+    g = Gateway(redis_url, tmp_path / "gateway.log")
+    try:
+        for stream in (True, False):
+            body = {"model": "idle", "prompt": "hi", "max_tokens": 2, "background": True}
+            raw = json.dumps({**body, "stream": stream})
+            s = socket.create_connection(("127.0.0.1", g.port))
+            s.sendall(
+                (
+                    f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: Bearer {secret}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(raw)}\r\n\r\n{raw}"
+                ).encode()
+            )
+            give_up = time.monotonic() + 30
+            while not r.zcard(running):  # admitted: the job is queued, holding the slot
+                assert time.monotonic() < give_up
+                time.sleep(0.05)
+            (job_id,) = (m.decode() for m in r.zrange(running, 0, -1))
+            time.sleep(0.3)
+            s.close()
+            time.sleep(1.5)  # the gateway has seen the client leave
+            assert records.get(r, job_id).state == records.QUEUED  # not cancelled
+            assert r.zcard(running) == 1
+            refused = ask(g, "idle", secret)
+            assert refused.status_code == 429
+            assert refused.json()["error"]["param"] == "concurrent"
+            # the job ends (as its worker would write it): the slot comes back
+            r.hset(keys.job(job_id), mapping={"state": "completed", "final": "1", "text": "x"})
+            give_up = time.monotonic() + 10
+            while r.zcard(running):
+                assert time.monotonic() < give_up, "the slot is still held"
+                time.sleep(0.05)
+    finally:
+        g.stop()
