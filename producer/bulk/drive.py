@@ -205,6 +205,7 @@ class Driver:
 
     def __init__(self, client: Client, batch_id: str, meta: dict[str, str], bs: BulkSettings):
         self.client, self.r, self.id, self.bs = client, client.redis, batch_id, bs
+        self.end = time.monotonic() + bs.pass_s  # when this pass hands over to the next
         self.total = int(meta.get("total", 0) or 0)
         self.next = int(meta.get("next", 0) or 0)
         self.model_dir, self.problem = configured_model(meta)
@@ -221,7 +222,7 @@ class Driver:
         self.finished: set[str] = set()
         self.pubsub: Any = None
         self.reqs: dict[int, dict[str, Any]] = {}
-        self.unstarted: list[int] = []  # active lines with no jobs, when the batch must stop
+        self.unstarted: list[int] = []  # active lines with no jobs (queued by a later pass)
         if active:
             st = self.r.hmget(keys.batch_state(batch_id), active)
             rq = self.r.hmget(keys.batch_requests(batch_id), active)
@@ -237,7 +238,7 @@ class Driver:
                     self.unstarted.append(i)
 
     def run(self) -> str:
-        end = time.monotonic() + self.bs.pass_s
+        end = self.end
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         try:
             if self.problem is not None:  # PLURAI_MODEL_DIR changed since it was validated
@@ -260,7 +261,7 @@ class Driver:
                     self._look(self._in_flight())
                     next_look = now + self.bs.look_s
                 busy = self._fill() + self._gather()
-                if not self.state and self.next >= self.total:
+                if not self.state and not self.unstarted and self.next >= self.total:
                     return store.move(self.r, self.id, store.FINALIZING, store.IN_PROGRESS) or ""
                 if time.monotonic() >= end:
                     return status
@@ -369,6 +370,9 @@ class Driver:
                 jobs = self.client.submit_many([o for _, o in order])
                 break
             except QueueFull as e:  # the lane is full: wait, then submit again (same keys)
+                if time.monotonic() + e.retry_after >= self.end:
+                    self._defer(plans)  # within this pass, which must end (cancel, heartbeat)
+                    return
                 time.sleep(e.retry_after)
         by_line: dict[int, list[str]] = {}
         for (i, _), job in zip(order, jobs, strict=True):
@@ -384,6 +388,17 @@ class Driver:
         pipe.execute()
         if self.pubsub is not None:
             self._watch([job.id for job in jobs])
+
+    def _defer(self, plans: dict[int, tuple[int, list[dict[str, Any]]]]) -> None:
+        """Leave these lines' requests to the next pass: a new line is marked active with
+        no progress saved (the next pass starts it, as after a driver that died there); a
+        line further on keeps the progress of its last level, whose jobs the next pass
+        finds final and advances again. The idempotency keys make each submit count once."""
+        new = [i for i in plans if i not in self.state]
+        if new:
+            self.r.sadd(keys.batch_active(self.id), *new)
+            self.r.expire(keys.batch_active(self.id), self.bs.running_ttl_s)
+            self.unstarted += new  # not ended before they are: a stop gives them error lines
 
     # -- gathering -----------------------------------------------------------------
 

@@ -174,3 +174,25 @@ def test_damaged_saved_requests_and_progress_are_error_lines_not_crashes(client)
         "completed": 0,
         "failed": 5,
     }
+
+
+@pytest.mark.timeout(60)
+def test_a_full_lane_ends_the_pass_and_no_line_is_lost(redis_url, client, monkeypatch):
+    """The batch lane is full and nothing drains it: a pass waits for room only until its
+    time is up (it once waited forever, with no heartbeat and deaf to a cancel), leaves the
+    lines to the next pass, and a cancel then gives every line its error line."""
+    monkeypatch.setenv("PLURAI_MAX_QUEUED_PER_LANE", "2")
+    with Client(redis_url) as small:
+        batch_id = manage.create(small, [line(c) for c in "abcde"])
+        for _ in range(3):  # validation, then passes that find the lane full
+            assert drive.step(small, batch_id, BS) == store.IN_PROGRESS
+        active = {int(x) for x in small.redis.smembers(keys.batch_active(batch_id))}
+        assert active == set(range(5))  # every line waits for a pass, none is dropped
+    monkeypatch.delenv("PLURAI_MAX_QUEUED_PER_LANE")
+    with Client(redis_url) as roomy:  # room again: the next pass queues every line, once
+        assert drive.step(roomy, batch_id, BS) == store.IN_PROGRESS
+        assert roomy.redis.hlen(keys.batch_state(batch_id)) == 5
+        assert roomy.redis.xlen(keys.request_stream(drive.LANE)) == 5
+    manage.cancel(client, batch_id)
+    assert run_steps(client, batch_id, store.TERMINAL) == store.CANCELLED
+    assert sorted(errors(client, batch_id)) == [(c, "batch_cancelled") for c in "abcde"]
