@@ -75,6 +75,11 @@ def encode(
     return fields + mac + payload
 
 
+def size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The length of an encoded block of this shape and dtype, header included."""
+    return HEADER_SIZE + torch.empty(0, dtype=dtype).element_size() * math.prod(shape)
+
+
 def verify(data: bytes, secret: bytes) -> None:
     """Raise BadBlock unless `data` carries the MAC of `secret` over its header and
     payload (so it was written by a holder of the same secret, and not changed since)."""
@@ -114,9 +119,10 @@ def decode(
         )
     if dt >= len(DTYPES) or DTYPES[dt] != dtype:
         raise BadBlock(f"dtype index {dt}, expected {dtype}")
+    if len(data) != size(shape, dtype):
+        word = "truncated" if len(data) < size(shape, dtype) else "oversized"
+        raise BadBlock(f"{word} payload: {len(data)} bytes, expected {size(shape, dtype)}")
     payload = memoryview(data)[HEADER_SIZE:]
-    if len(payload) != torch.empty(0, dtype=dtype).element_size() * math.prod(shape):
-        raise BadBlock("truncated payload")
     if _checksum(payload) != checksum:
         raise BadBlock("checksum mismatch")
     if secret is not None:

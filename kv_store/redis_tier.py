@@ -42,6 +42,9 @@ class _Env(enum.Enum):
 
 
 FROM_ENV = _Env.SECRET  # RedisTier's default: the secret comes from the environment
+# what a Redis being down, full or gone raises; a Redis Cluster with no node left to reach
+# raises RedisClusterException, which is not a RedisError
+ERRORS = (redis.RedisError, redis.RedisClusterException)
 
 
 def secret_from_env() -> bytes | None:
@@ -95,18 +98,16 @@ class RedisTier:
             )
         self.down_until = time.monotonic() + self.retry_after_s
 
-    def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+    def get_many(self, hashes: list[bytes], size: int | None = None) -> list[bytes | None]:
         """The stored entries of `hashes` (None: missing). With a secret, only the leading
-        run of authentic entries: from the first missing or refused one on, all None."""
+        run of authentic entries: from the first missing or refused one on, all None.
+        `size`: what a valid entry measures; no more than one byte beyond it is read of
+        each entry, so a longer one comes back longer than `size` and never whole."""
         if not hashes or time.monotonic() < self.down_until:
             return [None] * len(hashes)
         try:
-            names = [self.key(h) for h in hashes]
-            # on a Redis Cluster the blocks spread over the slots by their hash: one MGET
-            # per slot (redis-py groups them by node)
-            get = self.r.mget_nonatomic if is_cluster(self.r) else self.r.mget
-            found: list[bytes | None] = list(get(names))
-        except redis.RedisError as e:
+            found = self._read([self.key(h) for h in hashes], size)
+        except ERRORS as e:
             self._failed(e)
             return [None] * len(hashes)
         if self.secret is None:
@@ -115,6 +116,25 @@ class RedisTier:
         for i, (h, data) in enumerate(zip(hashes, found, strict=True)):
             if data is None or not self._authentic(h, data):
                 return found[:i] + [None] * (len(found) - i)
+        return found
+
+    def _read(self, names: list[str], size: int | None) -> list[bytes | None]:
+        if size is None:
+            # on a Redis Cluster the blocks spread over the slots by their hash: one MGET
+            # per slot (redis-py groups them by node)
+            get = self.r.mget_nonatomic if is_cluster(self.r) else self.r.mget
+            return list(get(names))
+        # anyone who can write this Redis can store 512 MB under a block's key: read at
+        # most size + 1 bytes of each, in one round trip
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.getrange(name, 0, size)
+        found: list[bytes | None] = []
+        for value in pipe.execute(raise_on_error=False):
+            if isinstance(value, Exception) and not str(value).startswith("WRONGTYPE"):
+                raise value
+            # missing: b""; another Redis type: WRONGTYPE (MGET's nil for both)
+            found.append(value if isinstance(value, bytes) and value else None)
         return found
 
     def _authentic(self, h: bytes, data: bytes) -> bool:
@@ -152,7 +172,7 @@ class RedisTier:
                         data = block_format.encode(block, h, self.fp, self.secret)
                         pipe.set(self.key(h), data, ex=self.ttl_s)
                     pipe.execute()
-                except redis.RedisError as e:  # down, or full (OOM with noeviction)
+                except ERRORS as e:  # down, or full (OOM with noeviction)
                     self._failed(e)
                     self.dropped += len(items)
                 except Exception:  # a bug must not end the thread: flush() would hang

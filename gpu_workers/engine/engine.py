@@ -82,10 +82,12 @@ class Engine:
 
     def _tiers(self, kv_redis: redis.Redis | None) -> KVTiers | None:
         c = self.config
-        # a rank-0 block holds only rank 0's heads: tiers are for single-rank engines
+        # a rank-0 block holds only rank 0's heads (TP) or its stage's layers (PP): tiers
+        # are for single-rank engines
         if (
             not c.prefix_caching
             or c.tensor_parallel > 1
+            or c.pipeline_parallel > 1
             or (c.kv_host_bytes <= 0 and kv_redis is None)
         ):
             return None

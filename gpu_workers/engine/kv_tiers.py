@@ -50,6 +50,7 @@ class KVTiers:
         self.host = HostTier(host_bytes, on_evict=spill) if host_bytes > 0 else None
         c = kv_cache
         self.shape = (2, c.shape[1], c.shape[2], c.shape[4], c.shape[5])
+        self.size = block_format.size(self.shape, c.dtype)  # of an entry, so of a Redis read
         self.counters = TierCounters()
 
     def _copy(self, block_id: int) -> torch.Tensor:
@@ -87,7 +88,9 @@ class KVTiers:
             and self.remote is not None
             and (self.host is None or hashes[i] not in self.host)
         ):
-            for h, data in zip(hashes[i:], self.remote.get_many(hashes[i:]), strict=True):
+            for h, data in zip(
+                hashes[i:], self.remote.get_many(hashes[i:], self.size), strict=True
+            ):
                 if data is None or not self._take(h, data, out):
                     break
         return out, i

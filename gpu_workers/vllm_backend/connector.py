@@ -215,7 +215,7 @@ class Store:
         """The decoded blocks of the leading run of `hashes` that Redis holds intact, and
         how many entries were refused (at most one: the run ends there)."""
         refused = self.tier.refused
-        found = self.tier.get_many(hashes)
+        found = self.tier.get_many(hashes, block_format.size(self.shape, self.dtype))
         bad = self.tier.refused - refused
         blocks: list[torch.Tensor] = []
         for h, data in zip(hashes, found, strict=True):

@@ -81,3 +81,26 @@ def test_a_dead_rank_stops_the_engine(model_factory, engine_factory):
         assert time.monotonic() - start < 30
     finally:
         engine.close()
+
+
+def test_a_pipeline_group_never_takes_blocks_from_the_kv_tiers(model_factory, engine_factory):
+    """A prompt evicted from a small device cache (to the host tier of a single-rank
+    engine) and run again: in a PP2 group, rank 0's block holds only stage 0's layers, so
+    the group must recompute it, and give the same tokens both times."""
+    rng = random.Random(1)
+    a, b = ([rng.randrange(16, 2000) for _ in range(n)] for n in (100, 140))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine = engine_factory(
+        model_factory("llama"),
+        pipeline_parallel=2,
+        num_kv_blocks=10,
+        kv_host_bytes=1 << 30,
+        max_num_batched_tokens=256,
+    )
+    try:
+        first = engine.generate([a], params)[0].token_ids
+        engine.generate([b], params)  # evicts a's blocks
+        again = engine.generate([a], params)[0].token_ids
+    finally:
+        engine.close()
+    assert again == first
