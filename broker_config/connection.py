@@ -255,7 +255,8 @@ def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
     """A client of the URL's Redis; `options`: more of redis-py's connection settings
     (socket_timeout, retry, ...). A RedisCluster for a redis+cluster:// URL (see
     is_cluster); it connects to a node at once."""
-    options.setdefault("socket_keepalive", True)
+    if not _unix(url):  # a Unix socket connection takes no TCP options
+        options.setdefault("socket_keepalive", True)
     c = parse_cluster(url)
     if c is not None:
         nodes = [redis.cluster.ClusterNode(h, p) for h, p in c.hosts]
@@ -286,7 +287,13 @@ def connect_async(url: str, *, decode: bool = False) -> AsyncClient:
         return sentinel.master_for(
             s.service, decode_responses=decode, socket_keepalive=True, **s.master_kwargs
         )
+    if _unix(url):
+        return redis.asyncio.Redis.from_url(url, decode_responses=decode)
     return redis.asyncio.Redis.from_url(url, decode_responses=decode, socket_keepalive=True)
+
+
+def _unix(url: str) -> bool:
+    return url.partition("://")[0].lower() == "unix"
 
 
 def resolve_url(url: str | None = None, settings: Settings | None = None) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -37,6 +37,17 @@ def config_file() -> str | None:
     if path and not os.path.isfile(path):
         raise FileNotFoundError(f"{CONFIG_ENV}={path}: no such file")
     return path or None
+
+
+def explain(e: ValidationError) -> str:
+    """A settings error in one line, each bad setting named as its environment variable
+    (the PLURAI_CONFIG file's key is the part after the prefix, in lower case)."""
+    prefix = "PLURAI_BATCH_" if e.title == BulkSettings.__name__ else "PLURAI_"
+    parts = []
+    for err in e.errors():
+        name = prefix + "_".join(str(x) for x in err["loc"]).upper()
+        parts.append(f"{name}: {err['msg']}, got {str(err.get('input'))[:60]!r}")
+    return "bad setting: " + "; ".join(parts)
 
 
 def _toml_table(path: str, table: str) -> dict[str, Any]:
@@ -88,9 +99,10 @@ class Settings(_Sourced):
     default_lane: str = "standard"
     # Approximate MAXLEN of each request stream. Must exceed the largest backlog you expect:
     # trimming drops the oldest entries whether or not a worker has read them.
-    stream_maxlen: int = 1_000_000
+    stream_maxlen: int = Field(default=1_000_000, ge=1)
 
-    result_ttl_s: int = 24 * 3600  # job record, counted from completion
+    # TTLs: 0 would delete a key as it is written (a queued job would read as unknown)
+    result_ttl_s: int = Field(default=24 * 3600, ge=1)  # job record, counted from completion
     # A job's token stream: kept this long after the job ends (the record keeps the text),
     # and at most about this many entries (deltas after the last reset are never trimmed
     # while the job has fewer tokens than this).
@@ -108,8 +120,8 @@ class Settings(_Sourced):
     stream_flush_tokens: int = Field(default=16, ge=1)
     stream_flush_ms: int = Field(default=100, ge=0)
     dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead
-    queued_ttl_s: int = 7 * 24 * 3600  # job record while it waits in the queue
-    idempotency_ttl_s: int = 24 * 3600
+    queued_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)  # job record while it waits
+    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
 
     max_tokens_limit: int = (
         Limits.max_tokens

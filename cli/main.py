@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -27,8 +28,15 @@ def _client(args: argparse.Namespace) -> Any:
     return Client(args.url)
 
 
+def _json(option: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{option}: not JSON ({e}): {value[:60]!r}") from None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
-    from producer.errors import JobCancelled, JobFailed
+    from producer.errors import JobCancelled, JobFailed, JobRestarted, UnknownJob
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options: dict[str, Any] = {
@@ -40,14 +48,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "model": args.model,
     }
     if args.messages:
-        options["messages"] = json.loads(prompt)
+        options["messages"] = _json("--messages", prompt)
         prompt = None
     if args.metadata:
-        options["metadata"] = json.loads(args.metadata)
+        options["metadata"] = _json("--metadata", args.metadata)
     if args.param:
         for kv in args.param:
-            name, _, value = kv.partition("=")
-            options[name] = json.loads(value)
+            name, eq, value = kv.partition("=")
+            if not name or not eq:
+                raise ValueError(f"--param takes NAME=JSON, e.g. top_k=20; got {kv[:60]!r}")
+            options[name] = _json(f"--param {name}", value)
     with _client(args) as client:
         job = client.submit(prompt, **{k: v for k, v in options.items() if v is not None})
         print(job.id, file=sys.stderr if args.stream or args.wait is not None else sys.stdout)
@@ -59,7 +69,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n")
             elif args.wait is not None:
                 print(job.result(timeout=args.wait).text)
-        except (JobFailed, JobCancelled, TimeoutError) as e:
+        except (JobFailed, JobCancelled, JobRestarted, UnknownJob, TimeoutError) as e:
             print(f"plurai: {e}", file=sys.stderr)
             return 1
     return 0
@@ -78,14 +88,14 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from producer.errors import JobCancelled, JobFailed
+    from producer.errors import JobCancelled, JobFailed, JobRestarted, UnknownJob
 
     with _client(args) as client:
         try:
             for text in client.job(args.job_id).stream():
                 sys.stdout.write(text)
                 sys.stdout.flush()
-        except (JobFailed, JobCancelled) as e:
+        except (JobFailed, JobCancelled, JobRestarted, UnknownJob) as e:
             print(f"\nplurai: {e}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")
@@ -281,6 +291,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _wait_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plurai", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -301,12 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--param", action="append", metavar="NAME=JSON", help="any sampling field, e.g. top_k=20"
     )
     s.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    s.add_argument("--wait", type=float, metavar="SECONDS", help="wait for and print the result")
+    s.add_argument("--wait", type=_wait_s, metavar="SECONDS", help="wait for and print the result")
     s.set_defaults(func=cmd_submit)
 
     g = sub.add_parser("get", help="print a job record as JSON")
     g.add_argument("job_id")
-    g.add_argument("--wait", type=float, metavar="SECONDS", help="wait until the job ends")
+    g.add_argument("--wait", type=_wait_s, metavar="SECONDS", help="wait until the job ends")
     g.set_defaults(func=cmd_get)
 
     w = sub.add_parser("watch", help="stream a job's text")
@@ -353,9 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "make-model":
         return cmd_make_model(argv[1:])
     args = build_parser().parse_args(argv)
+    import pydantic
     import redis
 
     from broker_config.connection import redact
+    from broker_config.settings import explain
     from producer.bulk.manage import UnknownBatch
 
     try:
@@ -363,9 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     except UnknownBatch as e:
         print(f"plurai: {e.args[0]}", file=sys.stderr)
         return 1
-    except redis.RedisError as e:  # unreachable, wrong password, ...
+    # unreachable, wrong password, ...; no node of a cluster reachable
+    except (redis.RedisError, redis.RedisClusterException) as e:
         print(f"plurai: Redis error: {redact(str(e))}", file=sys.stderr)
         return 1
+    except pydantic.ValidationError as e:  # a PLURAI_* setting or the PLURAI_CONFIG file
+        print(f"plurai: {redact(explain(e))}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:  # PLURAI_CONFIG names no file
+        print(f"plurai: {redact(str(e))}", file=sys.stderr)
+        return 2
     except ValueError as e:  # no URL, unknown lane, bad JSON in an option
         print(f"plurai: {redact(str(e))}", file=sys.stderr)
         return 2

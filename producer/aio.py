@@ -23,7 +23,7 @@ from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.client import _CHUNK, cancel_call
-from producer.errors import QueueFull, check_replicas, final, submitted
+from producer.errors import QueueFull, accepting, check_replicas, final, submitted
 from producer.request import SCRIPTS, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
@@ -65,12 +65,13 @@ class AsyncClient:
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncJob]:
         """As Client.submit_many."""
+        routes = await self.fresh_routes()
+        subs = [prepare(self.settings, routes, **req) for req in requests]
         await jobs.load_async(self.redis, *SCRIPTS)
         out: list[AsyncJob] = []
-        routes = await self.fresh_routes()
-        for i in range(0, len(requests), _CHUNK):
-            subs = [prepare(self.settings, routes, **req) for req in requests[i : i + _CHUNK]]
-            out += await self.send(subs, out)
+        for i in range(0, len(subs), _CHUNK):
+            with accepting(out):
+                out += await self.send(subs[i : i + _CHUNK], out)
         return out
 
     async def fresh_routes(self) -> Routes:

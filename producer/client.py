@@ -21,7 +21,7 @@ from broker_config.connection import connect, is_cluster, resolve_url
 from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from broker_config.text import text
-from producer.errors import QueueFull, check_replicas, final, submitted
+from producer.errors import QueueFull, accepting, check_replicas, final, submitted
 from producer.request import SCRIPTS, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
@@ -70,19 +70,19 @@ class Client:
                 time.sleep(min(0.1, left))
 
     def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[Job]:
-        """Queue many jobs, pipelined: each dict holds submit's arguments. If a lane is full,
-        raises QueueFull after the chunk in flight; its `accepted` lists the jobs queued."""
+        """Queue many jobs, pipelined: each dict holds submit's arguments. Every request is
+        checked before any is queued. If a job is refused (QueueFull: its lane is full,
+        BadIdempotencyKey, an error reply), raises after the chunk in flight; if Redis fails,
+        at once. Either way the exception's `accepted` lists the jobs of the call that were
+        queued (after a connection error, the chunk in flight may have been queued too:
+        submit with idempotency keys to make a retry safe)."""
+        routes = self.fresh_routes()
+        subs = [prepare(self.settings, routes, **req) for req in requests]
         jobs.load(self.redis, *SCRIPTS)
         out: list[Job] = []
-        chunk: list[jobs.Submission] = []
-        routes = self.fresh_routes()
-        for req in requests:
-            chunk.append(prepare(self.settings, routes, **req))
-            if len(chunk) == _CHUNK:
-                out += self.send(chunk, out)
-                chunk = []
-        if chunk:
-            out += self.send(chunk, out)
+        for i in range(0, len(subs), _CHUNK):
+            with accepting(out):
+                out += self.send(subs[i : i + _CHUNK], out)
         return out
 
     def fresh_routes(self) -> Routes:

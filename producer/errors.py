@@ -3,7 +3,8 @@ and async clients) that raise them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from broker_config.protocol import valid_job_id
@@ -99,6 +100,19 @@ class BadIdempotencyKey(ValueError):
         )
         self.key = key
         self.owner = owner
+        self.accepted: list = []  # from submit_many: the jobs of the call that were queued
+
+
+@contextmanager
+def accepting(before: list[Any]) -> Iterator[None]:
+    """For submit_many: an exception that leaves without `accepted` (Redis failed) gets
+    the jobs queued before it, so that the caller knows them."""
+    try:
+        yield
+    except Exception as e:
+        if not isinstance(getattr(e, "accepted", None), list):
+            e.accepted = list(before)  # type: ignore[attr-defined]
+        raise
 
 
 def check_replicas(job_ids: list[str], acked: Any, wanted: int, timeout_ms: int) -> None:
@@ -129,9 +143,9 @@ def submitted(
 ) -> tuple[list[J], list[list[Any]], Exception | None]:
     """The jobs of a chunk of submissions, from their replies (QUEUED's then SUBMIT's for
     each, an error reply as its exception), the commands that delete the records written
-    for nothing, and the error to raise once those are sent: QueueFull if a lane was full,
-    its `accepted` holding `before` and the jobs queued, or any other error reply as it
-    is."""
+    for nothing, and the error to raise once those are sent: any error reply but
+    QUEUEFULL as it is, else QueueFull if a lane was full; its `accepted` holds `before`
+    and the jobs queued."""
     out: list[J] = []
     cleanup: list[list[Any]] = []
     full: QueueFull | None = None
@@ -153,9 +167,10 @@ def submitted(
         if lane_full is None:
             error = error or reply
         full = full or lane_full
-    if full is not None:
-        full.accepted = before + out
-    return out, cleanup, error or full
+    error = error or full
+    if error is not None:  # the jobs of the call queued all the same
+        error.accepted = before + out  # type: ignore[attr-defined]
+    return out, cleanup, error
 
 
 def final(rec: JobRecord, timeout: float | None) -> JobRecord:
@@ -179,6 +194,7 @@ __all__ = [
     "JobFailed",
     "JobRestarted",
     "QueueFull",
+    "accepting",
     "UnknownJob",
     "UnknownModel",
     "final",

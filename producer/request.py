@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -45,6 +46,15 @@ def response_format(model: type) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": schema()}}
 
 
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def prepare(
     settings: Settings,
     routes: Routes | None = None,
@@ -81,10 +91,42 @@ def prepare(
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     lane = settings.lane_or_default(lane)
-    if not isinstance(priority, int) or abs(priority) > protocol.MAX_PRIORITY:
+    if not _integer(priority) or abs(priority) > protocol.MAX_PRIORITY:
         raise ValueError(
             f"priority must be an integer from -{protocol.MAX_PRIORITY} to "
-            f"{protocol.MAX_PRIORITY}, got {priority!r}"
+            f"{protocol.MAX_PRIORITY}, got {_short(priority)}"
+        )
+    # the worker checks max_tokens against its limit; a value the wire cannot carry as an
+    # integer is refused here, before anything is queued
+    if not _integer(max_tokens) or not 1 <= max_tokens < protocol.INT64:
+        raise ValueError(f"max_tokens must be a positive integer, got {_short(max_tokens)}")
+    if deadline is not None and (
+        not isinstance(deadline, (int, float))
+        or isinstance(deadline, bool)
+        or not math.isfinite(deadline)
+        or not 0 <= deadline * 1000 < protocol.INT64
+    ):
+        raise ValueError(
+            "deadline must be a unix time in seconds (e.g. time.time() + 60), "
+            f"got {_short(deadline)}"
+        )
+    if idempotency_key is not None and (
+        not isinstance(idempotency_key, str) or not idempotency_key
+    ):
+        # an empty key would pick its shard by the job id: a repeat would queue again
+        raise ValueError(
+            f"idempotency_key must be a non-empty string, got {_short(idempotency_key)}"
+        )
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+    for name, flag in (("stream", stream), ("special_tokens", special_tokens)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {_short(flag)}")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {_short(cache_salt)}")
+    if content_type not in protocol.CONTENT_TYPES:
+        raise ValueError(
+            f"content_type must be one of {list(protocol.CONTENT_TYPES)}, got {_short(content_type)}"
         )
     body: dict[str, Any] = dict(sampling)
     if isinstance(body.get("response_format"), type):
