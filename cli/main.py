@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # no URL, unknown lane, bad JSON in an option
         print(f"plurai: {redact(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in watch or submit --stream: the job runs on
+        print("", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

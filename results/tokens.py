@@ -37,10 +37,16 @@ class Event:
 def parse(fields: dict[Any, Any]) -> Event:
     f = {text(k): text(v) for k, v in fields.items()}
     ids = f.get("token_ids")
+    try:
+        token_ids = json.loads(ids) if ids else None
+    except (ValueError, RecursionError):
+        raise records.BadRecord(
+            f"a token stream entry's token_ids is not JSON: {ids[:40]!r}"
+        ) from None
     return Event(
         type=f.get("type", ""),
         text=f.get("text", ""),
-        token_ids=json.loads(ids) if ids else None,
+        token_ids=token_ids,
         state=f.get("state"),
         finish_reason=f.get("finish_reason") or None,
     )

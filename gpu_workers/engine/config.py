@@ -50,6 +50,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be >= 1")
         if self.kernels not in (None, "auto", "native", "torch"):
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
+        if self.kv_redis_ttl_s < 1:  # Redis refuses it: every write would fail, unseen
+            raise ValueError(f"kv_redis_ttl_s must be >= 1, got {self.kv_redis_ttl_s}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.fault_token_id is not None and (

@@ -435,6 +435,15 @@ def test_the_fault_hook_is_a_config_field():
         EngineConfig(model="m", fault_token_id="3")  # type: ignore[arg-type]
 
 
+def test_a_kv_redis_ttl_below_one_second_is_refused():
+    """Redis refuses an expiry of 0 or less: every write to the KV tier would fail, unseen."""
+    from gpu_workers.engine.config import EngineConfig
+
+    for ttl in (0, -5):
+        with pytest.raises(ValueError, match="kv_redis_ttl_s"):
+            EngineConfig(model="m", kv_redis_ttl_s=ttl)
+
+
 class FailingSampler:
     """Samples as usual (drawing random numbers), then raises if `bad` is in the batch."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from results import tokens, wait
-from results.records import JobRecord
+from results.records import BadRecord, JobRecord
 
 
 def ev(type_: str, text: str = "") -> tokens.Event:
@@ -63,6 +63,9 @@ def test_parse_and_record() -> None:
         rec.final and rec.token_ids == [3] and rec.output_tokens == 1 and rec.metadata == {"a": 1}
     )
     assert JobRecord.from_hash("j", {}).state == "unknown"
+    for bad in (b"[1,", b"[" * 5000):  # not JSON, or nested past the parser's depth
+        with pytest.raises(BadRecord, match="token_ids is not JSON"):
+            tokens.parse({b"type": b"delta", b"text": b"hi", b"token_ids": bad})
 
 
 def test_reader_follows_ids_and_stops_at_end() -> None:

@@ -124,3 +124,15 @@ def test_cli_an_unreachable_cluster_is_one_line_without_its_password(
     assert main(["get", "somejob1234", "--url", "redis+cluster://u:sekret@127.0.0.1:1/"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("plurai: Redis error:") and "sekret" not in err
+
+
+def test_cli_ctrl_c_while_watching_ends_quietly(monkeypatch, capsys) -> None:
+    """Ctrl-C during `plurai watch` (or `submit --stream`): exit 130, no traceback."""
+    import cli.main
+
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.main, "cmd_watch", interrupted)
+    assert main(["watch", "somejob01"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
