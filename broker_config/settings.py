@@ -268,6 +268,9 @@ class BulkSettings(_Sourced):
     # (every pass of its driver renews them): a safety net for a batch nobody drives any
     # more. Keep it above completion_window_s.
     running_ttl_s: int = 14 * 24 * 3600
+    # steps of one batch that may fail in a row (a damaged record, a bug) before the batch
+    # fails with driver_failed, instead of being re-kicked and failing for ever
+    max_step_failures: int = Field(default=5, ge=1)
     stale_s: float = 60.0  # maintenance re-kicks a running batch silent for this long
     maintain_interval_s: float = 30.0  # celery beat period of the maintenance task
     # Celery's redelivery time for unacknowledged tasks; far longer than any task (pass_s).

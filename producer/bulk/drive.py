@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from pathlib import PurePath
 from typing import Any
@@ -32,6 +33,8 @@ from producer.client import Client
 from producer.errors import QueueFull
 from results import records
 from results.records import JobRecord
+
+log = logging.getLogger(__name__)
 
 LANE = "batch"
 
@@ -73,6 +76,21 @@ def configured_model(meta: dict[str, str]) -> tuple[str, tuple[str, str] | None]
 def fail_reason(r: redis.Redis, batch_id: str, problem: tuple[str, str]) -> None:
     """Record why the whole batch failed (manage.info shows it as `errors`)."""
     r.hset(keys.batch(batch_id), mapping={"error_code": problem[0], "error": problem[1]})
+
+
+def give_up(r: redis.Redis, batch_id: str, message: str, bs: BulkSettings) -> str:
+    """End a batch whose steps keep failing: failed (`driver_failed`, with why), its files
+    holding the lines recorded so far where they can still be written."""
+    fail_reason(r, batch_id, ("driver_failed", message[:500]))
+    r.hset(
+        keys.batch(batch_id), mapping={"end_status": store.FAILED, "finished_ms": store.now_ms()}
+    )
+    try:
+        finalize.finalize(r, batch_id, store.count(store.get(r, batch_id), "total"), bs.ttl_s)
+    except Exception:  # what failed the steps may fail this too: the lines stay unwritten
+        log.warning("batch %s: its files could not be written", batch_id, exc_info=True)
+    running = (store.VALIDATING, store.IN_PROGRESS, store.CANCELLING, store.FINALIZING)
+    return store.move(r, batch_id, store.FAILED, *running) or store.FAILED
 
 
 def step(client: Client, batch_id: str, bs: BulkSettings) -> str:

@@ -56,7 +56,15 @@ def get(r: redis.Redis, batch_id: str) -> dict[str, str]:
 
 
 def counts(meta: dict[str, str]) -> dict[str, int]:
-    return {k: int(meta.get(k, 0) or 0) for k in ("total", "completed", "failed")}
+    """The request counts of a batch record; a damaged one reads as 0 (status still works)."""
+    return {k: count(meta, k) for k in ("total", "completed", "failed")}
+
+
+def count(meta: dict[str, str], name: str, default: int = 0) -> int:
+    """An integer field of a batch record (a count, a unix ms); `default` when it is
+    missing or damaged."""
+    v = meta.get(name, "")
+    return int(v) if v.isascii() and v.isdigit() else default
 
 
 def record_line(

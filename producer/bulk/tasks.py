@@ -64,10 +64,28 @@ def step(batch_id: str, gen: int) -> str:
     current = client.redis.hget(keys.batch(batch_id), "gen")
     if current is None or text(current) != str(gen):
         return "superseded"  # a kick started a newer chain (or the record is damaged)
-    status = drive.step(client, batch_id, BulkSettings())
+    bs = BulkSettings()
+    try:
+        status = drive.step(client, batch_id, bs)
+    except Exception as e:  # a damaged record or a bug: counted, then the batch fails
+        return _failed(client.redis, batch_id, e, bs)
+    client.redis.hdel(keys.batch(batch_id), "step_failures")  # they count in a row
     if status not in store.TERMINAL:
         app.send_task(STEP, args=[batch_id, gen])
     return status
+
+
+def _failed(r: redis.Redis, batch_id: str, e: Exception, bs: BulkSettings) -> str:
+    """A step that raised: raised again (maintenance kicks the batch after stale_s) until
+    max_step_failures in a row, when the batch fails rather than failing for ever."""
+    try:
+        n = r.hincrby(keys.batch(batch_id), "step_failures", 1)
+    except redis.RedisError:
+        raise e from None  # Redis itself: nothing to count on
+    if n < bs.max_step_failures:
+        raise e
+    log.error("batch %s: %d steps failed in a row; the batch fails", batch_id, n, exc_info=e)
+    return drive.give_up(r, batch_id, f"its driver failed {n} times: {type(e).__name__}: {e}", bs)
 
 
 @app.task(name="plurai.bulk.maintain", acks_late=True)
@@ -79,7 +97,7 @@ def maintain() -> dict[str, Any]:
     kicked, expired = [], []
     for batch_id in store.unfinished(r):
         meta = store.get(r, batch_id)
-        created = _ms(meta, "created_ms", now)
+        created = store.count(meta, "created_ms", now)
         if now - created > bs.completion_window_s * 1000 and meta.get("status") in (
             store.VALIDATING,
             store.IN_PROGRESS,
@@ -90,7 +108,7 @@ def maintain() -> dict[str, Any]:
             pipe.execute()
             store.move(r, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS)
             expired.append(batch_id)
-        beat = _ms(meta, "beat_ms", created)
+        beat = store.count(meta, "beat_ms", created)
         if batch_id in expired or now - beat > bs.stale_s * 1000:
             try:
                 kick(client, batch_id)
@@ -108,12 +126,6 @@ def maintain() -> dict[str, Any]:
         "forgotten_consumers": forgotten,
         "forgotten_workers": forget_dead_workers(r),
     }
-
-
-def _ms(meta: dict[str, str], name: str, default: int) -> int:
-    """A unix-ms field of a batch record; `default` when it is missing or damaged."""
-    v = meta.get(name, "")
-    return int(v) if v.isascii() and v.isdigit() else default
 
 
 @signals.worker_ready.connect

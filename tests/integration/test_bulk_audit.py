@@ -196,3 +196,31 @@ def test_a_full_lane_ends_the_pass_and_no_line_is_lost(redis_url, client, monkey
     manage.cancel(client, batch_id)
     assert run_steps(client, batch_id, store.TERMINAL) == store.CANCELLED
     assert sorted(errors(client, batch_id)) == [(c, "batch_cancelled") for c in "abcde"]
+
+
+def test_a_batch_whose_steps_keep_failing_fails_with_driver_failed(client):
+    """A record damaged where no check looks (here `total`): each step raises, and after
+    max_step_failures in a row the batch fails with the reason, instead of maintenance
+    kicking a step that fails every minute for ever. A step that passes resets the count."""
+    from producer.bulk import tasks
+
+    batch_id = manage.create(client, [line("a"), line("b")])
+    assert drive.step(client, batch_id, BS) == store.IN_PROGRESS
+    r = client.redis
+    gen = int(r.hget(keys.batch(batch_id), "gen"))
+    good = r.hget(keys.batch(batch_id), "total")
+    r.hset(keys.batch(batch_id), "total", "two")
+    with pytest.raises(ValueError):
+        tasks.step(batch_id, gen)
+    r.hset(keys.batch(batch_id), "total", good)
+    assert tasks.step(batch_id, gen) == store.IN_PROGRESS  # and the count starts again
+    assert not r.hexists(keys.batch(batch_id), "step_failures")
+    r.hset(keys.batch(batch_id), "total", "two")
+    for _ in range(4):
+        with pytest.raises(ValueError):
+            tasks.step(batch_id, gen)
+    assert tasks.step(batch_id, gen) == store.FAILED
+    info = manage.info(client, batch_id)
+    assert info["status"] == store.FAILED
+    (error,) = info["errors"]["data"]
+    assert error["code"] == "driver_failed" and "failed 5 times: ValueError" in error["message"]
