@@ -325,13 +325,13 @@ class Gateway:
                     await batches.aclose()
                     return self.answer(job, rec)
         except _Gone:
-            await batches.aclose()
+            await _close(batches)
             return self._left(job, job_id, lease)
         except DAMAGED as e:  # a damaged entry (streams.py) or record
-            await batches.aclose()
+            await _close(batches)
             return self._damaged(job, job_id, e)
         except BaseException:
-            await batches.aclose()
+            await _close(batches)
             raise
         created = int(time.time())
         body = self._sse(job, job_id, created, first, ev, rest, batches, follower)
@@ -583,6 +583,16 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
     if task not in done:
         raise _Gone
     return task.result()
+
+
+async def _close(gen: AsyncGenerator[Any, None] | AsyncIterator[Any]) -> None:
+    """Close a stream's reader, unless a read that holds its cancel still runs it
+    (`_unless_gone` waits a second for that): then the cancel ends it, and its own
+    `finally` runs, once the read returns."""
+    try:
+        await gen.aclose()  # type: ignore[union-attr]
+    except RuntimeError:  # "aclose(): asynchronous generator is already running"
+        pass
 
 
 def _retrieved(task: asyncio.Future) -> None:

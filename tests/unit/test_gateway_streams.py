@@ -178,6 +178,40 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
     run(go())
 
 
+def test_a_client_that_leaves_while_a_read_holds_its_cancel_is_still_let_go() -> None:
+    """The client leaves while the read of its first token holds the cancel for longer
+    than `_unless_gone` waits (redis-py finishing a command): closing the reader must not
+    fail the request ("asynchronous generator is already running": a 500, and the job not
+    cancelled); the reader's own cleanup runs once the read returns."""
+
+    async def go():
+        cleaned = []
+
+        async def batches():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                await asyncio.sleep(1.5)  # the read finishes its command first
+                raise
+            finally:
+                cleaned.append(True)
+            yield []
+
+        class Left:
+            async def receive(self):
+                return {"type": "http.disconnect"}
+
+        gen = batches()
+        with pytest.raises(app._Gone):
+            await app._unless_gone(Left(), app._head(gen, tokens.TextFollower()))  # type: ignore[arg-type]
+        await app._close(gen)
+        assert not cleaned  # still in the read
+        await asyncio.sleep(1)
+        assert cleaned
+
+    run(go())
+
+
 def test_redis_errors_reach_followers(redis_url) -> None:
     async def go():
         r = redis.asyncio.Redis.from_url(redis_url)
