@@ -36,7 +36,7 @@ def _json(option: str, value: str) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from producer.errors import JobCancelled, JobFailed, JobRestarted, UnknownJob
+    from producer.errors import JobCancelled, JobFailed, JobRestarted
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options: dict[str, Any] = {
@@ -69,7 +69,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n")
             elif args.wait is not None:
                 print(job.result(timeout=args.wait).text)
-        except (JobFailed, JobCancelled, JobRestarted, UnknownJob, TimeoutError) as e:
+        except (JobFailed, JobCancelled, JobRestarted, TimeoutError) as e:
             print(f"plurai: {e}", file=sys.stderr)
             return 1
     return 0
@@ -88,14 +88,14 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from producer.errors import JobCancelled, JobFailed, JobRestarted, UnknownJob
+    from producer.errors import JobCancelled, JobFailed, JobRestarted
 
     with _client(args) as client:
         try:
             for text in client.job(args.job_id).stream():
                 sys.stdout.write(text)
                 sys.stdout.flush()
-        except (JobFailed, JobCancelled, JobRestarted, UnknownJob) as e:
+        except (JobFailed, JobCancelled, JobRestarted) as e:
             print(f"\nplurai: {e}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")

@@ -37,7 +37,7 @@ from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
 from gateway.streams import DAMAGED, Streams
 from producer.aio import AsyncClient
-from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownJob, UnknownModel
+from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownModel
 from producer.request import prepare
 from results import records, tokens, wait
 from results.records import JobRecord
@@ -47,6 +47,7 @@ log = logging.getLogger("plurai.gateway")
 SSE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
 BAD_RECORD = "the job's token stream or record in Redis is damaged"
+EXPIRED = "job {} has no record: its result expired (PLURAI_RESULT_TTL_S after it ended)"
 FINAL_POLL_S = 1.0  # how often a background job's record is read for its end
 T = TypeVar("T")
 
@@ -259,6 +260,9 @@ class Gateway:
             except NotReplicated as e:  # queued on the primary only (a failover loses
                 # it); a retry with the same Idempotency-Key queues nothing twice
                 return error(503, str(e), "not_replicated", retry_after=1)
+            if job_id != sub.job_id and not await self.client.redis.exists(keys.job(job_id)):
+                # an Idempotency-Key's earlier job, whose record has expired: nothing comes
+                return error(404, EXPIRED.format(job_id), "job_expired")
             if job.stream:
                 return await self.stream(request, job, job_id, lease, job_id == sub.job_id)
             return await self.whole(request, job, job_id, lease)
@@ -306,7 +310,7 @@ class Gateway:
         if rec.state == records.CANCELLED:
             return error(409, f"job {rec.id} was cancelled", "cancelled")
         if rec.state == records.UNKNOWN:  # an idempotency key's earlier job, long gone
-            return error(404, str(UnknownJob(rec.id)), "job_expired")
+            return error(404, EXPIRED.format(rec.id), "job_expired")
         code = rec.error_code or "internal"
         return error(openai.STATUS.get(code, 500), rec.error_message or code, code)
 
@@ -426,7 +430,7 @@ class Gateway:
         finally:
             self.metrics.open_streams.dec()
         if rec.state == records.UNKNOWN:
-            yield failed(str(UnknownJob(job_id)), "job_expired")
+            yield failed(EXPIRED.format(job_id), "job_expired")
             return
         if rec.state != records.COMPLETED:
             message = rec.error_message or f"the job ended {rec.state}"

@@ -2,7 +2,7 @@
 
 from producer.aio import AsyncClient, AsyncJob
 from producer.client import Client, Job
-from producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull, UnknownJob
+from producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull
 
 __all__ = [
     "AsyncClient",
@@ -13,5 +13,4 @@ __all__ = [
     "JobFailed",
     "JobRestarted",
     "QueueFull",
-    "UnknownJob",
 ]

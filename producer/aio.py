@@ -153,8 +153,9 @@ class AsyncJob:
         return (await self.record()).state
 
     async def result(self, timeout: float | None = None) -> JobRecord:
-        """Wait for the final result. Raises TimeoutError, JobFailed, JobCancelled, or UnknownJob
-        (no record: never submitted here, or expired)."""
+        """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled. A job
+        with no record (never submitted here, expired, or queued by a raw-protocol client
+        that writes none) is waited for like any other: give a timeout where that matters."""
         (rec,) = await wait.wait_many_async(
             self.client.redis, [self.id], timeout, self.client.listeners
         )

@@ -169,8 +169,9 @@ class Job:
         return self.record().state
 
     def result(self, timeout: float | None = None) -> JobRecord:
-        """Wait for the final result. Raises TimeoutError, JobFailed, JobCancelled, or UnknownJob
-        (no record: never submitted here, or expired)."""
+        """Wait for the final result. Raises TimeoutError, JobFailed or JobCancelled. A job
+        with no record (never submitted here, expired, or queued by a raw-protocol client
+        that writes none) is waited for like any other: give a timeout where that matters."""
         return final(wait.wait(self.client.redis, self.id, timeout, self.client.listeners), timeout)
 
     def stream(self, block_ms: int = 1000) -> Iterator[str]:

@@ -33,18 +33,6 @@ class JobCancelled(RuntimeError):
         self.record = record
 
 
-class UnknownJob(LookupError):
-    """No record of the job: it was never submitted to this Redis, or its result expired
-    (records are kept PLURAI_RESULT_TTL_S after a job ends)."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(
-            f"job {job_id} has no record: it was never submitted to this Redis, or its "
-            "result expired (PLURAI_RESULT_TTL_S after the job ended)"
-        )
-        self.job_id = job_id
-
-
 class QueueFull(RuntimeError):
     """The lane holds its maximum of waiting jobs (PLURAI_MAX_QUEUED_PER_LANE); nothing was
     queued for this call. Try again after `retry_after` seconds. From submit_many,
@@ -174,10 +162,8 @@ def submitted(
 
 
 def final(rec: JobRecord, timeout: float | None) -> JobRecord:
-    """`rec` if the job completed; else raises UnknownJob (no record), TimeoutError (not
-    final yet), JobFailed or JobCancelled."""
-    if rec.state == records.UNKNOWN:
-        raise UnknownJob(rec.id)
+    """`rec` if the job completed; else raises TimeoutError (not final yet), JobFailed or
+    JobCancelled."""
     if not rec.final:
         raise TimeoutError(f"job {rec.id} is {rec.state} after {timeout}s")
     if rec.state == records.FAILED:
@@ -195,7 +181,6 @@ __all__ = [
     "JobRestarted",
     "QueueFull",
     "accepting",
-    "UnknownJob",
     "UnknownModel",
     "final",
     "queue_full",

@@ -23,8 +23,8 @@ COMPLETED = "completed"
 FAILED = "failed"
 CANCELLED = "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
-# No record: never submitted to this Redis, or expired (result_ttl_s after the job ended).
-# Nothing will write one, so a wait for such a job ends at once.
+# No record: never submitted to this Redis, expired (result_ttl_s after the job ended), or
+# queued by a client that writes none (the raw protocol: the worker writes it on start).
 UNKNOWN = "unknown"
 
 

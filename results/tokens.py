@@ -78,12 +78,7 @@ class Reader:
     def gone(self, rec: records.JobRecord) -> Iterator[Event]:
         """The events of a final job whose stream has expired (PLURAI_OUTPUT_TTL_S is shorter
         than the record's TTL): a reset, the record's whole text, its end. Nothing while the
-        job is not final: the stream may be yet to come. For a job with no record at all
-        (never submitted, or expired), an end in state `unknown`."""
-        if rec.state == records.UNKNOWN:  # no record either: nothing will ever come
-            self.ended = True
-            yield Event(END, state=records.UNKNOWN)
-            return
+        job is not final: the stream may be yet to come."""
         if not rec.final:
             return
         self.ended = True
@@ -97,8 +92,7 @@ def events(
 ) -> Iterator[Event]:
     """Every event of the job's stream from the start, blocking for new ones, until `end`.
 
-    Waits as long as the job is queued; callers wanting a bound use Job.result. A job with
-    no record ends at once, in state `unknown`.
+    Waits forever for a job that never starts; callers wanting a bound use Job.result.
     """
     reader = Reader(job_id, last_id)
     while not reader.ended:

@@ -46,8 +46,7 @@ class Waiter:
         return sorted(self._pending)
 
     def read(self, recs: list[records.JobRecord]) -> None:
-        # a job with no record is settled too: nothing will write one
-        self._pending -= {rec.id for rec in recs if rec.final or rec.state == records.UNKNOWN}
+        self._pending -= {rec.id for rec in recs if rec.final}
         self._quiet_at = time.monotonic() + _QUIET_S
 
     def heard(self, message: dict[str, Any]) -> None:

@@ -15,7 +15,6 @@ import producer.client
 from broker_config import keys
 from broker_config.connection import connect
 from broker_config.embedded import find_binary
-from cli.main import main
 from producer.aio import AsyncClient
 from producer.client import Client
 from producer.errors import BadIdempotencyKey
@@ -118,11 +117,3 @@ def test_submit_many_lists_the_jobs_queued_before_redis_failed(
         client.submit_many([{"prompt": f"doc {i}"} for i in range(4)])
     assert [j.status() for j in e.value.accepted] == ["queued", "queued"]
     client.close()
-
-
-def test_cli_watch_of_an_unknown_job_says_so(
-    redis_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["watch", "nosuchjob12345", "--url", redis_url]) == 1
-    err = capsys.readouterr().err
-    assert "nosuchjob12345 has no record" in err and "Traceback" not in err

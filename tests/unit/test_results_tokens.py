@@ -144,36 +144,40 @@ def test_stream_of_a_final_job_whose_stream_expired_ends() -> None:
 
 
 @pytest.mark.timeout(20)
-def test_waiting_on_a_job_with_no_record_ends_with_unknown_job() -> None:
-    """A job id never submitted here (or whose record expired): result() without a timeout
-    and stream() end at once with UnknownJob, saying why; wait_all returns its record as
-    `unknown` beside the others, not a wait forever."""
+def test_a_job_with_no_record_yet_is_waited_for() -> None:
+    """A raw-protocol client queues an entry and writes no record (the worker writes it when
+    it starts the job): a wait and a stream must go on until it comes, not end at the
+    missing record; with a timeout, a job whose record never comes is a TimeoutError."""
     import asyncio
+    import threading
+    import time
 
     import fakeredis
     import fakeredis.aioredis
 
     from broker_config import keys
-    from producer import AsyncClient, Client, UnknownJob
+    from producer import AsyncClient, Client
     from results import records
 
     r = fakeredis.FakeRedis(decode_responses=True)
-    r.hset(keys.job("done00001"), mapping={"state": "completed", "final": "1", "text": "x"})
+    done = {"state": "completed", "final": "1", "text": "hi", "finish_reason": "stop"}
+
+    def worker() -> None:
+        time.sleep(0.3)
+        r.hset(keys.job("rawjob001"), mapping=done)
+
+    threading.Thread(target=worker, daemon=True).start()
     client = Client(redis=r)
-    with pytest.raises(UnknownJob, match="no record: it was never submitted"):
-        client.job("nosuchjob").result()
-    with pytest.raises(UnknownJob):
-        list(client.job("nosuchjob").stream(block_ms=10))
-    got = client.wait_all(["nosuchjob", "done00001"])
-    assert [x.state for x in got] == [records.UNKNOWN, records.COMPLETED]
+    assert client.job("rawjob001").result().text == "hi"
+    assert list(client.job("rawjob001").stream(block_ms=10)) == ["hi"]
+    with pytest.raises(TimeoutError, match="nosuchjob is unknown"):
+        client.job("nosuchjob").result(timeout=0.2)
+    assert client.wait_all(["nosuchjob"], timeout=0.2)[0].state == records.UNKNOWN
 
     async def aio() -> None:
         c = AsyncClient(redis=fakeredis.aioredis.FakeRedis(decode_responses=True))
-        with pytest.raises(UnknownJob):
-            await c.job("nosuchjob").result()
-        with pytest.raises(UnknownJob):
-            async for _ in c.job("nosuchjob").stream(block_ms=10):
-                pass
+        with pytest.raises(TimeoutError):
+            await c.job("nosuchjob").result(timeout=0.2)
 
     asyncio.run(aio())
 
