@@ -69,7 +69,8 @@ class Sampler:
             )
             view = logits.view(-1)
             vals = view[flat]
-            view[flat] = torch.where(vals > 0, vals / penalty, vals * penalty)
+            # clamped: a tiny penalty would overflow to inf, and inf - inf is NaN further on
+            view[flat] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp(-_MAX, _MAX)
         for i, s in enumerate(seqs):
             p = s.params
             if (p.presence_penalty or p.frequency_penalty) and s.output_counts:
@@ -95,7 +96,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         vocab = logits.shape[1]
-        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        # shifted so each row's best logit is 0: a tiny temperature (even one that is 0 in
+        # float32) then sends the others to -inf, the greedy limit, never to NaN
+        temps = torch.tensor([p.temperature for p in params]).clamp(min=_TINY).unsqueeze(1)
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / temps
         ks = torch.tensor([min(p.top_k, vocab) for p in params])
         if ks.any():
             kth = logits.topk(int(ks.max()), dim=-1).values.gather(
@@ -167,6 +171,9 @@ def _seen(s: Sequence) -> np.ndarray:
     s.seen_len, s.seen_count = len(s.token_ids), n
     return buf[:n]
 
+
+_MAX = torch.finfo(torch.float32).max
+_TINY = torch.finfo(torch.float32).tiny
 
 # top-p buckets probabilities by their top float bits: exponent and 4 mantissa bits, so
 # 16 buckets per octave (the bits of a non-negative float order like its value); all below

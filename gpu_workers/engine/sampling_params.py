@@ -18,6 +18,15 @@ def _short(v: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _is_text(v: str) -> bool:
+    """Whether `v` is valid Unicode (encodable as UTF-8: no lone surrogate)."""
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -134,6 +143,11 @@ class SamplingParams:
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise bad("choice must be a non-empty list of non-empty strings")
+        # JSON can escape a lone surrogate; the grammar compiler takes UTF-8
+        if self.regex is not None and not _is_text(self.regex):
+            raise bad("regex holds a lone surrogate (not valid Unicode text)")
+        if self.choice is not None and not all(_is_text(c) for c in self.choice):
+            raise bad("choice holds a lone surrogate (not valid Unicode text)")
         given = [k for k in ("response_format", "regex", "choice") if getattr(self, k) is not None]
         if len(given) > 1:
             raise bad(f"give at most one of response_format, regex and choice; got {given}")

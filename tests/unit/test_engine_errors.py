@@ -30,6 +30,8 @@ BAD_PARAMS = [
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": ["x"]}, "stop_token_ids"),
     ({"top_pp": 0.9}, "top_pp"),  # unknown field
+    ({"regex": "a\ud800"}, "regex"),  # a lone surrogate: not text, cannot be compiled
+    ({"choice": ["ok", "\udc80"]}, "choice"),
 ]
 
 

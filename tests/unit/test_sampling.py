@@ -223,3 +223,34 @@ def test_nucleus_matches_a_full_sort_on_random_rows():
         cut = torch.where(keep, sp, torch.full_like(sp, float("inf"))).min(-1).values
         expected = (probs >= cut[:, None]) & (probs > 0)
         assert torch.equal(_nucleus(probs, top_p) > 0, expected), trial
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-50, 5e-324])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    # divided by a temperature this small (or one that is 0 in float32) the logits overflow:
+    # the draw must still be the limit, the best token, never a NaN pick
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 64, generator=gen) * 5
+    seqs = [
+        Sequence(
+            f"s{i}",
+            [1, 2],
+            SamplingParams(temperature=temperature, top_k=[0, 10, 0, 64][i], seed=i),
+        )
+        for i in range(4)
+    ]
+    seqs[2].params.top_p = 0.5
+    tokens, _ = Sampler(0)(logits.clone(), seqs)
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_a_tiny_repetition_penalty_draws_a_seen_token():
+    # a penalty this small sends the seen tokens' positive logits to inf: the draw must be
+    # one of them, not a NaN pick
+    logits = torch.full((1, 64), -1.0)
+    logits[0, [3, 5]] = torch.tensor([2.0, 1.0])
+    seq = Sequence(
+        "s", [3, 5, 7], SamplingParams(temperature=1.0, repetition_penalty=1e-50, seed=1)
+    )
+    tokens, _ = Sampler(0)(logits, [seq])
+    assert tokens[0] in (3, 5)
