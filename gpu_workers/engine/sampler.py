@@ -2,9 +2,9 @@
 
 Penalties, then the grammar masks of constrained rows (grammar.py), then temperature,
 top-k, top-p and min-p; greedy rows take the argmax.
-Random rows draw with the exponential race (argmax of p / Exp(1) noise), one noise
-vector per row from the row's own generator when it has a seed, so a seeded request
-samples the same tokens whatever else shares its batch.
+Random rows draw by inverse CDF (one uniform number a row, on the row's cumulative
+probabilities), the number from the row's own generator when it has a seed, so a seeded
+request samples the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
