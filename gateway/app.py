@@ -99,6 +99,10 @@ class Gateway:
 
     async def body(self, request: Request) -> dict[str, Any]:
         """The JSON object of the request, read up to the size cap."""
+        if not _json_type(request.headers.get("content-type", "")):
+            raise BadRequest(
+                "the body must be JSON, sent as Content-Type: application/json", code="bad_body"
+            )
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
             raise BadRequest(
@@ -115,8 +119,12 @@ class Gateway:
                     code="too_large",
                     status=413,
                 )
+        try:  # UTF-8 only: json.loads would also take UTF-16 and UTF-32 bytes
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise BadRequest("the body is not valid UTF-8", code="invalid_utf8") from None
         try:
-            body = json.loads(data)
+            body = json.loads(text)
         except (ValueError, RecursionError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}", code="bad_body") from None
         if not isinstance(body, dict):
@@ -480,6 +488,18 @@ class Gateway:
     async def metrics_page(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
+
+
+def _json_type(content_type: str) -> bool:
+    """Whether a request's Content-Type is JSON's, or absent. A browser sends a page's
+    cross-site POST of text/plain or a form without asking first (no CORS preflight): such
+    a body is refused, or any web page could queue jobs on an open gateway of this machine."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return (
+        not kind
+        or kind == "application/json"
+        or (kind.startswith("application/") and kind.endswith("+json"))
+    )
 
 
 def _tokens(options: dict[str, Any]) -> int:

@@ -50,8 +50,17 @@ SAMPLING = (
     "regex",
     "choice",
 )
-# Fields a client may send that change nothing here.
-IGNORED = ("user", "store", "service_tier", "parallel_tool_calls", "modalities")
+# Fields a client may send that change nothing here (safety_identifier and
+# prompt_cache_key are OpenAI's successors of `user`).
+IGNORED = (
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "modalities",
+)
 COMMON = (
     "model",
     "stream",
@@ -139,6 +148,14 @@ def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
     return v
 
 
+def _bool(body: dict[str, Any], name: str, where: str = "") -> bool:
+    """A boolean field; null, as OpenAI's API takes it, is the default false."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"{where}{name} must be a boolean", param=where + name)
+    return bool(v)
+
+
 def _common(body: dict[str, Any], default_max_tokens: int) -> tuple[dict[str, Any], Job]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -146,16 +163,24 @@ def _common(body: dict[str, Any], default_max_tokens: int) -> tuple[dict[str, An
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):  # not true, not 1.0
         raise BadRequest("n must be 1: send one request per choice", param="n")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be a boolean", param="stream")
+    stream = _bool(body, "stream")
     so = body.get("stream_options")
-    if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
-        raise BadRequest("stream_options takes only include_usage", param="stream_options")
-    include_usage = bool((so or {}).get("include_usage", False))
-    max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
+    # include_obfuscation pads chunks against size side channels: none here, so it is moot
+    if so is not None and (
+        not isinstance(so, dict) or set(so) - {"include_usage", "include_obfuscation"}
+    ):
+        raise BadRequest(
+            "stream_options takes only include_usage and include_obfuscation",
+            param="stream_options",
+        )
+    for name in so or ():
+        _bool(so, name, "stream_options.")
+    include_usage = _bool(so or {}, "include_usage")
+    # both checked; max_completion_tokens, OpenAI's newer name, wins
+    max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
+    newer = _int(body, "max_completion_tokens", 1, 2**31 - 1)
+    if newer is not None:
+        max_tokens = newer
     options: dict[str, Any] = {
         "model": model,
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
@@ -183,9 +208,7 @@ def _common(body: dict[str, Any], default_max_tokens: int) -> tuple[dict[str, An
         if not isinstance(body["metadata"], dict):
             raise BadRequest("metadata must be an object", param="metadata")
         options["metadata"] = body["metadata"]
-    background = body.get("background", False)
-    if not isinstance(background, bool):
-        raise BadRequest("background must be a boolean", param="background")
+    background = _bool(body, "background")
     job = Job(options, False, model, stream, include_usage, None, background)
     return options, job
 
@@ -228,11 +251,15 @@ def chat_job(body: dict[str, Any], default_max_tokens: int) -> Job:
                 code=Code.INVALID_PROMPT,
                 param=f"messages[{i}]",
             )
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise BadRequest(
+                f"messages[{i}].name must be a string",
+                code=Code.INVALID_PROMPT,
+                param=f"messages[{i}].name",
+            )
         chat.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
     options["messages"] = chat
-    logprobs = body.get("logprobs", False)
-    if not isinstance(logprobs, bool):
-        raise BadRequest("logprobs must be a boolean", param="logprobs")
+    logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 20)
     if top is not None and not logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")

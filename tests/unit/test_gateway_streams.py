@@ -87,9 +87,9 @@ def test_a_deeply_nested_entry_fails_only_its_own_stream(redis_url) -> None:
         try:
             bad, bad_first = await started(s, "job-nested")
             good, good_first = await started(s, "job-good")
-            deep = "[" * 100_000  # json.loads: RecursionError, not ValueError
+            deep = "[" * 100_000  # json.loads: RecursionError, which parse makes a BadRecord
             await r.xadd(keys.output("job-nested"), {"type": "delta", "token_ids": deep})
-            with pytest.raises(RecursionError):
+            with pytest.raises(records.BadRecord, match="token_ids is not JSON"):
                 await asyncio.wait_for(bad_first, 2)
             await r.xadd(keys.output("job-good"), {"type": tokens.END, "state": "completed"})
             assert (await asyncio.wait_for(good_first, 2))[0].type == tokens.END
