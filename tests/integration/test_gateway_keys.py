@@ -98,6 +98,14 @@ def test_no_keys_beyond_localhost_serves_no_one(redis_url, tmp_path) -> None:
         g.stop()
 
 
+def slot_freed(r: redis.Redis, running: str) -> None:
+    """Wait (10 s at most) until the key's concurrency slots are all given back."""
+    give_up = time.monotonic() + 10
+    while r.zcard(running):
+        assert time.monotonic() < give_up, "the slot is still held"
+        time.sleep(0.05)
+
+
 def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
     redis_url, tmp_path
 ) -> None:
@@ -131,10 +139,7 @@ def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
         rec = wait.wait(r, job_id, timeout=10)
         assert rec.state == records.CANCELLED
         r.xadd(keys.output(job_id), {"type": "delta", "text": "late"})  # too late
-        give_up = time.monotonic() + 10
-        while r.zcard(running):
-            assert time.monotonic() < give_up, "the slot is still held"
-            time.sleep(0.05)
+        slot_freed(r, running)
     finally:
         g.stop()
 
@@ -180,9 +185,6 @@ def test_a_background_job_whose_client_left_keeps_its_slot_until_it_ends(
             assert refused.json()["error"]["param"] == "concurrent"
             # the job ends (as its worker would write it): the slot comes back
             r.hset(keys.job(job_id), mapping={"state": "completed", "final": "1", "text": "x"})
-            give_up = time.monotonic() + 10
-            while r.zcard(running):
-                assert time.monotonic() < give_up, "the slot is still held"
-                time.sleep(0.05)
+            slot_freed(r, running)
     finally:
         g.stop()
