@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bench.workload import cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from broker_config.stats import serving_workers  # noqa: E402
 from producer.client import Client  # noqa: E402
 from results import tokens  # noqa: E402
 
@@ -101,7 +102,7 @@ def run(a: argparse.Namespace, model: str, url: str) -> dict:
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env) for _ in range(a.workers)]
     try:
         client = Client(url)
-        while client.redis.scard(keys.WORKERS) < a.workers:
+        while serving_workers(client.redis) < a.workers:
             if any(proc.poll() is not None for proc in procs):
                 raise SystemExit("a worker exited")
             time.sleep(0.1)

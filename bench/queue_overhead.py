@@ -40,6 +40,7 @@ from broker_config import (  # noqa: E402
     protocol,
 )
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from broker_config.stats import serving_workers  # noqa: E402
 from producer.client import Client  # noqa: E402
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
@@ -229,7 +230,7 @@ def start_worker(
         env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **env},
     )
     client = Client(url)
-    while not client.redis.scard(keys.WORKERS):
+    while not serving_workers(client.redis):
         if worker.poll() is not None:
             raise SystemExit("worker exited")
         time.sleep(0.1)

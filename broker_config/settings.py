@@ -153,6 +153,9 @@ class Settings(_Sourced):
     # A worker that cannot reach Redis for this long exits (non-zero), as its jobs are
     # reclaimed by other workers anyway; 0: retry forever.
     redis_retry_s: float = Field(default=600.0, ge=0)
+    # A starting worker waits this long for Redis to answer (saying so in its log every
+    # 5 s), then exits with code 6 (docs/operations.md, "Starting workers").
+    redis_wait_s: float = Field(default=60.0, ge=0)
     # Backpressure: most entries waiting (not yet taken by a worker) per lane; 0 = no limit.
     # Keep it below stream_maxlen so that trimming never drops a waiting entry.
     max_queued_per_lane: int = 500_000

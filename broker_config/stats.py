@@ -38,7 +38,8 @@ class WorkerInfo:
     id: str
     host: str = ""
     pid: int = 0
-    state: str = ""
+    state: str = ""  # starting, serving, stopping
+    stage: str = ""  # while starting: the step it is in (loading model, ...)
     model: str = ""  # every name the worker answers to
     served_model: str = ""  # the queue it reads
     beat_age_s: float = 0.0
@@ -131,6 +132,16 @@ def workers(r: redis.Redis, now_ms: int) -> tuple[list[WorkerInfo], int]:
         info.beat_age_s = max(0.0, (now_ms - int(h.get("beat_ms", now_ms))) / 1000)
         live.append(info)
     return live, stale
+
+
+def serving_workers(r: redis.Redis) -> int:
+    """How many workers are ready (state serving): a worker is listed from the start of its
+    start, so a count of the workers set is not a count of the ready ones."""
+    ids = list(r.smembers(keys.WORKERS))
+    pipe = r.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hget(keys.worker(_s(worker_id)), "state")
+    return sum(1 for state in pipe.execute() if state and _s(state) == "serving")
 
 
 def redis_now_ms(r: redis.Redis) -> int:

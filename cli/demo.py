@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker_config import keys
 from broker_config.connection import redact
 from broker_config.embedded import EmbeddedRedis, free_port, stop_process
+from broker_config.stats import serving_workers
 from producer.client import Client
 
 MODEL = Path("models/tiny-llama")
@@ -36,7 +36,7 @@ DOCS = [
 
 def wait_for_worker(client: Client, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while not client.redis.scard(keys.WORKERS):
+    while not serving_workers(client.redis):
         if proc.poll() is not None:
             raise SystemExit("the worker exited; see its output above")
         if time.monotonic() > deadline:

@@ -256,3 +256,8 @@ class _QueueCollector(Collector):
         yield GaugeMetricFamily(
             "plurai_workers", "Workers with a live heartbeat.", value=len(snap.workers)
         )
+        yield GaugeMetricFamily(
+            "plurai_workers_starting",
+            "Workers in their start (loading a model, ...): one that stays here does not serve.",
+            value=sum(1 for w in snap.workers if w.state == "starting"),
+        )

@@ -15,11 +15,19 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from broker_config import logs
+from broker_config import locks, logs
 from broker_config.connection import connect, redact
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
 from gpu_workers.backend import Backend
-from gpu_workers.worker import Worker
+from gpu_workers.startup import (
+    Exit,
+    StartError,
+    Starting,
+    check_model,
+    resolve_model,
+    wait_for_redis,
+)
+from gpu_workers.worker import Worker, new_worker_id
 
 log = logging.getLogger("plurai.worker")
 
@@ -39,9 +47,10 @@ def serve_metrics(worker: Worker, url: str, settings: Settings) -> int:
         bound = worker.metrics.serve(port, settings.metrics_host)
     except OSError as e:
         if "metrics_port" in settings.model_fields_set:
-            raise SystemExit(
-                f"plurai worker: cannot serve metrics on {settings.metrics_host}:{port} ({e}); "
-                "choose another --metrics-port (0: any free port, -1: none)"
+            raise StartError(
+                Exit.USAGE,
+                f"cannot serve metrics on {settings.metrics_host}:{port} ({e}); "
+                "choose another --metrics-port (0: any free port, -1: none)",
             ) from e
         bound = worker.metrics.serve(0, settings.metrics_host)
         log.warning("metrics port %d is taken (another worker?); serving on %d", port, bound)
@@ -65,15 +74,16 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
     kv_url = options.pop("kv_redis_url", None) or settings.kv_redis_url
     if getattr(args, "backend", "native") == "vllm":
         if options:
-            raise SystemExit(
-                "plurai worker: --engine sets native engine fields; give vLLM's as --vllm"
+            raise StartError(
+                Exit.USAGE, "--engine sets native engine fields; give vLLM's as --vllm"
             )
         try:
             from gpu_workers.vllm_backend.backend import VllmBackend
         except ImportError as e:
-            raise SystemExit(
-                f"plurai worker: --backend vllm needs vLLM ({e}); `make vllm-install` makes an "
-                "environment with it: .venv-vllm/bin/plurai worker --backend vllm ..."
+            raise StartError(
+                Exit.BACKEND_FAILED,
+                f"--backend vllm needs vLLM ({e}); `make vllm-install` makes an "
+                "environment with it: .venv-vllm/bin/plurai worker --backend vllm ...",
             ) from e
         try:
             return VllmBackend(
@@ -84,9 +94,9 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
                 kv_redis_url=kv_url,
             )
         except ValueError as e:
-            raise SystemExit(f"plurai worker: {e}") from e
+            raise StartError(Exit.USAGE, str(e)) from e
     if args.vllm:
-        raise SystemExit("plurai worker: --vllm options need --backend vllm")
+        raise StartError(Exit.USAGE, "--vllm options need --backend vllm")
     from gpu_workers.engine.config import EngineConfig
     from gpu_workers.engine.engine import Engine
 
@@ -98,7 +108,12 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="local Hugging Face model directory (PLURAI_MODEL_DIR)")
+    p.add_argument(
+        "--model",
+        help="a local Hugging Face model folder, or a hub id org/name found in (or, where a "
+        "network allows, fetched into) huggingface_hub's cache (PLURAI_MODEL_DIR)",
+    )
+    p.add_argument("--revision", help="the hub revision (branch, tag, commit) of a hub id")
     p.add_argument(
         "--served-model",
         help="the model name clients ask for; this worker reads its queue "
@@ -167,29 +182,64 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         overrides["model_dir"] = args.model
     settings = Settings(**overrides)
     logs.setup(settings.log_level, settings.log_format)
+    try:
+        return serve(args, settings)
+    except StartError as e:  # one line, and the code that says which start failed
+        log.error("plurai worker: %s", e)
+        return int(e.code)
+
+
+def serve(args: argparse.Namespace, settings: Settings) -> int:
+    """The start, stage by stage (each logged, and from Redis on in the `starting`
+    heartbeat), then the worker's loop until it stops."""
     if not settings.model_dir:
-        raise SystemExit("plurai worker: give --model DIR (or set PLURAI_MODEL_DIR)")
+        raise StartError(Exit.USAGE, "give --model (a folder or a hub id), or set PLURAI_MODEL_DIR")
+    native = getattr(args, "backend", "native") != "vllm"
+    asked = settings.model_dir
+    log.info("start: checking model %s", asked)
+    model_dir = resolve_model(asked, getattr(args, "revision", None))
+    check_model(model_dir, native=native)
+    settings = settings.model_copy(update={"model_dir": str(model_dir)})
 
     from broker_config.embedded import EmbeddedRedis, running_url
 
-    engine = make_backend(args, settings)
-    # The engine's long-lived objects (a Block per KV block, the model) would be scanned by
-    # every full garbage collection: ~160 ms for 262k blocks, a stall in the middle of
-    # serving. They live as long as the process, so take them out of the collector's view.
-    gc.collect()
-    gc.freeze()
-    model_dir = Path(settings.model_dir)
-    names = {model_dir.name, str(model_dir), str(model_dir.resolve()), engine.model_fingerprint}
-
     embedded = None
-    url = settings.redis_url or running_url(Path(settings.data_dir))
-    if url is None:
-        embedded = EmbeddedRedis(Path(settings.data_dir) / "redis")
-        url = embedded.start()
-        log.info("started embedded redis-server at %s (data in %s)", redact(url), embedded.data_dir)
+    url = settings.redis_url
+    if url is None:  # one embedded server per data folder, for workers started together
+        data = Path(settings.data_dir)
+        with locks.held(data / ".redis.lock", timeout_s=60, what="the embedded redis-server"):
+            url = running_url(data)
+            if url is None:
+                embedded = EmbeddedRedis(data / "redis")
+                url = embedded.start()
+                log.info("started embedded redis-server at %s (data in %s)", redact(url), data)
+    engine: Backend | None = None
     try:
-        worker = Worker(engine, connect(url), settings, model_names=names)
-        worker.metrics_port = serve_metrics(worker, url, settings)
+        log.info("start: connecting to Redis at %s", redact(url))
+        r = connect(url)
+        wait_for_redis(r, url, settings.redis_wait_s)
+        worker_id = settings.worker_id or new_worker_id()
+        with Starting(r, worker_id, settings.model, settings.heartbeat_interval_s) as starting:
+            starting.enter(f"loading model ({'native' if native else 'vllm'} backend)")
+            try:
+                engine = make_backend(args, settings)
+            except StartError:
+                raise
+            except Exception as e:
+                raise StartError(
+                    Exit.BACKEND_FAILED, f"the engine did not start: {type(e).__name__}: {e}"
+                ) from e
+            # The engine's long-lived objects (a Block per KV block, the model) would be
+            # scanned by every full garbage collection: ~160 ms for 262k blocks, a stall in
+            # the middle of serving. They live as long as the process, so take them out of
+            # the collector's view.
+            gc.collect()
+            gc.freeze()
+            names = {model_dir.name, str(model_dir), str(model_dir.resolve())}
+            names |= {asked, engine.model_fingerprint}
+            starting.enter("joining the queue")
+            worker = Worker(engine, r, settings, worker_id=worker_id, model_names=names)
+            worker.metrics_port = serve_metrics(worker, url, settings)
 
         def on_signal(signum: int, _frame: Any) -> None:
             if worker.stopping and signum == signal.SIGINT:
@@ -201,7 +251,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         signal.signal(signal.SIGINT, on_signal)
         worker.run()
     finally:
-        engine.close()  # the group's other ranks, the KV tier's writer
+        if engine is not None:
+            engine.close()  # the group's other ranks, the KV tier's writer
         if embedded is not None:
             embedded.stop()
     return 0

@@ -52,7 +52,7 @@ def render(snap: stats.Snapshot) -> Group:
         pct = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.0f}%" if w.kv_blocks_total else "-"
         workers.add_row(
             w.id,
-            w.state,
+            f"starting: {w.stage}" if w.state == "starting" and w.stage else w.state,
             str(w.running),
             str(w.waiting),
             f"{w.kv_blocks_used}/{w.kv_blocks_total} {pct}",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from broker_config import locks
 from gpu_workers.models.train import CORPUS_TITLE, TrainConfig, corpus_digest
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -219,8 +220,6 @@ def make_model(
     train: True (or a TrainConfig) trains the model, and a tokenizer, on the shipped text
     first (see train.py). A directory that already holds the model these same arguments
     train is returned as it is."""
-    from transformers import AutoModelForCausalLM
-
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     if size not in SIZES:
@@ -228,8 +227,25 @@ def make_model(
     path = Path(path)
     cfg_train = TrainConfig() if train is True else train or None
     key = _key(family, size, seed, max_shard_size, cfg_train)
-    if cfg_train is not None and is_cached(path, key):
-        return path
+    # one writer per folder (two `make demo`s at once); the lock dies with its holder
+    lock = path.parent / f".{path.name}.lock"
+    with locks.held(lock, timeout_s=3600, what=f"the model being written to {path}"):
+        if cfg_train is not None and is_cached(path, key):
+            return path
+        return _write_model(path, family, size, seed, max_shard_size, cfg_train, key)
+
+
+def _write_model(
+    path: Path,
+    family: str,
+    size: str,
+    seed: int,
+    max_shard_size: str | None,
+    cfg_train: TrainConfig | None,
+    key: str,
+) -> Path:
+    from transformers import AutoModelForCausalLM
+
     deadline = time.monotonic() + (cfg_train.seconds if cfg_train else 0)
     source = "text" if cfg_train else "synthetic"
     tok = make_tokenizer(_SIZES[size]["vocab"], seed, source)

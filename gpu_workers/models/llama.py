@@ -22,6 +22,7 @@ from gpu_workers.layers.attention import AttnContext, PagedAttention
 from gpu_workers.layers.linear import Linear
 from gpu_workers.layers.norm import RMSNorm
 from gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
+from gpu_workers.models.files import NATIVE
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the step's positions
 
@@ -318,9 +319,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 # HF `architectures` entries this file serves
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
+ARCHITECTURES = dict.fromkeys(NATIVE, LlamaForCausalLM)

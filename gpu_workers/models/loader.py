@@ -9,7 +9,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,11 +17,11 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from gpu_workers.layers.linear import can_pack, pack_linears
+from gpu_workers.models.files import INDEX, weight_files
 from gpu_workers.models.llama import ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
 # Besides the weights, the fingerprint covers these files of the model folder if present.
 FINGERPRINTED = (
     "config.json",
@@ -55,41 +55,6 @@ def load_config(model_dir: str | Path) -> Any:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of the model: those its index names, else model.safetensors.
-    Every file the index names must lie inside the model folder (no absolute path, no
-    `..`, no symlink leading out): anything else raises ValueError."""
-    path = Path(model_dir)
-    index = path / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({e!r})") from None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: weight_map must be an object")
-        files = {_inside(path, index, n) for n in weight_map.values()}
-        return sorted(files)
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"no safetensors weights in {path} (model.safetensors or its index)")
-
-
-def _inside(root: Path, index: Path, name: object) -> Path:
-    def refuse(why: str) -> ValueError:
-        return ValueError(f"{index}: weight_map names {name!r}, {why}; refusing to load it")
-
-    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
-        raise refuse("which is not a plain file name")
-    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
-        raise refuse("a path outside the model folder")
-    f = root / name
-    if not f.resolve().is_relative_to(root.resolve()):
-        raise refuse("a link that leads outside the model folder")
-    return f
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

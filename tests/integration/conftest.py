@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_config import keys
 from broker_config.connection import connect
+from broker_config.stats import serving_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ class Workers:
         self, n: int = 1, *extra: str, env: dict[str, str] | None = None, timeout: float = 180.0
     ) -> list[subprocess.Popen[bytes]]:
         r = connect(self.url)
-        before = r.scard(keys.WORKERS)
+        before = serving_workers(r)
         new = []
         for _ in range(n):
             log = open(self.log_dir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
@@ -66,7 +66,7 @@ class Workers:
             self.procs.append(proc)
             new.append(proc)
         deadline = time.monotonic() + timeout
-        while r.scard(keys.WORKERS) < before + n:  # each worker heartbeats once it is ready
+        while serving_workers(r) < before + n:  # each worker's state is serving once ready
             if any(p.poll() is not None for p in new):
                 raise RuntimeError(f"a worker exited early; see {self.log_dir}")
             if time.monotonic() > deadline:

@@ -10,6 +10,7 @@ import pytest
 
 from broker_config.settings import Settings
 from gpu_workers import serve
+from gpu_workers.startup import StartError
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -19,12 +20,12 @@ def args(*argv: str) -> argparse.Namespace:
 
 
 def test_vllm_options_need_the_vllm_backend() -> None:
-    with pytest.raises(SystemExit, match="--vllm options need --backend vllm"):
+    with pytest.raises(StartError, match="--vllm options need --backend vllm"):
         serve.make_backend(args("--vllm", "max_num_seqs=8"), Settings(model_dir="unused"))
 
 
 def test_native_options_are_refused_with_the_vllm_backend() -> None:
-    with pytest.raises(SystemExit, match="give vLLM's as --vllm"):
+    with pytest.raises(StartError, match="give vLLM's as --vllm"):
         serve.make_backend(
             args("--backend", "vllm", "--engine", "block_size=32"), Settings(model_dir="unused")
         )
@@ -32,7 +33,7 @@ def test_native_options_are_refused_with_the_vllm_backend() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_vllm_backend_without_vllm_says_how_to_get_it() -> None:
-    with pytest.raises(SystemExit, match="make vllm-install"):
+    with pytest.raises(StartError, match="make vllm-install"):
         serve.make_backend(args("--backend", "vllm"), Settings(model_dir="unused"))
 
 
