@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.workload import Request, bench_model, cpu_isa, mixed  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from broker_config.stats import serving_workers  # noqa: E402
 from producer.client import Client  # noqa: E402
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -54,7 +55,7 @@ def end_to_end(a: argparse.Namespace, backend: str, url: str, reqs: list[Request
     try:
         client = Client(url)
         client.redis.flushall()
-        while not client.redis.scard(keys.WORKERS):
+        while not serving_workers(client.redis):
             if worker.poll() is not None:
                 raise SystemExit(f"the {backend} worker exited")
             time.sleep(0.2)

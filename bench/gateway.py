@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import cpu_isa  # noqa: E402
-from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis, free_port  # noqa: E402
+from broker_config.stats import serving_workers  # noqa: E402
 from producer.aio import AsyncClient  # noqa: E402
 
 
@@ -235,7 +235,7 @@ def main() -> None:
             import redis
 
             r = redis.Redis.from_url(url)
-            while r.scard(keys.WORKERS) < a.workers:
+            while serving_workers(r) < a.workers:
                 time.sleep(0.2)
             while True:
                 try:
