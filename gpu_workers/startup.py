@@ -70,14 +70,16 @@ def resolve_model(name: str, revision: str | None = None) -> Path:
     except LocalEntryNotFoundError:
         raise StartError(
             Exit.MODEL_MISSING,
-            f"model {name}{'@' + revision if revision else ''} is not in the hub cache "
-            f"({os.environ.get('HF_HUB_CACHE') or '~/.cache/huggingface/hub'}) and the hub "
-            "cannot be reached; download it where a network is, or give a local folder",
+            f"no folder {name}, and hub model {name}{'@' + revision if revision else ''} "
+            f"is not in the hub cache ({os.environ.get('HF_HUB_CACHE') or '~/.cache/huggingface/hub'})"
+            " and the hub cannot be reached; download it where a network is, or give a folder",
         ) from None
     except HFValidationError as e:
         raise StartError(Exit.USAGE, f"--model {name!r}: {e}") from None
     except Exception as e:  # the hub's answer: not found, gated, no such revision
-        raise StartError(Exit.MODEL_MISSING, f"model {name}: {type(e).__name__}: {e}") from None
+        raise StartError(
+            Exit.MODEL_MISSING, f"no folder {name}, and the hub says: {type(e).__name__}: {e}"
+        ) from None
 
 
 def check_model(path: Path, native: bool = True) -> None:
