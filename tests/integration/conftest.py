@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from broker_config import stats
 from broker_config.connection import connect
-from broker_config.stats import serving_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +28,13 @@ ENGINE_ARGS = [
 ]
 
 
+def serving_pids(r) -> set[int]:
+    """The pids of this host's workers whose heartbeat says serving (a killed worker's
+    beat lingers for three intervals, so a count would not tell the new ones apart)."""
+    live, _ = stats.workers(r, stats.redis_now_ms(r))
+    return {w.pid for w in live if w.state == "serving"}
+
+
 class Workers:
     """Worker processes serving one Redis; stopped with SIGTERM at teardown."""
 
@@ -41,7 +48,6 @@ class Workers:
         self, n: int = 1, *extra: str, env: dict[str, str] | None = None, timeout: float = 180.0
     ) -> list[subprocess.Popen[bytes]]:
         r = connect(self.url)
-        before = serving_workers(r)
         new = []
         for _ in range(n):
             log = open(self.log_dir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
@@ -66,7 +72,7 @@ class Workers:
             self.procs.append(proc)
             new.append(proc)
         deadline = time.monotonic() + timeout
-        while serving_workers(r) < before + n:  # each worker's state is serving once ready
+        while not {p.pid for p in new} <= serving_pids(r):  # each serves once it is ready
             if any(p.poll() is not None for p in new):
                 raise RuntimeError(f"a worker exited early; see {self.log_dir}")
             if time.monotonic() > deadline:
