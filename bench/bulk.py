@@ -70,7 +70,14 @@ def offline(a: argparse.Namespace, task: plan.Task, docs: list[str]) -> dict:
 
 
 def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], tmp: Path) -> dict:
-    env = {**os.environ, "PLURAI_REDIS_URL": url, "PLURAI_HEARTBEAT_INTERVAL_S": "1"}
+    # the Celery worker splits documents with PLURAI_MODEL_DIR's tokenizer: without it every
+    # document fails with model_unavailable
+    env = {
+        **os.environ,
+        "PLURAI_REDIS_URL": url,
+        "PLURAI_MODEL_DIR": a.model,
+        "PLURAI_HEARTBEAT_INTERVAL_S": "1",
+    }
     gpu_cmd = [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
     gpu_cmd += ["--log-level", "WARNING"]
     for k, v in engine_args(a).items():
@@ -122,6 +129,7 @@ def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], 
             "texts": texts,
             "status": info["status"],
             "errors": err.count("\n"),
+            "first_error": err.partition("\n")[0][:500],
             "cpu_s": cpu,
         }
     finally:
@@ -155,6 +163,7 @@ def main() -> None:
             from gpu_workers.models.factory import make_model
 
             a.model = str(make_model(tmp / "tiny-llama", family="llama", size="tiny"))
+        a.model = str(Path(a.model).resolve())  # the subprocesses run from the repository root
         task = plan.Task("summarize", max_tokens=a.max_tokens)
         docs = corpus(a.docs)
         off = offline(a, task, docs)
@@ -162,6 +171,11 @@ def main() -> None:
             configure(app, url)
             pipe = pipeline(a, url, task, docs, tmp)
     n = len(docs)
+    if pipe["errors"] or len(pipe["texts"]) != n:  # a ratio of failed documents means nothing
+        raise SystemExit(
+            f"the pipeline gave {len(pipe['texts'])} of {n} documents ({pipe['status']}); "
+            f"first error line: {pipe['first_error'] or '-'}"
+        )
     same = sum(x == y for x, y in zip(off["texts"], pipe["texts"], strict=False))
     rows = [("offline Engine.generate", off), ("batch pipeline", pipe)]
     for name, r in rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis
 
 from broker_config import keys
+from broker_config.memory import is_oom
 from broker_config.text import text
 
 
@@ -12,14 +13,25 @@ def ensure_groups(r: redis.Redis, streams: list[str]) -> None:
     """Create the `workers` group on these request streams, creating the streams too.
 
     The group starts at id 0 so entries added before any worker existed are delivered.
-    Idempotent: an existing group (BUSYGROUP) is left as it is.
+    Idempotent: an existing group (BUSYGROUP) is left as it is. A Redis at its maxmemory
+    refuses even a group that exists (OOM): that one is looked up instead, so a worker
+    restarted while Redis is full starts all the same.
     """
     for stream in streams:
         try:
             r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+            if "BUSYGROUP" in str(e) or (is_oom(e) and _has_group(r, stream)):
+                continue
+            raise
+
+
+def _has_group(r: redis.Redis, stream: str) -> bool:
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream
+        return False
+    return any(text(g["name"]) == keys.GROUP for g in groups)
 
 
 def request_streams(r: redis.Redis, lanes: list[str]) -> list[str]:

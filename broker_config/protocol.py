@@ -105,6 +105,9 @@ class Code:
     TOO_MANY_DELIVERIES = "too_many_deliveries"  # its processing failed max_deliveries times
     BAD_RECORD = "bad_record"  # the job's record or token stream in Redis has the wrong type
     INTERNAL = "internal"
+    # Refusals of a submit (nothing queued, no record): the SDK's exceptions' `code`.
+    QUEUE_FULL = "queue_full"  # the lane holds PLURAI_MAX_QUEUED_PER_LANE waiting jobs
+    REDIS_OOM = "redis_oom"  # Redis is at maxmemory (noeviction): it refuses new writes
 
 
 class WireError(CodedError):
@@ -129,7 +132,12 @@ def tenant_salt(tenant: str, cache_salt: str | None) -> str:
 
 
 def new_job_id() -> str:
-    return secrets.token_urlsafe(16)  # 128 random bits, [A-Za-z0-9_-]{22}
+    """128 random bits, [A-Za-z0-9_-]{22}, never starting with '-': a command line would
+    take such an id for an option (`plurai get -x...`)."""
+    while True:
+        job_id = secrets.token_urlsafe(16)
+        if job_id[0] != "-":
+            return job_id
 
 
 def model_name(name: str) -> str:

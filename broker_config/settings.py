@@ -183,6 +183,11 @@ class Settings(_Sourced):
     # The shared KV tier's Redis, when `--engine kv_redis_url=` does not name one (serve.py
     # connects it and hands it to the engine); here a password stays out of `ps`.
     kv_redis_url: str | None = None
+    # The vLLM backend on CPU: the share of the host's memory (or its container's limit)
+    # its KV cache takes, unless --vllm kv_cache_memory_bytes / gpu_memory_utilization or
+    # VLLM_CPU_KVCACHE_SPACE give one (vLLM's own default takes nearly all of it, so a
+    # second worker on the host cannot start); split between the ranks of --tp/--pp.
+    vllm_kv_share: float = Field(default=0.2, gt=0, le=0.9)
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>
 
     # Each worker serves Prometheus metrics on http://<metrics_host>:<metrics_port>/metrics.
@@ -197,6 +202,17 @@ class Settings(_Sourced):
     gateway_max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
     # max_tokens of a request that gives neither max_tokens nor max_completion_tokens
     gateway_default_max_tokens: int = Field(default=256, ge=1)
+    # Floods (gateway/server.py): open connections beyond the cap get 503; a request's
+    # headers, and then its body, must arrive within their timeouts (else 408); an idle
+    # kept-alive connection closes after keepalive_s; a stream whose client takes nothing
+    # for stream_stall_s is ended; open streams per API key (0: no cap) on each gateway.
+    gateway_max_connections: int = Field(default=4096, ge=1)
+    gateway_header_timeout_s: float = Field(default=10.0, gt=0)
+    gateway_body_timeout_s: float = Field(default=30.0, gt=0)
+    gateway_keepalive_s: float = Field(default=5.0, gt=0)
+    gateway_max_header_bytes: int = Field(default=64 << 10, ge=1024)  # larger heads: 431
+    gateway_stream_stall_s: float = Field(default=30.0, gt=0)
+    gateway_max_streams_per_key: int = Field(default=256, ge=0)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = (
         "text"  # json: one object per line (broker_config/logs.py)

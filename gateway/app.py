@@ -29,15 +29,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from broker_config import keys, protocol
+from broker_config.memory import is_oom
 from broker_config.settings import Settings
 from gateway import auth, openai
 from gateway.auth import Key, Unauthorized
 from gateway.metrics import GatewayMetrics
 from gateway.models import Models
 from gateway.openai import BadRequest, Job, error_body
+from gateway.server import CLOSE_EXTENSION
 from gateway.streams import DAMAGED, Streams
 from producer.aio import AsyncClient
-from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, UnknownModel
+from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, RedisFull, UnknownModel
 from producer.request import prepare
 from results import records, tokens, wait
 from results.records import JobRecord
@@ -49,6 +51,9 @@ DONE = b"data: [DONE]\n\n"
 BAD_RECORD = "the job's token stream or record in Redis is damaged"
 EXPIRED = "job {} has no record: its result expired (PLURAI_RESULT_TTL_S after it ended)"
 FINAL_POLL_S = 1.0  # how often a background job's record is read for its end
+# the most text in one SSE chunk: a send waits for its client only between chunks, so
+# this bounds what a slow reader holds in the gateway's send buffer beyond its high mark
+CHUNK_CHARS = 8192
 T = TypeVar("T")
 
 
@@ -66,8 +71,16 @@ def error(
     return JSONResponse(error_body(message, code, param, kind), status, headers=headers)
 
 
-def unavailable() -> JSONResponse:
+def unavailable(e: Exception | None = None) -> JSONResponse:
+    """503: Redis cannot be reached, or (`e` an OOM refusal) is out of memory."""
+    if e is not None and is_oom(e):
+        return redis_full(RedisFull("", 1.0))
     return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+
+
+def redis_full(e: RedisFull) -> JSONResponse:
+    """503: Redis is at its maxmemory and queues nothing until memory frees."""
+    return error(503, str(e), e.code, retry_after=e.retry_after)
 
 
 class Gateway:
@@ -80,6 +93,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.max_request_bytes = settings.gateway_max_request_bytes
         self.tasks: set[asyncio.Task] = set()  # cancels sent after a client left
+        self.open_streams = OpenStreams(settings.gateway_max_streams_per_key)
         # without API keys, only a gateway listening on loopback serves (open)
         self.loopback = auth.loopback(settings.gateway_host)
         self.keyed = (False, -1.0)  # whether keys exist, and when that was read
@@ -253,13 +267,23 @@ class Gateway:
             return error(404, str(e), "model_not_found", "model")
         except redis.RedisError:
             return unavailable()
+        slot = self.open_streams.take(key) if job.stream else None
+        if job.stream and slot is None:
+            cap = self.settings.gateway_max_streams_per_key
+            message = (
+                f"this API key has {cap} streams open on this gateway "
+                "(PLURAI_GATEWAY_MAX_STREAMS_PER_KEY): wait for one to end"
+            )
+            return error(429, message, "too_many_streams", retry_after=1, kind="rate_limit_error")
         lease = Lease(self.client.redis, key, sub.job_id)
         try:
-            refused = await lease.admit(_tokens(options))
+            refused = await lease.admit(_tokens(options), options["max_tokens"])
             if refused is not None:
                 return refused
             try:
                 job_id = (await self.client.send([sub]))[0].id
+            except RedisFull as full:  # before QueueFull, of which it is one
+                return redis_full(full)
             except QueueFull as full:
                 return error(429, str(full), "queue_full", retry_after=full.retry_after)
             except BadIdempotencyKey:
@@ -271,14 +295,18 @@ class Gateway:
             if job_id != sub.job_id and not await self.client.redis.exists(keys.job(job_id)):
                 # an Idempotency-Key's earlier job, whose record has expired: nothing comes
                 return error(404, EXPIRED.format(job_id), "job_expired")
-            if job.stream:
-                return await self.stream(request, job, job_id, lease, job_id == sub.job_id)
+            if slot is not None:
+                return await self.stream(request, job, job_id, lease, slot, job_id == sub.job_id)
             return await self.whole(request, job, job_id, lease)
-        except redis.RedisError:
-            return unavailable()
+        except redis.RedisError as e:  # an OOM here: the key's limits could not be counted
+            return unavailable(e)
         finally:
+            if slot is not None and not slot.passed:
+                slot.release()
             if not lease.passed:
                 await lease.close()
+                if lease.counted:  # the job has ended, was cancelled, or was never queued
+                    self._later(lease.settle())
 
     async def whole(self, request: Request, job: Job, job_id: str, lease: Lease) -> Response:
         """Wait for the job's result; a client that leaves first cancels it (unless the
@@ -323,7 +351,13 @@ class Gateway:
         return error(openai.STATUS.get(code, 500), rec.error_message or code, code)
 
     async def stream(
-        self, request: Request, job: Job, job_id: str, lease: Lease, new: bool = True
+        self,
+        request: Request,
+        job: Job,
+        job_id: str,
+        lease: Lease,
+        slot: StreamSlot,
+        new: bool = True,
     ) -> Response:
         assert self.client is not None
         assert self.streams is not None
@@ -349,6 +383,7 @@ class Gateway:
         body = self._sse(job, job_id, created, first, ev, rest, batches, follower)
 
         async def close(complete: bool) -> None:
+            slot.release()
             await body.aclose()
             await batches.aclose()  # when the body never started
             if complete:
@@ -358,9 +393,11 @@ class Gateway:
             else:  # the client left mid-stream
                 self._cancel_later(job_id)
                 self._later(lease.close())
+            if lease.counted:
+                self._later(lease.settle())
 
-        lease.passed = True  # the stream closes it when it ends
-        return _EventStream(body, close)
+        lease.passed = slot.passed = True  # the stream closes them when it ends
+        return _EventStream(body, close, self.settings.gateway_stream_stall_s)
 
     async def _sse(
         self,
@@ -402,9 +439,10 @@ class Gateway:
                     if end is None:
                         end = take(rest)
                     while end is None:
-                        if text:
-                            yield _event(openai.chunk(job, job_id, created, text, first=head))
-                            text, head = "", False
+                        while text:
+                            piece, text = text[:CHUNK_CHARS], text[CHUNK_CHARS:]
+                            yield _event(openai.chunk(job, job_id, created, piece, first=head))
+                            head = False
                         batch = await anext(batches, None)
                         if batch is None:
                             break
@@ -414,6 +452,10 @@ class Gateway:
                         self._cancel_later(job_id)
                     yield failed(str(e), "job_restarted")
                     return
+            while len(text) > CHUNK_CHARS:  # all but the closing chunk's text
+                piece, text = text[:CHUNK_CHARS], text[CHUNK_CHARS:]
+                yield _event(openai.chunk(job, job_id, created, piece, first=head))
+                head = False
             if (
                 end is not None
                 and end.state == records.COMPLETED
@@ -514,23 +556,69 @@ def _tokens(options: dict[str, Any]) -> int:
     return prompt + options["max_tokens"]
 
 
+class StreamSlot:
+    """One open stream of a key, counted until `release` (once)."""
+
+    def __init__(self, owner: OpenStreams, name: str) -> None:
+        self.owner, self.name = owner, name
+        self.passed = False  # its release is up to the stream's close
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.owner.release(self.name)
+
+
+class OpenStreams:
+    """The streams each API key has open on this gateway process, up to `cap` (0: no cap);
+    an open gateway's requests (no key) share one count."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.count: dict[str, int] = {}
+
+    def take(self, key: Key | None) -> StreamSlot | None:
+        name = key.id if key is not None else ""
+        n = self.count.get(name, 0)
+        if self.cap and n >= self.cap:
+            return None
+        self.count[name] = n + 1
+        return StreamSlot(self, name)
+
+    def release(self, name: str) -> None:
+        n = self.count.get(name, 0) - 1
+        if n > 0:
+            self.count[name] = n
+        else:
+            self.count.pop(name, None)
+
+
 class Lease:
     """A request's quota: admitted (counted) before its job is queued, its concurrency slot
-    renewed while the response is open and released when it ends."""
+    renewed while the response is open and released when it ends, and the tokens its job
+    did not generate given back to the key's tokens per minute once it has ended."""
 
     def __init__(self, r: redis.asyncio.Redis, key: Key | None, job_id: str) -> None:
         self.r, self.key, self.job_id = r, key, job_id
         self.passed = False  # its close is up to a stream or a background task
         self.held = False  # whether it may hold a concurrency slot, for `close` to release
         self.renewing: asyncio.Task | None = None
+        self.counted = 0  # tokens counted against tpm at admission (0: none)
+        self.max_tokens = 0
+        self.admitted_at = 0.0
 
-    async def admit(self, tokens_: int) -> Response | None:
-        """None when admitted; else the 429 to answer."""
+    async def admit(self, tokens_: int, max_tokens: int = 0) -> Response | None:
+        """None when admitted; else the 429 to answer. `max_tokens`: of `tokens_`, what
+        `settle` may give back (0: nothing)."""
         if self.key is None or not self.key.limited:
             return None
         # from the call on: an error may come after the script took the slot
         self.held = bool(self.key.concurrent)
         verdict = await auth.admit(self.r, self.key, tokens_, self.job_id)
+        if verdict.admitted and self.key.tpm and max_tokens > 0:
+            self.counted, self.max_tokens = tokens_, max_tokens
+            self.admitted_at = time.monotonic()
         if not verdict.admitted:
             self.held = False
             return error(
@@ -567,6 +655,33 @@ class Lease:
             pass  # released below if Redis takes it; else the slot's lease runs out
         finally:
             await self.close()
+        await self.settle()
+
+    async def settle(self, output_tokens: int | None = None) -> None:
+        """Give back the tokens the job did not generate (max_tokens less its output) to
+        the key's tokens per minute, once it has ended (`output_tokens`: known already;
+        else its record is read until it is final, while the admission is still in the
+        minute window). Once per request."""
+        counted, self.counted = self.counted, 0
+        if not counted or self.key is None:
+            return
+        window_end = self.admitted_at + auth.WINDOW_MS / 1000
+        try:
+            while output_tokens is None:
+                state, final, out = await self.r.hmget(
+                    keys.job(self.job_id), "state", "final", "output_tokens"
+                )
+                if state is None or final is not None:
+                    output_tokens = _count(out)
+                elif time.monotonic() > window_end:
+                    return  # the admission has left the window: nothing to give back
+                else:
+                    await asyncio.sleep(FINAL_POLL_S)
+            await auth.refund(
+                self.r, self.key, self.job_id, counted, self.max_tokens - output_tokens
+            )
+        except redis.RedisError as e:  # the tokens stay counted until the window passes
+            log.warning("could not give back a job's unused tokens: %s", e)
 
     async def close(self) -> None:
         if self.renewing is not None:
@@ -580,6 +695,13 @@ class Lease:
             await auth.release(self.r, self.key, self.job_id)
         except redis.RedisError:  # the slot's lease runs out instead
             log.warning("could not release a concurrency slot; it expires")
+
+
+def _count(v: Any) -> int:
+    """A record's count field (bytes, str or None); 0 when absent or not a count."""
+    if isinstance(v, bytes):
+        v = v.decode("ascii", "replace")
+    return int(v) if isinstance(v, str) and v.isascii() and v.isdigit() else 0
 
 
 class _Gone(Exception):
@@ -642,15 +764,24 @@ class _EventStream(Response):
     over, sent whole or not. A client that leaves ends the body at once, even one that
     left before anything was sent (so the body's own `finally` cannot be relied on to
     release what it holds: `close` does). `data: [DONE]` is every stream's last event, so
-    the chunk that carries it also ends the response, in the same write."""
+    the chunk that carries it also ends the response, in the same write.
+
+    A client that reads slowly holds up the sends (the server takes a chunk only once
+    the previous ones have mostly left), and so the reading of its token stream
+    (streams.py): what waits stays in Redis. One that takes nothing for `stall_s` (None:
+    no limit) is ended, as a client that left (its connection is dropped)."""
 
     media_type = SSE
 
     def __init__(
-        self, body: AsyncIterator[bytes], close: Callable[[bool], Awaitable[None]]
+        self,
+        body: AsyncIterator[bytes],
+        close: Callable[[bool], Awaitable[None]],
+        stall_s: float | None = None,
     ) -> None:
         self.body_iterator = body
         self.close = close
+        self.stall_s = stall_s
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -669,20 +800,38 @@ class _EventStream(Response):
             if streaming:
                 task.cancel()
 
+        async def put(message: dict[str, Any]) -> None:
+            try:
+                async with asyncio.timeout(self.stall_s):
+                    await send(message)
+            except TimeoutError:
+                log.warning(
+                    "a stream's client took nothing for %g s (PLURAI_GATEWAY_STREAM_STALL_S): "
+                    "ended",
+                    self.stall_s,
+                )
+                drop = scope.get("extensions", {}).get(CLOSE_EXTENSION)
+                if drop is None:  # another server: it closes a response left unfinished
+                    raise _Gone from None
+                drop()
+                raise _Gone from None
+
         watcher = asyncio.ensure_future(watch())
         try:
             streaming = True
             await asyncio.sleep(0)  # a client already gone is seen before anything is sent
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await put({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             last = False
             async for chunk in self.body_iterator:
                 last = chunk.endswith(DONE)
-                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                await put({"type": "http.response.body", "body": chunk, "more_body": not last})
                 if last:
                     break
             if not last:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await put({"type": "http.response.body", "body": b"", "more_body": False})
             complete = True
+        except _Gone:
+            pass
         except asyncio.CancelledError:
             if not left:
                 raise

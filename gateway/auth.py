@@ -15,7 +15,9 @@ set scored by admission time, with the sum of their tokens kept alongside), so a
 rpm=10 never gets an 11th request in any 60 s, whatever the wall clock's minute; a fixed
 window would admit 20 across a minute boundary. The set holds at most rpm entries (or one
 per admission within the minute when only tpm is limited) and expires a minute after the
-last admission.
+last admission. A request is counted at admission as its prompt estimate plus its
+max_tokens; once its job has ended, the tokens it did not generate are given back
+(`refund`) if its admission is still in the window.
 
 Running jobs hold a slot in a sorted set scored by a lease expiry; the gateway renews the
 lease while the job runs (`renew`) and releases it at the end (`release`). Expired leases
@@ -27,6 +29,7 @@ its lease.
     if not verdict.admitted: ...                      # 429, Retry-After: verdict.retry_after
     ...
     await auth.release(r, key, job_id)
+    await auth.refund(r, key, job_id, tokens, max_tokens - output_tokens)
 """
 
 from __future__ import annotations
@@ -525,7 +528,34 @@ if redis.call('PTTL', KEYS[1]) < lease then redis.call('PEXPIRE', KEYS[1], lease
 return 1
 """
 
-_SCRIPTS = {"ADMIT": ADMIT, "RENEW": RENEW}
+# KEYS: window (sorted set), window tokens (string)
+# ARGV: window ms, job id, tokens counted at admission, tokens to give back
+# Returns the tokens given back: 0 when the admission is no longer in the window (or was
+# given back already, its member renamed), so a retried call gives nothing twice.
+REFUND = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'zset' then return 0 end
+local old = ARGV[2] .. ':' .. ARGV[3]
+local score = redis.call('ZSCORE', KEYS[1], old)
+if not score then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if tonumber(score) <= now - tonumber(ARGV[1]) then return 0 end
+local back = math.min(tonumber(ARGV[4]), tonumber(ARGV[3]))
+if back <= 0 then return 0 end
+redis.call('ZREM', KEYS[1], old)
+redis.call('ZADD', KEYS[1], score, ARGV[2] .. ':' .. string.format('%d', tonumber(ARGV[3]) - back))
+if redis.call('TYPE', KEYS[2]).ok == 'string' then
+  local used = tonumber(redis.call('GET', KEYS[2]) or '')
+  if used ~= nil and used >= back then
+    redis.call('DECRBY', KEYS[2], back)
+  else
+    redis.call('DEL', KEYS[2])
+  end
+end
+return back
+"""
+
+_SCRIPTS = {"ADMIT": ADMIT, "RENEW": RENEW, "REFUND": REFUND}
 _SHA = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in _SCRIPTS.items()}
 
 
@@ -616,6 +646,18 @@ async def renew(r: redis.asyncio.Redis, key: Key, job_id: str, lease_s: float = 
     if not key.concurrent:
         return True
     return _reply_int(await _run(r, "RENEW", [keys.quota_running(key.id)], [job_id, lease])) == 1
+
+
+async def refund(r: redis.asyncio.Redis, key: Key, job_id: str, counted: int, unused: int) -> int:
+    """Give back `unused` of the `counted` tokens a job was admitted with (its max_tokens
+    less the tokens it generated) to the key's tokens per minute, while its admission is
+    still in the window; once per admission. Returns the tokens given back."""
+    if not key.tpm or unused <= 0:
+        return 0
+    if type(counted) is not int or not 0 <= counted <= MAX_TOKENS:
+        raise ValueError(f"counted: an integer from 0 to {MAX_TOKENS}, got {counted!r}")
+    names = [keys.quota_window(key.id), keys.quota_tokens(key.id)]
+    return _reply_int(await _run(r, "REFUND", names, [WINDOW_MS, job_id, counted, unused]))
 
 
 async def release(r: redis.asyncio.Redis, key: Key, job_id: str) -> bool:

@@ -47,6 +47,7 @@ from broker_config import keys
 from broker_config.celery_app import app as celery_app
 from broker_config.celery_app import configure
 from broker_config.connection import connect
+from broker_config.memory import is_oom
 from broker_config.settings import BulkSettings
 from broker_config.text import text, valid_text
 from gateway import auth
@@ -329,8 +330,8 @@ def _endpoint(route: str) -> Callable[[Handler], Handler]:
             except ClientDisconnect:
                 response = Response(status_code=499)  # nobody reads it
             except redis.ResponseError as e:
-                if str(e).startswith("OOM"):  # an upload can fill it
-                    response = error(503, "the queue's Redis is out of memory", "redis_oom")
+                if is_oom(e):  # an upload can fill it: 503 redis_oom, Retry-After
+                    response = unavailable(e)
                 else:
                     log.warning("%s: Redis refused a command: %s", route, e)
                     response = error(500, "the stored record is damaged", "internal")

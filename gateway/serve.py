@@ -1,4 +1,5 @@
-"""The `plurai gateway` entry: settings, the Redis URL, then uvicorn serving the app.
+"""The `plurai gateway` entry: settings, the Redis URL, then uvicorn serving the app (with
+server.py's guards against floods and slow clients).
 
 plurai gateway [--host 127.0.0.1] [--port 8000] [--url redis://...]
 """
@@ -74,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         url = resolve_url(settings.redis_url, settings)
     except ValueError as e:
         raise SystemExit(f"plurai gateway: {e}") from e
-    import uvicorn
-
+    from broker_config import memory
     from broker_config.connection import connect
-    from gateway import auth
+    from gateway import auth, server
 
     try:
-        keyed = auth.any_keys(connect(url))
+        r = connect(url)
+        keyed = auth.any_keys(r)
+        memory.check_policy(r)  # an evicting Redis would drop jobs and results
+    except memory.EvictingRedis as e:
+        raise SystemExit(f"plurai gateway: {e}") from e
     except Exception as e:  # noqa: BLE001 - any failure here is reported, not raised
         raise SystemExit(f"plurai gateway: cannot reach Redis: {redact(str(e))}") from e
     if not keyed and auth.loopback(settings.gateway_host):
@@ -102,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.gateway_port,
         redact(url),
     )
-    uvicorn.run(
-        app,
-        host=settings.gateway_host,
-        port=settings.gateway_port,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    server.run(app, settings)
     return 0
 
 

@@ -6,6 +6,11 @@ step; a worker writes the deltas of all its running jobs at once, so one XREAD o
 followed stream returns them together. A stream that starts being followed while the
 reader is blocked is picked up at once: the reader's XREAD also watches this gateway's
 wake-up stream, which `follow` writes to.
+
+A stream whose client is behind (its response waits on a slow reader) is not read while
+it holds MAX_QUEUED batches, or MAX_QUEUED_CHARS of text, not yet taken: its tokens wait
+in Redis, not in the gateway, and reading it resumes (with a wake-up) once its client
+takes one.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ log = logging.getLogger("plurai.gateway")
 BLOCK_MS = 5000
 READ_TIMEOUT_S = BLOCK_MS / 1000 + 10  # an XREAD not back by then went to a dead connection
 WAKE_TTL_S = 60
+MAX_QUEUED = 4  # batches (of up to 256 entries) read ahead of a stream's client
+MAX_QUEUED_CHARS = 64 << 10  # and their text
 # what parsing a damaged entry or record raises (token_ids nested too deep: RecursionError)
 DAMAGED = (ValueError, TypeError, RecursionError)
 
@@ -39,6 +46,15 @@ class Follow:
         self.reader = tokens.Reader(job_id)
         self.queue: asyncio.Queue[list[tokens.Event] | BaseException] = asyncio.Queue()
         self.done = False  # its end (or an error) is delivered: no need to read it again
+        self.paused = False  # left out of the reads: MAX_QUEUED batches wait for its client
+        self.chars = 0  # the text of the batches queued
+
+    def put(self, batch: list[tokens.Event]) -> None:
+        self.chars += sum(len(e.text) for e in batch)
+        self.queue.put_nowait(batch)
+
+    def full(self) -> bool:
+        return self.queue.qsize() >= MAX_QUEUED or self.chars >= MAX_QUEUED_CHARS
 
 
 class Streams:
@@ -74,22 +90,30 @@ class Streams:
         try:
             if self.task is None or self.task.done():
                 self.task = asyncio.ensure_future(self._run())
-            self.idle.set()  # a reader waiting for work takes this stream in its next read
-            if self.blocked and not self.woken:  # a reader blocked on others must read again
-                self.woken = True  # one wake-up brings in every stream followed meanwhile
-                pipe = self.r.pipeline(transaction=False)
-                pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
-                pipe.expire(self.wake_key, WAKE_TTL_S)
-                await pipe.execute()
+            await self._wake()
             while True:
                 batch = await f.queue.get()
                 if isinstance(batch, BaseException):
                     raise batch
+                f.chars -= sum(len(e.text) for e in batch)
+                if f.paused and not f.done:  # its client caught up: read it again
+                    f.paused = False
+                    await self._wake()
                 yield batch
                 if batch[-1].type == tokens.END:
                     return
         finally:
             self.followed.pop(f.reader.key, None)
+
+    async def _wake(self) -> None:
+        """Have the reader take in the streams followed (or resumed) since its last read."""
+        self.idle.set()  # a reader waiting for work takes them in its next read
+        if self.blocked and not self.woken:  # a reader blocked on others must read again
+            self.woken = True  # one wake-up brings in every stream followed meanwhile
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+            pipe.expire(self.wake_key, WAKE_TTL_S)
+            await pipe.execute()
 
     async def close(self) -> None:
         """Stop the reader (at shutdown). A blocked XREAD may hold the cancel until it
@@ -100,8 +124,10 @@ class Streams:
 
     async def _run(self) -> None:
         while True:
+            for f in self.followed.values():
+                f.paused = f.paused or f.full()
             request: dict[Any, Any] = {
-                k: f.reader.last_id for k, f in self.followed.items() if not f.done
+                k: f.reader.last_id for k, f in self.followed.items() if not f.done and not f.paused
             }
             if not request:  # a stream whose end was read is not read again
                 self.idle.clear()
@@ -169,11 +195,11 @@ class Streams:
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
                 f.done = True
                 if batch:
-                    f.queue.put_nowait(batch)
+                    f.put(batch)
                 f.queue.put_nowait(e)
                 continue
             if batch:
-                f.queue.put_nowait(batch)
+                f.put(batch)
 
 
 def _unreadable(e: Exception) -> bool:

@@ -277,7 +277,8 @@ class Intake:
             extra={"job_id": job_id, "lane": lane, "code": Code.TOO_MANY_DELIVERIES},
         )
         self.metrics.dead_lettered.labels("too_many_deliveries").inc()
-        self.writer.execute([self._dead_letter_command(lane, entry_id, fields, error)])
+        dead = self._dead_letter_command(lane, entry_id, fields, error)
+        self.writer.acks += self.writer.execute([dead])  # refused for now: sent again later
         code = Code.TOO_MANY_DELIVERIES
         self.writer.store([self.writer.failed(job_id, lane, (stream, entry_id), code, error)])
 
@@ -294,7 +295,9 @@ class Intake:
         log.warning("entry %s on %s has no job id; moved to %s", entry_id, lane, keys.DEAD_LETTER)
         self.metrics.dead_lettered.labels(reason).inc()
         dead = self._dead_letter_command(lane, entry_id, fields, error)
-        self.writer.execute([dead, *jobs.ack(stream, entry_id)])
+        if self.writer.execute([dead]):  # refused for now (Redis is full): left pending,
+            return  # to be dead-lettered by whoever reclaims it
+        self.writer.execute(jobs.ack(stream, entry_id))
 
     def _dead_letter_command(
         self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str

@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from broker_config import locks, logs
+from broker_config import locks, logs, memory
 from broker_config.connection import connect, redact
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
 from gpu_workers.backend import Backend
@@ -218,6 +218,10 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
         log.info("start: connecting to Redis at %s", redact(url))
         r = connect(url)
         wait_for_redis(r, url, settings.redis_wait_s)
+        try:
+            memory.check_policy(r)  # before the model loads: an evicting Redis loses results
+        except memory.EvictingRedis as e:
+            raise StartError(Exit.REDIS_CONFIG, str(e)) from None
         worker_id = settings.worker_id or new_worker_id()
         with Starting(r, worker_id, settings.model, settings.heartbeat_interval_s) as starting:
             starting.enter(f"loading model ({'native' if native else 'vllm'} backend)")

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from broker_config import keys, protocol
+from broker_config import keys, memory, protocol
 from broker_config.groups import ensure_groups
 from broker_config.protocol import Code
 from broker_config.settings import Settings
@@ -89,7 +89,11 @@ class Worker:
         self.stopping = True
 
     def run(self) -> None:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._forget()  # the `starting` heartbeat: gone from `plurai status` now
+            raise
         self._heartbeat()
         log.info(
             "worker %s ready: model %r, lanes %s, %d shard(s)",
@@ -114,6 +118,9 @@ class Worker:
                         log.warning("consumer groups are gone (Redis lost its data?); recreating")
                         ensure_groups(self.r, self.intake.streams())
                         continue
+                    if memory.is_oom(e):
+                        self._redis_full(e, outage)
+                        continue
                     failure: redis.RedisError = e
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     failure = e
@@ -135,10 +142,22 @@ class Worker:
             log.exception(
                 "%d result(s) not stored; their entries stay pending", len(self.writer.unsent)
             )
+        else:
+            if self.writer.unsent:  # refused for now (a full Redis): rerun elsewhere
+                log.error(
+                    "%d result(s) not stored (Redis refused them); their entries stay "
+                    "pending and are run again",
+                    len(self.writer.unsent),
+                )
         # After a crash every job it ran is a suspect: its attempt counts.
         self._hand_back(failed="the worker crashed while running it" if crashed else "")
         self.cancels.close()
         self.writer.close()
+        self._forget()
+        log.info("worker %s stopped after %d jobs", self.id, self.jobs_done)
+
+    def _forget(self) -> None:
+        """Remove this worker's heartbeat and its id in the workers set."""
         try:
             pipe = self.r.pipeline(transaction=False)
             pipe.delete(keys.worker(self.id))
@@ -146,15 +165,22 @@ class Worker:
             pipe.execute(raise_on_error=False)
         except redis.RedisError as e:
             log.warning("could not remove this worker's heartbeat (%s); it expires", e)
-        log.info("worker %s stopped after %d jobs", self.id, self.jobs_done)
 
     def iterate(self) -> None:
         """One turn: kept results, new work, cancels and deadlines, one step, heartbeat."""
         self.writer.flush()  # results kept through a Redis outage
-        if not self.engine.has_unfinished():
+        idle = not self.engine.has_unfinished()
+        if idle and self.writer.unsent and self.writer.refusal is not None:
+            raise self.writer.refusal  # nothing to step: back off before sending them again
+        if idle:
             self.writer.settle()  # the last step's acks, before waiting for work
         if not self.stopping:
-            self._fill()
+            try:
+                self._fill()
+            except redis.ResponseError as e:
+                # a full Redis refuses to start new jobs, not to step the running ones
+                if not (memory.is_oom(e) and self.engine.has_unfinished()):
+                    raise
         self._poll_cancels()
         self._expire_deadlines()
         if self.engine.has_unfinished():
@@ -351,6 +377,21 @@ class Worker:
         held = self.writer.deltas([delta]) if delta is not None else []
         self.writer.store(held + [self._end(run, state, finish_reason, code, message)])
 
+    def _redis_full(self, e: redis.ResponseError, outage: Outage) -> None:
+        """Redis is at its maxmemory: it refused this turn's writes, and made none of them
+        (a script's first write refused ends it). The running jobs step on; their streams
+        are rewritten from the whole text at their next write that Redis takes, and the
+        results of finished ones are kept and sent again every turn, their entries left
+        pending until stored. Nothing new starts (BEGIN is refused)."""
+        self.metrics.redis_errors.inc()
+        self._lost_writes()
+        if time.monotonic() >= self._next_beat:  # a turn cut short still renews the leases
+            try:
+                self._heartbeat()
+            except redis.RedisError as beat_failed:
+                log.warning("heartbeat failed while Redis is full: %s", beat_failed)
+        outage.full(e, len(self.writer.unsent), idle=not self.engine.has_unfinished())
+
     def _lost_writes(self) -> None:
         """Redis failed: writes sent since the last reply may be lost, and a Redis restarted
         from its append-only file may have lost the last ones it acknowledged. Each running
@@ -440,6 +481,8 @@ class Worker:
                 del self.running[entry.job_id]
                 self.engine.abort(entry.job_id)
             self.held = [e for e in self.held if e is not entry]
+        for stream, ids in self.writer.kept_entries().items():  # results Redis refused
+            jobs.run(self.r, jobs.renew(stream=stream, consumer=self.id, entry_ids=ids))
         for job_id, flag in self.beat.check(list(self.running)):
             run = self.running.pop(job_id)
             self.engine.abort(job_id)

@@ -19,17 +19,30 @@ import redis
 
 from broker_config import fastpipe, keys
 from broker_config.connection import is_cluster
+from broker_config.memory import is_oom
 from broker_config.settings import Settings
 from results import jobs, records
 from results.records import now_ms
 
 log = logging.getLogger("plurai.worker")
 
-# Refusals that end by themselves (memory freed, failover done, data loaded).
+# Refusals that end by themselves (memory freed, failover done, data loaded). redis-py
+# raises most as their own classes, their code cut off the message; BUSY stays in it.
 PASSING = frozenset({"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN"})
+PASSING_ERRORS = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+)
 
 
 def passing(e: redis.ResponseError) -> bool:
+    """A refusal that ends by itself; a Lua script's write refused for memory is one too
+    (Redis 6 answers it as the script's error, its OOM reply inside)."""
+    if isinstance(e, PASSING_ERRORS) or is_oom(e):
+        return True
     return str(e).split(" ", 1)[0] in PASSING
 
 
@@ -39,6 +52,9 @@ class Writer:
         # A job's deltas since its last reset are never trimmed away.
         self.out_maxlen = max(settings.output_maxlen, settings.max_tokens_limit + 64)
         self.unsent: list[jobs.Call] = []  # FINALIZE calls not yet known to be stored
+        # why Redis refused the kept results for now (OOM, READONLY, ...), None if it did not
+        self.refusal: redis.ResponseError | None = None
+        self._refused: redis.ResponseError | None = None
         self.acks: list[list[Any]] = []  # commands due once their call's reply came back
         self.cluster = is_cluster(r)
         self._conn: Any = None  # the packed writes' own connection
@@ -173,9 +189,14 @@ class Writer:
     def settle(self) -> None:
         """An idle worker's turn: read the last replies and send the acks they made due."""
         self.collect()
+        self._send_acks()
+
+    def _send_acks(self) -> None:
+        """The commands due after stored results; one Redis refuses for now (a full Redis
+        refuses a dead letter's XADD) waits for the next turn."""
         if self.acks:
             acks, self.acks = self.acks, []
-            self.execute(acks)
+            self.acks += self.execute(acks)
 
     def _pipeline(self, items: list[jobs.Call | list[Any]]) -> list[Any]:
         try:
@@ -192,11 +213,11 @@ class Writer:
         kept from before; those not stored (Redis away, or refusing for now) are kept."""
         self.unsent += calls
         self.collect()
+        self._refused = None
         again = self.execute(self.unsent)  # a lost connection raises here: all are kept
         self.unsent = [c for c in again if isinstance(c, jobs.Call)]
-        if self.acks:
-            acks, self.acks = self.acks, []
-            self.execute(acks)
+        self.refusal = self._refused if self.unsent else None
+        self._send_acks()
 
     def flush(self) -> None:
         """Send the kept results (and the acks their replies make due)."""
@@ -205,6 +226,15 @@ class Writer:
             self.store([])
             if not self.unsent:
                 log.info("stored %d kept result(s)", n)
+
+    def kept_entries(self) -> dict[str, list[Any]]:
+        """The request entries of the kept results, by stream: still pending here, their
+        leases to renew while Redis refuses the results (a full Redis takes renewals)."""
+        out: dict[str, list[Any]] = {}
+        for call in self.unsent:
+            for command in call.then[:1]:  # ["XACK", stream, group, entry id]
+                out.setdefault(command[1], []).append(command[3])
+        return out
 
     def keep(self, calls: list[jobs.Call]) -> None:
         """Keep the results among writes that may not have reached Redis, to send again (a
@@ -239,6 +269,7 @@ class Writer:
                 continue
             if passing(rep):
                 again.append(item)
+                self._refused = rep
             else:
                 name = item.script if isinstance(item, jobs.Call) else item[0]
                 log.error("redis refused a %s call (%s); dropped", name, rep)
@@ -267,13 +298,34 @@ class Outage:
     """The worker loop's answer to Redis failing: exponential backoff (0.1 s doubling to
     5 s), and an exit once it has failed for `budget_s` (0: never)."""
 
+    FULL_LOG_S = 30.0  # a Redis that stays full is logged again after this
+
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
         self.backoff = 0.1
         self.since: float | None = None
+        self._full_logged = -self.FULL_LOG_S
 
     def over(self) -> None:
         self.backoff, self.since = 0.1, None
+
+    def full(self, e: redis.RedisError, kept: int, idle: bool) -> None:
+        """Redis is at its maxmemory and refuses writes. It answers, so this is no outage:
+        the worker never exits for it (the results it keeps would go with it), its running
+        jobs go on, and it waits the back-off only when `idle` (nothing to step)."""
+        now = time.monotonic()
+        if now - self._full_logged >= self.FULL_LOG_S:
+            self._full_logged = now
+            log.error(
+                "Redis is out of memory (%s): %d result(s) kept and retried, no new job "
+                "starts until it takes writes again; free memory or raise its maxmemory "
+                '(docs/operations.md, "Memory")',
+                e,
+                kept,
+            )
+        if idle:
+            time.sleep(self.backoff)
+            self.backoff = min(2 * self.backoff, 5.0)
 
     def wait(self, e: redis.RedisError, kept: int) -> None:
         if isinstance(e, redis.ResponseError):

@@ -5,7 +5,10 @@ after `ttl_s`; Redis `maxmemory` with an eviction policy such as allkeys-lru may
 of them at any time, which is only a miss. Writes go through a background thread in
 pipelined batches, so the engine step never waits on them; reads are one pipelined round
 trip per lookup; the caller decodes and checks what it reads. Redis being down or full degrades to misses and dropped writes, never
-to an error for a request.
+to an error for a request. The writer's queue is bounded in blocks and in bytes
+(`max_pending_bytes`): what does not fit is dropped, never waited for. A Redis at its
+maxmemory that refuses writes (OOM, policy noeviction) stops the writes for a while,
+doubling up to a minute while it stays full; its reads go on meanwhile.
 
 Authentication: with a secret (`PLURAI_KV_SECRET` unless given), every block written
 carries an HMAC-SHA256 of the secret over its header and payload, and every block read is
@@ -21,6 +24,7 @@ import enum
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from typing import Any
@@ -30,6 +34,7 @@ import torch
 
 from broker_config import keys
 from broker_config.connection import is_cluster
+from broker_config.memory import is_oom
 from kv_store import block_format
 
 log = logging.getLogger(__name__)
@@ -45,12 +50,30 @@ FROM_ENV = _Env.SECRET  # RedisTier's default: the secret comes from the environ
 # what a Redis being down, full or gone raises; a Redis Cluster with no node left to reach
 # raises RedisClusterException, which is not a RedisError
 ERRORS = (redis.RedisError, redis.RedisClusterException)
+MAX_PENDING_BYTES = 256 << 20  # blocks queued for the writer, at most
+FULL_BACKOFF_MAX_S = 60.0
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 
 
 def secret_from_env() -> bytes | None:
     """PLURAI_KV_SECRET as bytes; None when it is unset or empty."""
     value = os.environ.get(SECRET_ENV, "")
     return value.encode() if value else None
+
+
+def fingerprint_bytes(fingerprint: Any) -> bytes:
+    """The model fingerprint (it names the keys, and the block header keeps 16 bytes of it)
+    as bytes. Raises ValueError, before any writer thread starts, for anything but a str
+    of an even number of lowercase hex digits, as bytes.hex() writes them: bytes.fromhex
+    alone also takes capitals, spaces and newlines, which would name keys no other worker
+    of the model reads."""
+    if not isinstance(fingerprint, str) or not _HEX.fullmatch(fingerprint):
+        shown = fingerprint[:40] if isinstance(fingerprint, str | bytes) else fingerprint
+        raise ValueError(
+            "the KV tier's model fingerprint must be a str of an even number of lowercase "
+            f"hex digits (the engine's model_fingerprint), not {shown!r}"
+        )
+    return bytes.fromhex(fingerprint)
 
 
 class RedisTier:
@@ -62,23 +85,24 @@ class RedisTier:
         max_pending: int = 1024,
         retry_after_s: float = 5.0,
         secret: bytes | None | _Env = FROM_ENV,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
-        try:
-            fp = bytes.fromhex(fingerprint)
-        except ValueError:
-            fp = b""
-        if not fp:  # it names the keys, and the block header keeps 16 bytes of it
-            raise ValueError(
-                f"the KV tier's model fingerprint must be hex digits, not {fingerprint[:40]!r}"
-            )
         self.r = r
-        self.fp = fp
+        self.fp = fingerprint_bytes(fingerprint)
         self.secret = (secret_from_env() if isinstance(secret, _Env) else secret) or None
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
         self.pending: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_pending)
+        # the queue's blocks, bounded in bytes too: a block of a large model is megabytes
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0  # queued and being written
+        self._bytes_lock = threading.Lock()
         self.down_until = 0.0  # after an error, skip Redis for a while instead of stalling
+        # after an OOM reply (Redis at maxmemory, noeviction): writes are dropped for a
+        # while, doubling from 1 s to a minute while Redis stays full; reads go on
+        self.writes_paused_until = 0.0
+        self.full_backoff_s = 0.0
         self.dropped = 0  # writes not made: queue full, or Redis down or full
         self.errors = 0
         self.refused = 0  # entries read whose MAC was missing or wrong (with a secret)
@@ -87,6 +111,20 @@ class RedisTier:
 
     def key(self, h: bytes) -> str:
         return keys.kv_block(self.fingerprint, h.hex())
+
+    def _full(self, e: Exception) -> None:
+        """Redis refused writes for memory: its blocks stay readable, so only writes stop,
+        and a refused batch is not sent again and again (Redis reads the whole of each)."""
+        self.errors += 1
+        self.full_backoff_s = min(max(1.0, 2 * self.full_backoff_s), FULL_BACKOFF_MAX_S)
+        self.writes_paused_until = time.monotonic() + self.full_backoff_s
+        log.warning(
+            "Redis KV tier is out of memory (%s); KV blocks are not written for %.0fs, "
+            "reads go on (give the tier a Redis with an eviction policy: "
+            'docs/operations.md, "Memory")',
+            e,
+            self.full_backoff_s,
+        )
 
     def _failed(self, e: Exception) -> None:
         self.errors += 1
@@ -149,11 +187,26 @@ class RedisTier:
 
     def put(self, h: bytes, block: torch.Tensor) -> None:
         """Queue a write of a block (a CPU tensor the caller no longer changes); dropped
-        and counted when the writer is behind. Encoding happens on the writer thread."""
+        and counted when the writer is behind (max_pending blocks or max_pending_bytes
+        queued) or Redis is full. Encoding happens on the writer thread."""
+        if time.monotonic() < self.writes_paused_until:
+            self.dropped += 1
+            return
+        size = _nbytes(block)
+        with self._bytes_lock:
+            if self.pending_bytes + size > self.max_pending_bytes:
+                self.dropped += 1
+                return
+            self.pending_bytes += size
         try:
             self.pending.put_nowait((h, block))
         except queue.Full:
+            self._written(size)
             self.dropped += 1
+
+    def _written(self, size: int) -> None:
+        with self._bytes_lock:
+            self.pending_bytes -= size
 
     def _write_loop(self) -> None:
         while True:
@@ -165,15 +218,20 @@ class RedisTier:
                 except queue.Empty:
                     break
             items = [b for b in batch if b is not None]
-            if items and time.monotonic() >= self.down_until:
+            now = time.monotonic()
+            if items and now >= self.down_until and now >= self.writes_paused_until:
                 try:
                     pipe = self.r.pipeline(transaction=False)
                     for h, block in items:
                         data = block_format.encode(block, h, self.fp, self.secret)
                         pipe.set(self.key(h), data, ex=self.ttl_s)
                     pipe.execute()
+                    self.full_backoff_s = 0.0
                 except ERRORS as e:  # down, or full (OOM with noeviction)
-                    self._failed(e)
+                    if is_oom(e):
+                        self._full(e)
+                    else:
+                        self._failed(e)
                     self.dropped += len(items)
                 except Exception:  # a bug must not end the thread: flush() would hang
                     log.exception("%d KV blocks could not be written", len(items))
@@ -181,6 +239,7 @@ class RedisTier:
                     self.dropped += len(items)
             elif items:
                 self.dropped += len(items)
+            self._written(sum(_nbytes(block) for _, block in items))
             for _ in batch:
                 self.pending.task_done()
             if None in batch:
@@ -193,3 +252,7 @@ class RedisTier:
     def close(self) -> None:
         self.pending.put(None)
         self.writer.join(timeout=10)
+
+
+def _nbytes(block: torch.Tensor) -> int:
+    return block.numel() * block.element_size()

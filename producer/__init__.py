@@ -2,7 +2,7 @@
 
 from producer.aio import AsyncClient, AsyncJob
 from producer.client import Client, Job
-from producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull
+from producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull, RedisFull
 
 __all__ = [
     "AsyncClient",
@@ -13,4 +13,5 @@ __all__ = [
     "JobFailed",
     "JobRestarted",
     "QueueFull",
+    "RedisFull",
 ]

@@ -57,7 +57,8 @@ class Client:
         idempotency key already used, returns the earlier job and queues nothing.
 
         When the lane is full, raises QueueFull at once, or with `queue_timeout` > 0 keeps
-        trying until there is room or that many seconds have passed."""
+        trying until there is room or that many seconds have passed; when Redis is out of
+        memory, the same with RedisFull (a QueueFull)."""
         sub = prepare(self.settings, self.fresh_routes(), prompt=prompt, **options)
         give_up = time.monotonic() + queue_timeout
         while True:
@@ -72,10 +73,11 @@ class Client:
     def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[Job]:
         """Queue many jobs, pipelined: each dict holds submit's arguments. Every request is
         checked before any is queued. If a job is refused (QueueFull: its lane is full,
-        BadIdempotencyKey, an error reply), raises after the chunk in flight; if Redis fails,
-        at once. Either way the exception's `accepted` lists the jobs of the call that were
-        queued (after a connection error, the chunk in flight may have been queued too:
-        submit with idempotency keys to make a retry safe)."""
+        RedisFull: Redis is out of memory, BadIdempotencyKey, an error reply), raises after
+        the chunk in flight; if Redis fails, at once. Either way the exception's `accepted`
+        lists the jobs of the call that were queued (after a connection error, the chunk in
+        flight may have been queued too: submit with idempotency keys to make a retry
+        safe)."""
         routes = self.fresh_routes()
         subs = [prepare(self.settings, routes, **req) for req in requests]
         jobs.load(self.redis, *SCRIPTS)
@@ -191,5 +193,11 @@ class Job:
 
 
 def cancel_call(settings: Settings, job_id: str) -> jobs.Call:
-    """The CANCEL call of a job (shared with producer.aio)."""
-    return jobs.cancel(job_id=job_id, ttl_s=settings.result_ttl_s, now_ms=int(time.time() * 1000))
+    """The CANCEL call of a job (shared with producer.aio): a job cancelled while queued
+    keeps its record and token stream as long as a finished job's."""
+    return jobs.cancel(
+        job_id=job_id,
+        ttl_s=settings.result_ttl_s,
+        stream_ttl_s=settings.output_ttl_s,
+        now_ms=int(time.time() * 1000),
+    )

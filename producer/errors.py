@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from broker_config.protocol import valid_job_id
+from broker_config.memory import is_oom
+from broker_config.protocol import Code, valid_job_id
 from broker_config.text import text
 from results import records
 from results.records import JobRecord
@@ -38,6 +39,8 @@ class QueueFull(RuntimeError):
     queued for this call. Try again after `retry_after` seconds. From submit_many,
     `accepted` lists the jobs of the call that were queued all the same."""
 
+    code = Code.QUEUE_FULL
+
     def __init__(self, lane: str, queued: int, retry_after: float, accepted: list | None = None):
         super().__init__(
             f"lane {lane!r} is full ({queued} jobs waiting); retry after {retry_after:g}s"
@@ -46,6 +49,25 @@ class QueueFull(RuntimeError):
         self.queued = queued
         self.retry_after = retry_after
         self.accepted = accepted or []
+
+
+class RedisFull(QueueFull):
+    """Redis is at its `maxmemory` and refuses new writes (policy noeviction); nothing was
+    queued for this call, and every job already queued is kept. A QueueFull, so what waits
+    for room in a lane (`queue_timeout`, the bulk driver) waits for memory too; `queued`
+    is 0. Try again after `retry_after` seconds, once results expire or are read and
+    memory frees, or raise `maxmemory`."""
+
+    code = Code.REDIS_OOM
+
+    def __init__(self, lane: str, retry_after: float, accepted: list | None = None) -> None:
+        super().__init__(lane, 0, retry_after, accepted)
+        RuntimeError.__init__(
+            self,
+            "Redis is out of memory (at its maxmemory, policy noeviction) and refuses new "
+            f"jobs; nothing was queued. Retry after {retry_after:g}s, or free memory or "
+            'raise maxmemory (docs/operations.md, "Memory")',
+        )
 
 
 class NotReplicated(RuntimeError):
@@ -115,7 +137,10 @@ def check_replicas(job_ids: list[str], acked: Any, wanted: int, timeout_ms: int)
 
 
 def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | None:
-    """The QueueFull that a SUBMIT error reply stands for, or None for any other error."""
+    """The QueueFull that a QUEUED or SUBMIT error reply stands for (RedisFull when Redis
+    is out of memory), or None for any other error."""
+    if is_oom(error):
+        return RedisFull(lane, retry_after)
     text = str(error)
     if not text.startswith("QUEUEFULL"):
         return None
@@ -180,6 +205,7 @@ __all__ = [
     "JobFailed",
     "JobRestarted",
     "QueueFull",
+    "RedisFull",
     "accepting",
     "UnknownModel",
     "final",

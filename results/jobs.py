@@ -5,7 +5,7 @@ Each function below builds a `Call` from named parameters; `run` (or `run_async`
 with EVALSHA, loading the script when Redis does not have it. Pipelines and packed writes
 take `call.command()`. Nothing else builds a script's positional arguments.
 
-    jobs.run(r, jobs.cancel(job_id=job_id, ttl_s=3600, now_ms=now))
+    jobs.run(r, jobs.cancel(job_id=job_id, ttl_s=86400, stream_ttl_s=3600, now_ms=now))
 """
 
 from __future__ import annotations
@@ -264,10 +264,11 @@ def resynced(call: Call) -> Call:
     return dataclasses.replace(call, args=args)
 
 
-def cancel(*, job_id: str, ttl_s: int, now_ms: int) -> Call:
+def cancel(*, job_id: str, ttl_s: int, stream_ttl_s: int, now_ms: int) -> Call:
     """Cancel a job: at once if queued (or unknown), else flag it and tell its worker.
-    Returns 'cancelled', 'cancelling', or the final state the job already had."""
-    args = [ttl_s, keys.done_channel(job_id), keys.CANCEL_CHANNEL, job_id, now_ms]
+    Returns 'cancelled', 'cancelling', or the final state the job already had. `ttl_s`:
+    the record's TTL once cancelled here; `stream_ttl_s`: its token stream's."""
+    args = [ttl_s, keys.done_channel(job_id), keys.CANCEL_CHANNEL, job_id, now_ms, stream_ttl_s]
     return Call("CANCEL", [keys.job(job_id), keys.output(job_id)], args, job_id=job_id)
 
 
@@ -286,7 +287,8 @@ def requeue(
     fields: Mapping[Any, Any],
 ) -> Call:
     """Re-add a job's entry (`fields`) at the tail of `stream` when `again` (RELEASE's
-    answer), and ack and delete the old one `entry_id`."""
+    answer), and ack and delete the old one `entry_id`; returns 1 when re-added. Safe to
+    send twice: a repeat finds the old entry acked and does nothing."""
     flat = [x for kv in fields.items() for x in kv]
     args = [keys.GROUP, entry_id, maxlen, "1" if again else "", *flat]
     return Call("REQUEUE", [stream], args)

@@ -10,6 +10,15 @@ function per script: call those, never a script with positional arguments.
 
 from __future__ import annotations
 
+# Prepended to the scripts that write with pcall: `full(reply)` tells a pcall refused
+# because Redis is at maxmemory, and OOM is the error such a script answers with then.
+_OOM = """
+local OOM = "OOM command not allowed when used memory > 'maxmemory'."
+local function full(reply)
+  return type(reply) == 'table' and reply.err ~= nil and string.find(reply.err, 'OOM', 1, true) ~= nil
+end
+"""
+
 # A submit is two calls, sent together: QUEUED (the job's slot), then SUBMIT (the queue
 # shard's slot). Each touches one Redis Cluster slot; on one Redis they run in this order.
 
@@ -61,8 +70,13 @@ return ARGV[3]
 # 'cancelled' (cancel asked while queued), 'expired' (deadline passed), 'badkey' (the record
 # is not a hash or the token stream cannot take entries: written by something else).
 # Token stream writes here and below use pcall: a stream a client wrote to (e.g. an entry
-# at the largest id) must not abort a script half-way.
-BEGIN = """
+# at the largest id) must not abort a script half-way. A Redis at maxmemory refuses a
+# script's first write and, once one is made, none after it: a refused first XADD means
+# nothing was written, and the call is answered with Redis's own OOM error (not
+# 'badkey'), which the worker retries once memory frees.
+BEGIN = (
+    _OOM
+    + """
 local rt = redis.call('TYPE', KEYS[1]).ok
 local st = redis.call('TYPE', KEYS[2]).ok
 if (rt ~= 'hash' and rt ~= 'none') or (st ~= 'stream' and st ~= 'none') then
@@ -75,6 +89,7 @@ if st == 'stream' then
   redis.pcall('XADD', KEYS[2], '*', 'type', 'reset')
 end
 local added = redis.pcall('XADD', KEYS[2], '*', 'type', 'start', 'worker', ARGV[1])
+if full(added) then return redis.error_reply(OOM) end
 if type(added) == 'table' and added.err then return 'badkey' end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'started_ms', ARGV[2],
@@ -83,6 +98,7 @@ if ARGV[7] ~= '' then redis.call('HSETNX', KEYS[1], 'metadata', ARGV[7]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 'run'
 """
+)
 
 # KEYS: job record, token stream, for each job in turn
 # ARGV: worker id, stream maxlen, then for each job: mode ('d': one delta, of one or more
@@ -91,8 +107,11 @@ return 'run'
 # together: gpu_workers/job.py). A job's stream is written only while its
 # record names this worker and holds no final result, so a worker whose job was taken
 # over (or already finished elsewhere) never mixes its tokens into the new run's stream.
-# Returns how many jobs were written.
-DELTAS = """
+# Returns how many jobs were written; Redis's OOM error when it is full (then nothing was
+# written: see BEGIN).
+DELTAS = (
+    _OOM
+    + """
 local n = 0
 for i = 1, #KEYS, 2 do
   local a = 3 * (i - 1) / 2 + 3
@@ -101,17 +120,21 @@ for i = 1, #KEYS, 2 do
     -- a key of another type refuses the XADD (pcall: an error table, not an entry id)
     local ok = true
     if ARGV[a] == 'r' then
-      ok = type(redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*',
-                            'type', 'reset')) == 'string'
+      local x = redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'reset')
+      if full(x) then return redis.error_reply(OOM) end
+      ok = type(x) == 'string'
     end
-    if ok and type(redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type',
-                               'delta', 'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])) == 'string' then
-      n = n + 1
+    if ok then
+      local x = redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type',
+                            'delta', 'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])
+      if full(x) then return redis.error_reply(OOM) end
+      if type(x) == 'string' then n = n + 1 end
     end
   end
 end
 return n
 """
+)
 
 # KEYS: job record, token stream
 # ARGV: ttl, done channel, state, finish_reason, stream ttl, stream maxlen, resync ('1':
@@ -154,9 +177,11 @@ return 1
 """
 
 # KEYS: job record, token stream
-# ARGV: ttl, done channel, cancel channel, job id, now ms
+# ARGV: ttl, done channel, cancel channel, job id, now ms, stream ttl
 # A queued (or unknown) job is cancelled at once; the worker that later reads its entry
-# only acks it. A running job is flagged and its worker told on the cancel channel.
+# only acks it. A running job is flagged and its worker told on the cancel channel. The
+# token stream of a job cancelled here expires as a finished job's does (stream ttl), not
+# with its record.
 # Returns the state after the call: 'cancelled', 'cancelling', or the final state it had.
 CANCEL = """
 if redis.call('HEXISTS', KEYS[1], 'final') == 1 then
@@ -174,7 +199,7 @@ if redis.call('TYPE', KEYS[2]).ok == 'stream' then  -- deltas of a run handed ba
   redis.pcall('XADD', KEYS[2], '*', 'type', 'reset')
 end
 redis.pcall('XADD', KEYS[2], '*', 'type', 'end', 'state', 'cancelled', 'finish_reason', 'abort')
-redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('PUBLISH', ARGV[2], 'cancelled')
 return 'cancelled'
 """
@@ -196,8 +221,14 @@ return 1
 
 # KEYS: request stream
 # ARGV: group, entry id, maxlen, re-add ('1' or ''), then the entry's field/value pairs
-# Re-adds the entry at the tail of its lane (when told to) and acks and deletes the old one.
+# Re-adds the entry at the tail of its lane (when told to), then acks and deletes the old
+# one; only while the old one is pending: a second run of the same call (a client library
+# retrying after a reply it lost) finds it acked and adds nothing, so the job is queued
+# once. The XADD comes first so that a Redis at maxmemory, which refuses it, aborts the
+# script before the ack: the entry stays pending (reclaimed later), never lost.
+# Returns 1 when the entry was re-added, else 0.
 REQUEUE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
 if ARGV[4] == '1' then
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 5))
 end

@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# A CPU worker's KV cache and host tier each take this share of the host's memory, at most
+# 1 GiB: room is left for the weights, other workers and everything else on the host.
+HOST_SHARE = 0.05
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int:
+    """The memory of this host, or of its container where the container's limit (cgroup
+    v2 or v1) is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_LIMITS:
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():  # "max" (v2) or a huge number (v1): no limit
+            total = min(total, int(limit))
+    return total
+
+
+def host_share(cap: int = 1 << 30) -> int:
+    return min(cap, int(host_memory_bytes() * HOST_SHARE))
 
 
 @dataclass
@@ -13,7 +38,8 @@ class EngineConfig:
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes / gpu_memory_utilization
-    kv_cache_bytes: int = 1 << 30  # KV budget on CPU
+    # KV budget on CPU; default: HOST_SHARE of the host's memory, at most 1 GiB
+    kv_cache_bytes: int = field(default_factory=host_share)
     gpu_memory_utilization: float = 0.85  # share of free device memory the KV cache may take
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64  # sequences in one step
@@ -27,7 +53,7 @@ class EngineConfig:
     seed: int = 0  # sampling seed for requests that give none
     # KV tiers below the device cache (kv_store): cached blocks evicted from the device go
     # to host memory, and from there to Redis, where every worker of the model finds them
-    kv_host_bytes: int = 1 << 30  # host tier budget; 0 disables it
+    kv_host_bytes: int = field(default_factory=host_share)  # host tier budget; 0: none
     kv_redis_ttl_s: int = 3600
     kv_write_through: bool = False  # also send each full block to Redis as soon as it is computed
     threads: int | None = None  # torch CPU threads; None: torch's default (cores / ranks)

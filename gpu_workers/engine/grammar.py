@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
     import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept, by the hash of their spec
+# The largest counted repetition a regex may hold, `{n}`, `{n,}` or `{n,m}`, its bound
+# multiplied by those of the repetitions around it. llguidance builds a counted run's states
+# as the output grows: `a{1000000}` compiles, then fails mid-output on its lexer's limit
+# ("too many expressions constructed"), and long runs slow every step of the batch. `*` and
+# `+` are unbounded and cost nothing: use them, or maxLength, for long free text.
+MAX_REPEAT = 10_000
 # JSON without optional whitespace: a weak or random model would otherwise fill max_tokens
 # with spaces and newlines between the tokens that matter
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -50,6 +57,120 @@ def spec(params: SamplingParams) -> tuple[str, str] | None:
     if params.choice is not None:
         return "regex", "|".join(_escape(c) for c in params.choice)
     return None
+
+
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# schema keywords whose values are data, not schemas: a "pattern" in them is no regex
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def check_limits(kind: str, text: str) -> str | None:
+    """What makes a constraint too costly to serve (None: nothing): a regex, or a JSON
+    schema's `pattern` or `patternProperties` regex, with a counted repetition over
+    MAX_REPEAT. Checked before compiling, so such a request is refused at add, not failed
+    mid-output."""
+    if kind == "regex":
+        return _regex_limits(text)
+    return _schema_limits(json.loads(text), "")
+
+
+def _schema_limits(node: Any, where: str) -> str | None:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            problem = _schema_limits(item, f"{where}/{i}")
+            if problem is not None:
+                return problem
+        return None
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        at = f"{where}/{key}"
+        if key in _DATA_KEYWORDS:
+            continue
+        patterns = []
+        if key == "pattern" and isinstance(value, str):
+            patterns = [value]
+        elif key == "patternProperties" and isinstance(value, dict):
+            patterns = list(value)
+        for pattern in patterns:
+            problem = _regex_limits(pattern)
+            if problem is not None:
+                return f"{problem} (in the schema's {at})"
+        problem = _schema_limits(value, at)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _regex_limits(pattern: str) -> str | None:
+    """A counted repetition of `pattern` (llguidance's regex syntax, Rust's) whose bound,
+    times the bounds of the groups it is in, is over MAX_REPEAT: described; else None."""
+    # per open group: [the largest run inside it, the run of its last atom]
+    frames = [[1, 1]]
+    i, n = 0, len(pattern)
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            if pattern[i - 1 : i] in ("x", "u", "U", "p", "P") and pattern[i : i + 1] == "{":
+                close = pattern.find("}", i)
+                i = n if close < 0 else close + 1  # \x{..}, \u{..}, \p{..}: one atom
+            frames[-1][1] = 1
+            continue
+        if ch == "[":
+            i = _class_end(pattern, i)
+            frames[-1][1] = 1
+            continue
+        if ch == "(":
+            frames.append([1, 1])
+        elif ch == ")" and len(frames) > 1:
+            inner = frames.pop()[0]
+            frames[-1][1] = inner
+            frames[-1][0] = max(frames[-1][0], inner)
+        elif ch == "{" and (m := _COUNT.match(pattern, i)):
+            digits = m.group(2) or m.group(1)
+            bound = int(digits) if len(digits) <= 9 else 10**9  # int() refuses 4,300+ digits
+            run = frames[-1][1] * bound
+            if run > MAX_REPEAT:
+                shown = m.group(0) if len(m.group(0)) <= 24 else m.group(0)[:20] + "...}"
+                return (
+                    f"the repetition {shown} at character {i} asks for runs of up to {run} "
+                    f"(with the counts of the groups around it), over the limit of "
+                    f"{MAX_REPEAT}; use * or + for an unbounded run, or smaller counts"
+                )
+            frames[-1][1] = run
+            frames[-1][0] = max(frames[-1][0], run)
+            i = m.end()
+            continue
+        elif ch not in "|*+?":
+            frames[-1][1] = 1
+        i += 1
+    return None
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index past the character class opening at `start` (nested classes included; a
+    `]` first in a class is a literal)."""
+    depth, i, n = 0, start, len(pattern)
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "[":
+            depth += 1
+            i += 1
+            if pattern[i : i + 1] == "^":
+                i += 1
+            if pattern[i : i + 1] == "]":
+                i += 1
+            continue
+        if ch == "]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return n
 
 
 def _escape(text: str) -> str:
@@ -102,7 +223,8 @@ class Grammars:
     def matcher(self, params: SamplingParams) -> Any | None:
         """A fresh matcher for the request's constraint (None: it has none). Raises
         RequestError(INVALID_PARAMS) with the reason for a schema or regex that does not
-        compile, uses a keyword that cannot be enforced, or admits no first token."""
+        compile, uses a keyword that cannot be enforced, is over a resource limit
+        (check_limits), or admits no first token."""
         s = spec(params)
         if s is None:
             return None
@@ -118,6 +240,9 @@ class Grammars:
                 return proto.deep_copy()
             kind, text = s
             what = "JSON schema" if kind == "json" else "choice" if params.choice else "regex"
+            problem = check_limits(kind, text)
+            if problem is not None:
+                raise _refuse(what, problem)
             if kind == "json":
                 try:
                     grammar = llguidance.LLMatcher.grammar_from_json_schema(

@@ -35,7 +35,9 @@ from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
+from broker_config.settings import Settings
 from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.engine.config import host_memory_bytes
 from gpu_workers.engine.errors import ErrorCode
 from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sampling_params import SamplingParams
@@ -48,6 +50,30 @@ from gpu_workers.vllm_backend.stats import Figures
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
+# what sizes vLLM's KV cache if given; else, on CPU, the worker's share of the host
+KV_SIZES = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def cpu_kv_bytes(options: dict[str, Any], share: float | None, ranks: int) -> int | None:
+    """The KV cache bytes of each rank on a CPU host, or None to leave the size to vLLM
+    (a GPU, or a size given in `options` or VLLM_CPU_KVCACHE_SPACE). vLLM's CPU default is
+    gpu_memory_utilization (0.92) of the host's memory less what the process holds: one
+    worker takes nearly all, and a second refuses to start."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or set(KV_SIZES) & set(options) or os.environ.get(CPU_KV_ENV):
+        return None
+    share = Settings().vllm_kv_share if share is None else share
+    total = host_memory_bytes()
+    each = int(total * share / max(1, ranks))
+    log.info(
+        "vLLM KV cache: %.2f GiB per rank, %g of the host's %.1f GiB (PLURAI_VLLM_KV_SHARE)",
+        each / 2**30,
+        share,
+        total / 2**30,
+    )
+    return each
 
 
 @dataclass
@@ -69,13 +95,20 @@ class VllmBackend:
         kv_redis_url: str | None = None,
         kv_ttl_s: int = 3600,
         watermark: float = 0.01,
+        kv_share: float | None = None,
     ) -> None:
         """`options`: vLLM EngineArgs fields (`--vllm KEY=VALUE`). `kv_redis_url`: the Redis
-        that holds the shared KV tier (None: PLURAI_KV_REDIS_URL, else no Redis tier)."""
+        that holds the shared KV tier (None: PLURAI_KV_REDIS_URL, else no Redis tier).
+        `kv_share`: on CPU, the share of the host's memory for the KV cache when `options`
+        give no size (None: PLURAI_VLLM_KV_SHARE)."""
         options = dict(options or {})
         fixed = {"model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size"}
         if fixed & set(options):
             raise ValueError(f"give {sorted(fixed & set(options))} as worker arguments, not --vllm")
+        ranks = tensor_parallel * pipeline_parallel
+        kv_bytes = cpu_kv_bytes(options, kv_share, ranks)
+        if kv_bytes is not None:
+            options["kv_cache_memory_bytes"] = kv_bytes
         options.setdefault("scheduling_policy", "priority")  # lanes and job priorities
         options.setdefault("enable_prefix_caching", True)
         # llguidance ("guidance"), as in the native engine (gpu_workers/engine/grammar.py):

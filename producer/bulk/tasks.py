@@ -128,10 +128,34 @@ def maintain() -> dict[str, Any]:
     }
 
 
+def check_model_dir() -> str | None:
+    """Why this driver cannot split documents (None: it can), said once at its start rather
+    than only in every document's error line: PLURAI_MODEL_DIR unset, or no tokenizer
+    there."""
+    model_dir = Settings().model_dir
+    if not model_dir:
+        return (
+            "PLURAI_MODEL_DIR is not set: every document batch (plurai batch submit --task) "
+            "fails with model_unavailable; set it to the model folder the GPU workers serve "
+            "(OpenAI Batch files run without it)"
+        )
+    try:
+        drive.tokenizer(model_dir)  # loaded once here, not on the first batch
+    except Exception as e:  # transformers raises many kinds; each says why
+        return (
+            f"PLURAI_MODEL_DIR={model_dir}: its tokenizer cannot be loaded "
+            f"({type(e).__name__}: {e}); document batches will fail"[:500]
+        )
+    return None
+
+
 @signals.worker_ready.connect
 def _resume(**_: Any) -> None:
     """A (re)started Celery worker picks up every unfinished batch at once, rather than
     waiting for the broker's visibility timeout to redeliver a step lost in a crash."""
+    problem = check_model_dir()
+    if problem is not None:
+        log.warning("%s", problem)
     client = _client()
     for batch_id in store.unfinished(client.redis):
         log.info("resuming batch %s", batch_id)

@@ -270,7 +270,7 @@ def test_cancel(r):
     submit(r, "queued")
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(keys.CANCEL_CHANNEL)
-    call = jobs.cancel(job_id="queued", ttl_s=600, now_ms=4321)
+    call = jobs.cancel(job_id="queued", ttl_s=600, stream_ttl_s=60, now_ms=4321)
     assert jobs.run(r, call) == "cancelled"
     rec = records.get(r, "queued")
     assert (rec.state, rec.finish_reason, rec.finished_ms, rec.final) == (
@@ -280,6 +280,7 @@ def test_cancel(r):
         True,
     )
     assert 590 < r.ttl(keys.job("queued")) <= 600
+    assert 50 < r.ttl(keys.output("queued")) <= 60  # the stream's TTL, not the record's
     assert stream(r, "queued")[-1] == {
         "type": "end",
         "state": "cancelled",
@@ -288,10 +289,34 @@ def test_cancel(r):
     assert jobs.run(r, call) == "cancelled"  # the final state it has
     submit(r, "running")
     begin(r, "running")
-    assert jobs.run(r, jobs.cancel(job_id="running", ttl_s=600, now_ms=1)) == "cancelling"
+    assert (
+        jobs.run(r, jobs.cancel(job_id="running", ttl_s=600, stream_ttl_s=60, now_ms=1))
+        == "cancelling"
+    )
     msg = message(pubsub)
     assert (msg["channel"], msg["data"]) == (keys.CANCEL_CHANNEL, "running")
     pubsub.close()
+
+
+def test_the_sdks_cancel_gives_the_token_stream_the_output_ttl(r, redis_url):
+    from producer.aio import AsyncClient
+    from producer.client import Client
+
+    settings = Settings(result_ttl_s=5000, output_ttl_s=300)
+    with Client(redis_url, settings=settings) as client:
+        job = client.submit("hello", max_tokens=4)
+        assert job.cancel() == "cancelled"
+    assert 4990 < r.ttl(keys.job(job.id)) <= 5000
+    assert 290 < r.ttl(keys.output(job.id)) <= 300  # as a finished job's stream
+
+    async def cancel_async() -> str:
+        async with AsyncClient(redis_url, settings=settings) as client:
+            job = await client.submit("hello", max_tokens=4)
+            assert await job.cancel() == "cancelled"
+            return job.id
+
+    job_id = asyncio.run(cancel_async())
+    assert 290 < r.ttl(keys.output(job_id)) <= 300
 
 
 def test_requeue(r):
@@ -308,6 +333,24 @@ def test_requeue(r):
     rec = records.get(r, "j1")
     assert rec.state == "queued" and rec.worker is None and rec.started_ms is None
     assert r.xpending(stream_key, keys.GROUP)["pending"] == 0
+    # the same call again, as a client library resends it after losing the reply: the old
+    # entry is acked already, so nothing more is queued
+    assert jobs.run(r, call) == 0
+    assert [i for i, _ in r.xrange(stream_key)] == [new_id]
+    # a Redis at maxmemory refuses the re-add before anything is acked: still pending
+    entry_id = take(r)
+    again = jobs.requeue(
+        stream=stream_key, entry_id=entry_id, maxlen=100, again=True, fields=fields
+    )
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.ResponseError, match="OOM"):
+            jobs.run(r, again)
+    finally:
+        r.config_set("maxmemory", 0)
+    assert r.xpending(stream_key, keys.GROUP)["pending"] == 1
+    assert jobs.run(r, again) == 1
+    assert r.xpending(stream_key, keys.GROUP)["pending"] == 0 and r.xlen(stream_key) == 1
     # a job with a result is not re-added: its entry is only acked
     entry_id = take(r)
     begin(r, "j1")
@@ -330,7 +373,7 @@ def test_renew_reports_entries_another_consumer_took(r):
 def test_check(r):
     submit(r, "run")
     submit(r, "asked")
-    jobs.run(r, jobs.cancel(job_id="asked", ttl_s=60, now_ms=1))
+    jobs.run(r, jobs.cancel(job_id="asked", ttl_s=60, stream_ttl_s=60, now_ms=1))
     r.set(keys.job("str"), "x")
     assert jobs.run(r, jobs.check(job_ids=["run", "asked", "str"])) == [0, 1, 2]
 

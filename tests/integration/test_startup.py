@@ -178,6 +178,9 @@ def test_a_hub_id_is_served_from_the_hub_cache_offline(tiny_model, tmp_path, red
         p.communicate(timeout=60)
     # a revision the cache does not hold, and an id it does not hold: one line, code 3
     rc, errors = refused("--model", "acme/tiny-llama", "--revision", "v9", env=env)
-    assert rc == Exit.MODEL_MISSING and "hub model acme/tiny-llama@v9 is not in the hub cache" in errors[0]
+    assert (
+        rc == Exit.MODEL_MISSING
+        and "hub model acme/tiny-llama@v9 is not in the hub cache" in errors[0]
+    )
     rc, errors = refused("--model", "acme/other", env=env)
     assert rc == Exit.MODEL_MISSING and len(errors) == 1, errors

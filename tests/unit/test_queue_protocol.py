@@ -168,3 +168,5 @@ def test_a_higher_lane_always_ranks_before_a_lower_one() -> None:
 def test_job_ids_are_unguessable() -> None:
     ids = {protocol.new_job_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(len(i) == 22 for i in ids)
+    # about 16 of 1000 would start with '-', which `plurai get ID` reads as an option
+    assert not any(i.startswith("-") for i in ids)

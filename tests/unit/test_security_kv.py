@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import fakeredis
 import pytest
@@ -121,9 +122,18 @@ def test_the_secret_defaults_to_the_environment(monkeypatch):
 
 def test_a_fingerprint_that_is_not_hex_is_refused_at_once():
     r = fakeredis.FakeRedis()
-    for bad in ("not-hex", "", "abc", "zz" * 16):
-        with pytest.raises(ValueError, match="fingerprint"):
-            RedisTier(r, bad)
+    before = threading.active_count()
+    # bytes.fromhex takes the spaced, newlined and capital ones: keys no other worker reads
+    bad = ("not-hex", "", "abc", "zz" * 16, "ab cd", "abcd\n", " abcd", "ABCD", "é1", None)
+    for fp in (*bad, FP, FP.hex().encode(), 1234):
+        with pytest.raises(ValueError, match="fingerprint must be a str of an even number"):
+            RedisTier(r, fp)
+    assert threading.active_count() == before  # no writer thread was started
+    t = RedisTier(r, "ab12", secret=None)  # any length of hex digits names the keys
+    t.put(H, torch.randn(SHAPE))
+    t.flush()
+    assert t.get_many([H]) != [None] and t.writer.is_alive()
+    t.close()
 
 
 def test_a_block_the_writer_cannot_encode_is_dropped_and_the_writer_goes_on(caplog):

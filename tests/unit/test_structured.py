@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.grammar import spec
+from gpu_workers.engine.grammar import check_limits, spec
 from gpu_workers.engine.sampling_params import SamplingParams
 
 # strings get a bound, an enum or a pattern: a random model rarely closes a free string
@@ -200,6 +200,17 @@ BAD = [
     (dict(regex="a(?=b)"), "look-around"),
     (dict(response_format=rf({"enum": []})), "nsatisfiable"),
     (dict(regex="[a&&b]"), "no token"),  # compiles, but matches nothing
+    # over MAX_REPEAT: llguidance compiles these, then failed them mid-output
+    (dict(regex="a{1000000}"), "runs of up to 1000000"),
+    (dict(regex="(a{1000}){1000}"), "runs of up to 1000000"),
+    (dict(regex="x(ab{3,20000})"), "runs of up to 20000"),
+    (
+        dict(
+            response_format=rf({"properties": {"s": {"type": "string", "pattern": "^a{99999}$"}}})
+        ),
+        "/properties/s/pattern",
+    ),
+    (dict(response_format=rf({"patternProperties": {"^k{20000}$": {}}})), "patternProperties"),
 ]
 
 
@@ -209,6 +220,42 @@ def test_bad_constraints_are_refused_before_any_block(engine, fields, reason) ->
         engine.add("bad", prompt="hello", params=SamplingParams(**fields))
     assert e.value.code == ErrorCode.INVALID_PARAMS and reason in str(e.value)
     assert "bad" not in engine.seqs and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_repetition_limits_count_nested_groups_and_skip_literal_braces() -> None:
+    ok = [
+        r"\d{3}-\d{4}",
+        r"(\d{1,3}\.){3}\d{1,3}",
+        "(a{100}){100}",  # 10,000: the limit itself
+        "a{2,}b*c+",  # unbounded runs cost nothing
+        r"\{99999}",  # an escaped brace is a literal
+        "[{]99999}",
+        r"\x{41}{5}",
+        "[]{]{9999}",  # ] first in a class is a literal
+        "(?i)(a|b){10000}",
+    ]
+    for pattern in ok:
+        assert check_limits("regex", pattern) is None, pattern
+    assert "10100" in check_limits("regex", "((a{10}){10}){101}")
+    assert "10001" in check_limits("regex", "x|[^]a]{10001}")
+    assert "1000000000" in check_limits("regex", "a{" + "9" * 5000 + "}")  # no int() error
+    # a "pattern" that is data (const, enum, default, examples) is no regex
+    schema = {
+        "type": "object",
+        "default": {"pattern": "a{99999}"},
+        "enum": [{"pattern": "b{99999}"}],
+    }
+    assert check_limits("json", json.dumps(schema)) is None
+    assert check_limits("json", json.dumps({"anyOf": [{"pattern": "a{99999}"}]})) is not None
+
+
+def test_a_regex_at_the_repetition_limit_is_served(engine) -> None:
+    before = engine.grammars.compiled
+    outs = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=8, regex="(a{100}){100}", temperature=0.0)
+    )
+    assert re.fullmatch("a*", outs[0].text) and len(outs[0].token_ids) == 8
+    assert engine.grammars.compiled == before + 1
 
 
 SHAPES = [
