@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import cpu_isa  # noqa: E402
-from broker_config import keys  # noqa: E402
 from broker_config.celery_app import app, configure  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from broker_config.stats import serving_workers  # noqa: E402
 from producer.bulk import manage, plan, store  # noqa: E402
 from producer.client import Client  # noqa: E402
 
@@ -90,7 +90,7 @@ def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], 
     ]
     try:
         client = Client(url)
-        while not client.redis.scard(keys.WORKERS):
+        while not serving_workers(client.redis):
             if procs[0].poll() is not None:
                 raise SystemExit("GPU worker exited")
             time.sleep(0.1)
