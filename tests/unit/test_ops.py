@@ -14,6 +14,7 @@ import pytest
 from broker_config import keys, logs, stats
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
 from gpu_workers.serve import serve_metrics
+from gpu_workers.startup import StartError
 from gpu_workers.worker import Worker
 
 
@@ -83,7 +84,7 @@ def test_metrics_port_rules():
     try:
         # a port asked for explicitly must be free
         settings = Settings(metrics_port=port, metrics_host="127.0.0.1")
-        with pytest.raises(SystemExit, match="--metrics-port"):
+        with pytest.raises(StartError, match="--metrics-port"):
             serve_metrics(_worker(), url, settings)
         # the default port, taken (another worker on this host): any free one instead
         settings = Settings(metrics_host="127.0.0.1")
