@@ -35,9 +35,12 @@ endif
 
 vllm-install: $(VLLM_VENV)/.installed
 
-# The benches' peers: vLLM's environment, and tcmalloc, which vLLM's CPU docs preload
+# The benches' peers: vLLM's environment, the router that serving stacks put in front of
+# `vllm serve` instances (bench/serving), and tcmalloc, which vLLM's CPU docs preload
 # (best effort: needs apt and root; the benches say what they preloaded).
+VLLM_ROUTER ?= vllm-router==0.1.17
 peers: vllm-install
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_ROUTER)"
 	-[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 ] || apt-get install -y -q libgoogle-perftools4
 
 # Everything: both environments installed side by side (their pip and compile steps
