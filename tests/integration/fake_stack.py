@@ -14,9 +14,6 @@ to the gateway."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,12 +22,11 @@ import httpx
 import redis
 
 from broker_config import keys, protocol
-from broker_config.embedded import free_port
 from broker_config.routes import registry_value
 from broker_config.settings import Settings
 from results import jobs, records
 
-from .conftest import ROOT
+from .test_gateway import Gateway
 
 TOKENS = 8
 BIG_MAX_TOKENS = 4000
@@ -153,30 +149,13 @@ class FakeWorker:
             r.execute_command(*command)
 
 
-class GatewayProcess:
-    """`plurai gateway` on a free loopback port, its output in `log`."""
+class GatewayProcess(Gateway):
+    """`plurai gateway` on a free loopback port, its output in `log`, with what the flood
+    tests read of it."""
 
     def __init__(self, url: str, log: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        super().__init__(url, log, env)
         self.log = log
-        cmd = ["gateway", "--url", url, "--port", str(self.port)]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", *cmd],
-            cwd=ROOT,
-            stdout=open(log, "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        give_up = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(self.base + "/health", timeout=1)
-                return
-            except httpx.HTTPError:
-                assert self.proc.poll() is None, log.read_text()
-                assert time.monotonic() < give_up, "the gateway never answered"
-                time.sleep(0.1)
 
     def rss_mib(self) -> float:
         """The gateway process's resident memory now."""
@@ -190,11 +169,3 @@ class GatewayProcess:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise AssertionError(f"no {name} in /metrics")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
