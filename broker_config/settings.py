@@ -188,6 +188,10 @@ class Settings(_Sourced):
     # VLLM_CPU_KVCACHE_SPACE give one (vLLM's own default takes nearly all of it, so a
     # second worker on the host cannot start); split between the ranks of --tp/--pp.
     vllm_kv_share: float = Field(default=0.2, gt=0, le=0.9)
+    # The vLLM backend's engine core (scheduler and model runner) in a process of its own,
+    # as `vllm serve` runs it: it steps while the worker loop talks to Redis and turns
+    # outputs into deltas. False: in the worker's process, stepped by the worker loop.
+    vllm_engine_process: bool = True
     worker_id: str | None = None  # default: <hostname>-<pid>-<random>
 
     # Each worker serves Prometheus metrics on http://<metrics_host>:<metrics_port>/metrics.

@@ -48,6 +48,10 @@ class Heartbeat:
             "kv_blocks_free": s.get("blocks_free", 0),
             "kv_blocks_cached": s.get("blocks_cached", 0),
             "prefix_hit_rate": round(hits / lookups, 4) if lookups else 0.0,
+            # blocks served from each cache tier so far (device, host, the Redis pool)
+            "kv_device_hits": s.get("prefix_hit_blocks", 0),
+            "kv_host_hits": s.get("kv_host_hits", 0),
+            "kv_redis_hits": s.get("kv_redis_hits", 0),
             **figures,
         }
         beat["tokens_per_s"] = round(beat.get("tokens_per_s", 0.0), 2)

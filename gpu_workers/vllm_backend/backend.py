@@ -5,10 +5,12 @@
     while backend.has_unfinished():
         for out in backend.step(): ...
 
-vLLM's engine core runs in this process (its executor may still start one process per
-tensor/pipeline rank, or use Ray across nodes): the worker loop steps it between its Redis
-turns, as it steps the native engine, and reads the scheduler's figures from a stat logger
-after every step. Prompts are tokenized by the same code as the native engine's and the
+vLLM's engine core (scheduler and executor) runs in a process of its own, as under `vllm
+serve`, and steps on its own while the worker loop takes entries, writes deltas and turns
+outputs into text: step() collects the outputs it has made since the last call (waiting
+for the next ones when there are none). PLURAI_VLLM_ENGINE_PROCESS=0 keeps the core in this
+process, stepped by the worker loop between its Redis turns (the engine then idles while
+the worker talks to Redis). The scheduler's figures come from a stat logger either way. Prompts are tokenized by the same code as the native engine's and the
 sampling fields are validated by the native SamplingParams, so both backends refuse the
 same input with the same code and message, and give vLLM the same token ids. A constraint
 (response_format, regex, choice) is compiled by the native engine's grammar compiler too,
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +56,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 # what sizes vLLM's KV cache if given; else, on CPU, the worker's share of the host
 KV_SIZES = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+POLL_S = 0.02  # how long step() waits for the engine process's next outputs
 
 
 def cpu_kv_bytes(options: dict[str, Any], share: float | None, ranks: int) -> int | None:
@@ -96,11 +100,13 @@ class VllmBackend:
         kv_ttl_s: int = 3600,
         watermark: float = 0.01,
         kv_share: float | None = None,
+        engine_process: bool | None = None,
     ) -> None:
         """`options`: vLLM EngineArgs fields (`--vllm KEY=VALUE`). `kv_redis_url`: the Redis
         that holds the shared KV tier (None: PLURAI_KV_REDIS_URL, else no Redis tier).
         `kv_share`: on CPU, the share of the host's memory for the KV cache when `options`
-        give no size (None: PLURAI_VLLM_KV_SHARE)."""
+        give no size (None: PLURAI_VLLM_KV_SHARE). `engine_process`: the engine core in a
+        process of its own (None: PLURAI_VLLM_ENGINE_PROCESS, default yes)."""
         options = dict(options or {})
         fixed = {"model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size"}
         if fixed & set(options):
@@ -123,9 +129,14 @@ class VllmBackend:
         self.model_fingerprint = fingerprint(model)
         if kv_redis_url:
             os.environ[connector.URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
-        self.kv = None  # the KV connector's counters, with the Redis tier on
+        if engine_process is None:
+            engine_process = Settings().vllm_engine_process
+        self.engine_process = engine_process
+        self.tier = False  # the Redis KV tier (Plurai's connector) on
+        self.kv = None  # the connector's counters, where it runs in this process
         if os.environ.get(connector.URL_ENV) and "kv_transfer_config" not in options:
-            self.kv = connector.COUNTERS
+            self.tier = True
+            self.kv = None if engine_process else connector.COUNTERS
             # given to EngineArgs (not set on the config afterwards), so that vLLM adapts
             # the rest of its config to a connector
             options["kv_transfer_config"] = KVTransferConfig(
@@ -152,7 +163,7 @@ class VllmBackend:
             f"{self.model_fingerprint}|vllm|{config.model_config.dtype}|{cache.block_size}".encode(),
             digest_size=16,
         ).hexdigest()
-        if self.kv is not None:  # read by the connector when the engine starts, below
+        if self.tier:  # read by the connector when the engine starts, below
             config.kv_transfer_config.kv_connector_extra_config["fingerprint"] = self.kv_fingerprint
         self.figures = Figures()
         self.engine = LLMEngine(
@@ -160,12 +171,13 @@ class VllmBackend:
             executor_class=Executor.get_class(config),
             log_stats=True,
             stat_loggers=[lambda *_: self.figures],
-            multiprocess_mode=False,
+            multiprocess_mode=engine_process,
         )
         self.block_size = cache.block_size
         self.num_blocks = cache.num_gpu_blocks or 0
         self.max_model_len = config.model_config.max_model_len
         self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.step_tokens = config.scheduler_config.max_num_batched_tokens
         self.watermark = watermark
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         vocab = config.model_config.get_vocab_size()
@@ -228,9 +240,23 @@ class VllmBackend:
             self.figures.kv_usage = 0.0
 
     def step(self) -> list[StepOutput]:
+        """The outputs of the engine's next step. With the engine core in its own process:
+        every step it has made since the last call, or none when it makes none within
+        POLL_S, so that the worker takes new entries (and the core gets them) while a long
+        prefill step runs instead of after it."""
+        ready = getattr(self.engine.engine_core, "outputs_queue", None)
+        if ready is not None:
+            deadline = time.monotonic() + POLL_S
+            while ready.empty() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if ready.empty():
+                return []
         outputs = self.engine.step()
         self.steps += 1
         self.added = 0
+        while ready is not None and not ready.empty() and self.engine.has_unfinished_requests():
+            outputs += self.engine.step()
+            self.steps += 1
         out = []
         for o in outputs:
             req = self.reqs.get(o.request_id)
@@ -271,10 +297,14 @@ class VllmBackend:
 
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
         """Whether a request of this size fits: vLLM has nothing waiting, a sequence slot is
-        free, and the blocks in use now plus what every request here may still grow by
-        (to its max_tokens) plus this one leave the watermark free."""
+        free, the prompts not computed yet and this one fit in one step's token budget (or
+        none is pending), and the blocks in use now plus what every request here may still
+        grow by (to its max_tokens) plus this one leave the watermark free."""
         if len(self.reqs) >= self.max_num_seqs or self.figures.waiting > 0:
             return False
+        pending = sum(r.num_prompt for r in self.reqs.values() if not r.num_output)
+        if pending and pending + prompt_tokens > self.step_tokens:
+            return False  # left in the queue, where a worker with compute to spare takes it
         used = round(self.figures.kv_usage * self.num_blocks)
         growth = 0
         for r in self.reqs.values():
@@ -300,6 +330,8 @@ class VllmBackend:
         tier = {}
         if self.kv is not None:
             tier = {"kv_redis_hits": f.remote_hits // bs, "kv_bad_entries": self.kv.bad}
+        elif self.tier:  # the connector counts refusals in the engine's process (and logs them)
+            tier = {"kv_redis_hits": f.remote_hits // bs}
         return {
             "blocks_total": self.num_blocks,
             "blocks_free": self.num_blocks - used,

@@ -351,3 +351,67 @@ def test_results_from_vllm_saved_json() -> None:
     assert (a.ok, a.prompt_tokens, a.output_tokens) == (True, 600, 6)
     assert (a.ttft, a.e2e, a.tpot) == pytest.approx((0.2, 1.2, 0.2))
     assert (b.ok, b.lane, b.error, b.end_s) == (False, BATCH, "HTTP 500", None)
+
+
+# -- bench/serving.py's own arithmetic --------------------------------------------------
+
+
+def _done(i: int, end: float) -> Result:
+    return Result(f"r{i}", INTERACTIVE, end - 1.0, end - 0.5, end, 8, True)
+
+
+def test_recovery_after_a_kill() -> None:
+    from bench.serving import recovery_s
+
+    # 2 completions/s for 10 s, nothing for 4 s after the kill at 10 s, then 2/s again
+    ends = [0.25 + 0.5 * i for i in range(20)] + [14.25 + 0.5 * i for i in range(20)]
+    results = [_done(i, e) for i, e in enumerate(ends)]
+    got = recovery_s(results, at=10.0)
+    assert got == 4.25  # the first completion after the gap
+    # a stack that never serves again does not recover
+    assert recovery_s(results[:20], at=10.0) is None
+    # one that never slowed down: recovered at once
+    steady = [_done(i, 0.25 + 0.5 * i) for i in range(60)]
+    assert recovery_s(steady, at=10.0) == 0.25
+
+
+def test_ratios_against_the_best_router_on_each_figure() -> None:
+    from bench.serving import ratios
+
+    stacks = {
+        "plurai-vllm": {
+            "goodput_req_s": 1.3,
+            "flood_interactive_ttft_p99_s": 0.5,
+            "prefill_computed_tokens": 900,
+            "kill_failed": 0,
+            "kill_lost": 0,
+            "add_ready_to_load_s": 0.4,
+        },
+        "round_robin": {
+            "goodput_req_s": 0.65,
+            "flood_interactive_ttft_p99_s": 2.0,
+            "prefill_computed_tokens": 1500,
+            "kill_failed": 3,
+            "kill_lost": 0,
+            "add_ready_to_load_s": 1.0,
+        },
+        "cache_aware": {
+            "goodput_req_s": 1.0,
+            "flood_interactive_ttft_p99_s": 1.0,
+            "prefill_computed_tokens": 1000,
+            "kill_failed": 2,
+            "kill_lost": 1,
+            "add_ready_to_load_s": 1.2,
+        },
+    }
+    r = ratios(stacks)
+    assert r["goodput_req_s"] == {"ratio": 1.3, "best_router": "cache_aware", "target": ">= 1.3"}
+    assert r["flood_interactive_ttft_p99_s"]["ratio"] == 0.5
+    assert r["flood_interactive_ttft_p99_s"]["best_router"] == "cache_aware"
+    assert r["prefill_computed_tokens"]["ratio"] == 0.9
+    assert r["kill_failed_or_lost"]["plurai"] == 0
+    assert r["kill_failed_or_lost"]["cache_aware"] == 3
+    assert r["add_ready_to_load_s"]["round_robin"] == 1.0
+    # a router with no goodput at all (no rate met the SLOs) is no best
+    stacks["cache_aware"]["goodput_req_s"] = None
+    assert ratios(stacks)["goodput_req_s"]["best_router"] == "round_robin"

@@ -41,11 +41,13 @@ MAX_SEQS = 8  # the in-process backend's sequences
 
 @pytest.fixture(scope="session")
 def backend(small_model: Path) -> Iterator[Any]:
-    """One in-process VllmBackend for test_backend.py and test_structured.py: an engine
-    start costs ~10 s here."""
+    """One VllmBackend for test_backend.py and test_structured.py (an engine start costs
+    ~10 s here), its engine core in this process so that a step sees every request added
+    before it (the workers of test_queue.py run the core in its own process)."""
     from gpu_workers.vllm_backend.backend import VllmBackend
 
-    b = VllmBackend(str(small_model), options={**OPTIONS, "max_num_seqs": MAX_SEQS})
+    options = {**OPTIONS, "max_num_seqs": MAX_SEQS}
+    b = VllmBackend(str(small_model), options=options, engine_process=False)
     yield b
     b.close()
 

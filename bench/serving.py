@@ -1,0 +1,889 @@
+"""The serving bench: Plurai against `vllm serve` instances behind `vllm-router`, on the same
+engine (vLLM's CPU build), the same model, the same per-engine KV budget and cores, and the
+same OpenAI requests, driven open-loop from one seeded workload file per run.
+
+    python bench/serving.py [--k 2] [--stacks plurai-vllm,plurai-native,round_robin,...]
+        [--scenarios idle,sweep,flood,add,kill] [--duration 40] [--scales 0.3,0.6,0.9,1.3]
+        [--capacity REQ_S] [--model DIR] [--dtype auto] [--out DIR]
+
+Stacks (each started fresh, K engines, engine i bound to core i mod cores):
+- plurai-vllm: a Redis, `plurai gateway`, K `plurai worker --backend vllm` with the Redis KV
+  tier (PLURAI_KV_REDIS_URL); plurai-native: the same with the native engine.
+- round_robin, power_of_two, cache_aware (any vllm-router policy): K `vllm serve
+  --scheduling-policy priority --enable-prefix-caching` behind `vllm-router --policy P`
+  (`make peers` installs the router into vLLM's environment).
+
+Scenarios, run in this order on every stack, so each stack's caches see the same history:
+- idle: a few requests one at a time on the first stack; the SLOs are multiples of its
+  medians (interactive: TTFT 5x, TPOT 2x; batch: end to end 10x) unless --slo gives them.
+- sweep: the mixed workload (interactive chats on shared system prompts, growing multi-turn
+  sessions, batch-lane document extraction; gamma arrivals, --burstiness) offered at each
+  --scales multiple of the calibrated capacity; goodput is the highest offered rate whose
+  requests met their lane's SLO in >= 90% of cases. The capacity (--capacity, else measured
+  once on the first stack with a saturating burst) is the same for every stack.
+- flood: steady interactive traffic at 0.5x capacity with a burst of batch extraction on top;
+  the interactive lane's TTFT p99 is the figure.
+- add: a K+1th engine started at a third of the run under 1.2x capacity; the seconds from its
+  being ready (the worker's heartbeat, the engine's /health) to its first request (the worker
+  took a job; vLLM's running gauge), counting the router's /add_worker call, which a router
+  needs and a worker does not.
+- kill: one engine SIGKILLed at a third of the run under 0.5x capacity; failed and lost
+  requests and the seconds until completions per second are back to 80% of before.
+
+Every request of a run is in one seeded JSON-lines file (bench/serving_workload.py) that
+every stack replays. Batch requests go to the batch lane (Plurai: `lane`; vLLM: a lower
+`priority`). Figures per stack, lane and run: TTFT, TPOT and end-to-end p50/p99, SLO
+attainment, failed and lost requests, prompt tokens computed and served from a cache
+(the usage's cached_tokens; Plurai's worker figures also split the Redis tier's share), and
+CPU seconds per process kind (engines, front: gateway or router, Redis, load generator).
+The last line is one JSON object with the ISA and the ratios of plurai-vllm against the best
+router policy on each target figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import redis  # noqa: E402
+
+from bench import serving_figures as sf  # noqa: E402
+from bench.serving_workload import (  # noqa: E402
+    BATCH,
+    INTERACTIVE,
+    ServingRequest,
+    Tokens,
+    WorkloadConfig,
+    flood_scenario,
+    generate,
+    write_jsonl,
+)
+from bench.workload import bench_model, cpu_isa  # noqa: E402
+from broker_config import keys, stats  # noqa: E402
+from broker_config.embedded import EmbeddedRedis, find_binary, free_port  # noqa: E402
+
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+PLURAI_STACKS = ("plurai-vllm", "plurai-native")
+ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+# Plurai's fault settings for the bench (printed in the JSON): a dead worker's jobs are
+# taken over after 10 s of silence instead of the default 60 s.
+PLURAI_ENV = {"PLURAI_HEARTBEAT_INTERVAL_S": "1", "PLURAI_RECLAIM_IDLE_MS": "10000"}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- processes ------------------------------------------------------------------------
+
+
+def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=open(log, "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # its children (vLLM's engine core) go with its group
+    )
+
+
+def end(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=wait_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by these processes and their descendants."""
+    total = 0
+    for root in pids:
+        for p in tree(root):
+            try:
+                fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+def client_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def wait_http(url: str, procs: list[subprocess.Popen], timeout: float, log: Path) -> None:
+    give_up = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a process of the stack exited; see {log}")
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"{url} did not answer within {timeout:.0f}s; see {log}")
+        time.sleep(0.5)
+
+
+@dataclass
+class EngineSpec:
+    """What every engine of every stack gets."""
+
+    model: Path
+    name: str  # the model name clients send
+    dtype: str
+    max_model_len: int
+    kv_gib: int = 1
+    eager: bool = True  # vLLM without torch.compile: an engine starts in ~20 s, not ~90 s
+
+    def core(self, i: int) -> int:
+        return i % (os.cpu_count() or 1)
+
+
+# -- stacks ---------------------------------------------------------------------------
+
+
+class Stack:
+    name: str
+    base: str  # the OpenAI base URL, .../v1
+    kind: str  # plurai | router
+
+    def __init__(self, spec: EngineSpec, k: int, logs: Path) -> None:
+        self.spec, self.k, self.logs = spec, k, logs
+        self.engines: list[subprocess.Popen] = []
+        self.front: subprocess.Popen | None = None
+        self.start_s = 0.0  # how long the stack's start took
+
+    def cpu(self) -> dict[str, float]:
+        return {
+            "engines": cpu_s([p.pid for p in self.engines if p.poll() is None]),
+            "front": cpu_s([self.front.pid]) if self.front else 0.0,
+            "redis": 0.0,
+        }
+
+    def body(self, req: ServingRequest) -> dict[str, Any]:
+        return {
+            "model": self.spec.name,
+            "messages": req.messages,
+            "max_tokens": req.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    def kill_engine(self, i: int) -> None:
+        os.killpg(self.engines[i].pid, signal.SIGKILL)
+
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+
+class PluraiStack(Stack):
+    kind = "plurai"
+
+    def __init__(self, backend: str, spec: EngineSpec, k: int, logs: Path) -> None:
+        super().__init__(spec, k, logs)
+        self.backend, _, variant = backend.partition("-")
+        self.tier = variant != "notier"  # plurai-vllm-notier: without the Redis KV tier
+        self.name = f"plurai-{backend}"
+        self.redis = EmbeddedRedis(logs / "redis")
+        self.url = ""
+        self.kv_url = ""  # the KV tier's Redis; "": none
+        self.kv_redis: subprocess.Popen | None = None
+        self.r: redis.Redis | None = None
+
+    def start(self) -> None:
+        self.url = self.redis.start()
+        self.r = redis.Redis.from_url(self.url)
+        if self.tier:  # a cache, deployed as docs/operations.md says: a Redis of its own,
+            # evicting (allkeys-lru), with nothing written to disk
+            port = free_port()
+            cmd = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1"]
+            cmd += ["--appendonly", "no", "--save", "", "--maxmemory", f"{2 * self.spec.kv_gib}gb"]
+            cmd += ["--maxmemory-policy", "allkeys-lru"]
+            self.kv_redis = spawn(cmd, self.logs / "kv-redis.log")
+            self.kv_url = f"redis://127.0.0.1:{port}/0"
+            give_up = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis.from_url(self.kv_url).ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > give_up or self.kv_redis.poll() is not None:
+                        raise RuntimeError(f"the KV Redis did not start; see {self.logs}") from None
+                    time.sleep(0.05)
+        port = free_port()
+        self.front = spawn(
+            [sys.executable, "-m", "cli", "gateway", "--url", self.url, "--port", str(port)],
+            self.logs / "gateway.log",
+        )
+        self.base = f"http://127.0.0.1:{port}/v1"
+        for _ in range(self.k):
+            self.add_engine()
+        self.wait_ready([p.pid for p in self.engines], 600)
+        wait_http(self.base.removesuffix("/v1") + "/health", [self.front], 60, self.logs)
+
+    def engine_cmd(self, i: int) -> tuple[list[str], dict[str, str]]:
+        s = self.spec
+        cmd = [sys.executable, "-m", "cli", "worker", "--model", str(s.model), "--url", self.url]
+        cmd += ["--metrics-port", "-1", "--backend", self.backend]
+        env = {**PLURAI_ENV, "PLURAI_KV_REDIS_URL": self.kv_url}
+        if self.backend == "vllm":
+            cmd = [str(VLLM_PY)] + cmd[1:]
+            for kv in (f"dtype={s.dtype}", f"max_model_len={s.max_model_len}"):
+                cmd += ["--vllm", kv]
+            if s.eager:
+                cmd += ["--vllm", "enforce_eager=true"]
+            env |= {
+                "VLLM_CPU_OMP_THREADS_BIND": str(s.core(i)),
+                "VLLM_CPU_KVCACHE_SPACE": str(s.kv_gib),
+            }
+        else:
+            for kv in (
+                f"dtype={s.dtype}",
+                f"max_model_len={s.max_model_len}",
+                f"kv_cache_bytes={s.kv_gib * 2**30}",
+                "threads=1",
+            ):
+                cmd += ["--engine", kv]
+            cmd = ["taskset", "-c", str(s.core(i))] + cmd if shutil.which("taskset") else cmd
+        return cmd, env
+
+    def add_engine(self) -> subprocess.Popen:
+        i = len(self.engines)
+        cmd, env = self.engine_cmd(i)
+        p = spawn(cmd, self.logs / f"worker-{i}.log", env)
+        self.engines.append(p)
+        return p
+
+    def serving(self) -> dict[int, stats.WorkerInfo]:
+        assert self.r is not None
+        live, _ = stats.workers(self.r, stats.redis_now_ms(self.r))
+        return {w.pid: w for w in live if w.state == "serving"}
+
+    def wait_ready(self, pids: list[int], timeout: float) -> None:
+        give_up = time.monotonic() + timeout
+        while not set(pids) <= set(self.serving()):
+            if any(p.poll() is not None for p in self.engines if p.pid in pids):
+                raise RuntimeError(f"a worker exited during its start; see {self.logs}")
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"workers not serving after {timeout:.0f}s; see {self.logs}")
+            time.sleep(0.2)
+
+    def carries_load(self, pid: int) -> bool:
+        w = self.serving().get(pid)
+        return w is not None and (w.running > 0 or w.jobs_done > 0)
+
+    def body(self, req: ServingRequest) -> dict[str, Any]:
+        return {**super().body(req), "lane": req.lane}
+
+    def cpu(self) -> dict[str, float]:
+        out = super().cpu()
+        if self.redis.proc is not None:
+            out["redis"] = cpu_s([self.redis.proc.pid])
+        if self.kv_redis is not None:
+            out["kv_redis"] = cpu_s([self.kv_redis.pid])
+        return out
+
+    def extra(self) -> dict[str, Any]:
+        """Blocks served from each KV tier so far, summed over the live workers."""
+        assert self.r is not None
+        names = ("kv_device_hits", "kv_host_hits", "kv_redis_hits")
+        out = dict.fromkeys(names, 0)
+        for w in self.serving().values():
+            beat = self.r.hmget(keys.worker(w.id), names)
+            for name, v in zip(names, beat, strict=True):
+                out[name] += int(v or 0)
+        return out
+
+    def stop(self) -> None:
+        for p in self.engines:
+            end(p, signal.SIGTERM, 60)
+        if self.front is not None:
+            end(self.front)
+        if self.kv_redis is not None:
+            end(self.kv_redis)
+        self.redis.stop()
+
+
+class RouterStack(Stack):
+    kind = "router"
+
+    def __init__(self, policy: str, spec: EngineSpec, k: int, logs: Path) -> None:
+        super().__init__(spec, k, logs)
+        self.policy = self.name = policy
+        self.ports: list[int] = []
+        self.router_port = 0
+
+    def engine_cmd(self, i: int, port: int) -> tuple[list[str], dict[str, str]]:
+        s = self.spec
+        cmd = [str(VLLM_PY), str(ROOT / "bench" / "vllm_cli.py"), "serve", str(s.model)]
+        cmd += ["--port", str(port), "--served-model-name", s.name, "--dtype", s.dtype]
+        cmd += ["--max-model-len", str(s.max_model_len), "--scheduling-policy", "priority"]
+        cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        cmd += ["--enforce-eager"] if s.eager else []
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(s.core(i)), "VLLM_CPU_KVCACHE_SPACE": str(s.kv_gib)}
+        return cmd, env
+
+    def add_engine(self) -> subprocess.Popen:
+        i, port = len(self.engines), free_port()
+        cmd, env = self.engine_cmd(i, port)
+        p = spawn(cmd, self.logs / f"engine-{i}.log", env)
+        self.engines.append(p)
+        self.ports.append(port)
+        return p
+
+    def engine_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    def start(self) -> None:
+        for _ in range(self.k):
+            self.add_engine()
+        for i in range(self.k):
+            wait_http(self.engine_url(i) + "/health", self.engines, 600, self.logs)
+        self.router_port = free_port()
+        cmd = [str(VLLM_PY.parent / "vllm-router"), "--policy", self.policy]
+        cmd += ["--port", str(self.router_port), "--worker-urls"]
+        cmd += [self.engine_url(i) for i in range(self.k)]
+        self.front = spawn(cmd, self.logs / "router.log")
+        self.base = f"http://127.0.0.1:{self.router_port}/v1"
+        wait_http(f"http://127.0.0.1:{self.router_port}/health", [self.front], 60, self.logs)
+
+    def body(self, req: ServingRequest) -> dict[str, Any]:
+        return {**super().body(req), "priority": 1 if req.lane == BATCH else 0}
+
+    def join(self, i: int) -> None:
+        """What an operator does for a new engine: tell the router."""
+        url = f"http://127.0.0.1:{self.router_port}/add_worker"
+        httpx.post(url, params={"url": self.engine_url(i)}, timeout=10).raise_for_status()
+
+    def carries_load(self, i: int) -> bool:
+        try:
+            text = httpx.get(self.engine_url(i) + "/metrics", timeout=2).text
+        except httpx.HTTPError:
+            return False
+        for line in text.splitlines():
+            if line.startswith(("vllm:num_requests_running", "vllm:request_success_total")):
+                if float(line.rsplit(" ", 1)[1]) > 0:
+                    return True
+        return False
+
+    def extra(self) -> dict[str, Any]:
+        hits = queries = 0.0
+        for i, p in enumerate(self.engines):
+            if p.poll() is not None:
+                continue
+            try:
+                text = httpx.get(self.engine_url(i) + "/metrics", timeout=2).text
+            except httpx.HTTPError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+        return {"prefix_cache_hit_tokens": int(hits), "prefix_cache_query_tokens": int(queries)}
+
+    def stop(self) -> None:
+        if self.front is not None:
+            end(self.front)
+        for p in self.engines:
+            end(p, signal.SIGTERM, 60)
+
+
+def make_stack(name: str, spec: EngineSpec, k: int, logs: Path) -> Stack:
+    logs.mkdir(parents=True, exist_ok=True)
+    if name.startswith("plurai-"):
+        return PluraiStack(name.split("-", 1)[1], spec, k, logs)
+    return RouterStack(name, spec, k, logs)
+
+
+# -- the client -----------------------------------------------------------------------
+
+
+async def _one(http: httpx.AsyncClient, stack: Stack, req: ServingRequest, t0: float) -> sf.Result:
+    delay = t0 + req.arrival_s - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = time.monotonic()
+    first = None
+    usage: dict[str, Any] = {}
+    error = None
+    try:
+        async with http.stream(
+            "POST", stack.base + "/chat/completions", json=stack.body(req)
+        ) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = str(chunk["error"])[:200]
+                        break
+                    if first is None and any(
+                        (c.get("delta") or {}).get("content") for c in chunk.get("choices", [])
+                    ):
+                        first = time.monotonic()
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        error = f"{type(e).__name__}: {e}"[:200]
+    done = time.monotonic()
+    out = int(usage.get("completion_tokens") or 0)
+    if error is None and out < req.max_tokens:
+        error = f"short output: {out} of {req.max_tokens} tokens"
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return sf.Result(
+        id=req.id,
+        lane=req.lane,
+        sent_s=sent - t0,
+        first_token_s=(first or done) - t0 if error is None else None,
+        end_s=done - t0 if error is None else None,
+        output_tokens=out,
+        ok=error is None,
+        error=error,
+        prompt_tokens=int(usage.get("prompt_tokens") or req.prompt_tokens),
+        cached_tokens=int(cached),
+    )
+
+
+async def replay(
+    stack: Stack, reqs: list[ServingRequest], drain_s: float, during: Any = None
+) -> tuple[list[sf.Result], float]:
+    """Send every request at its arrival time; results of those done within drain_s of the
+    last arrival (the rest are lost). `during(t0)`: a coroutine run beside (faults)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as http:
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(_one(http, stack, r, t0)) for r in reqs]
+        side = asyncio.create_task(during(t0)) if during else None
+        last = max((r.arrival_s for r in reqs), default=0.0)
+        done, pending = await asyncio.wait(tasks, timeout=last + drain_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if side is not None:
+            await side
+    return [t.result() for t in done], t0
+
+
+# -- scenarios --------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    scenario: str
+    offered_req_s: float
+    results: list[sf.Result]
+    expected: dict[str, str]
+    cpu_s: dict[str, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace, spec: EngineSpec, work: Path) -> None:
+        self.a, self.spec, self.work = a, spec, work
+        self.tokens = Tokens(spec.model)
+        self.capacity: float | None = a.capacity
+        self.slos: dict[str, sf.Slo] | None = None
+        self.idle: dict[str, Any] = {}
+
+    def config(self, **kw: Any) -> WorkloadConfig:
+        lo, hi = map(int, self.a.prompt.split("-"))
+        olo, ohi = map(int, self.a.output.split("-"))
+        base = dict(
+            seed=self.a.seed,
+            duration_s=self.a.duration,
+            burstiness=self.a.burstiness,
+            min_prompt=lo,
+            max_prompt=hi,
+            min_output=olo,
+            max_output=ohi,
+        )
+        return WorkloadConfig(**{**base, **kw})
+
+    def workload(self, name: str, cfg: WorkloadConfig) -> list[ServingRequest]:
+        reqs = generate(cfg, self.tokens)
+        write_jsonl(self.work / f"{name}.jsonl", reqs)  # what every stack replays
+        return reqs
+
+    def measure(
+        self, stack: Stack, scenario: str, reqs: list[ServingRequest], rate: float, during=None
+    ) -> tuple[Run, float]:
+        before, client = stack.cpu(), client_cpu_s()
+        results, t0 = asyncio.run(replay(stack, reqs, self.a.drain, during))
+        cpu = {k: round(v - before.get(k, 0.0), 2) for k, v in stack.cpu().items()}
+        cpu["load_generator"] = round(client_cpu_s() - client, 2)
+        expected = {r.id: r.lane for r in reqs}
+        run = Run(scenario, round(rate, 3), results, expected, cpu, stack.extra())
+        with open(stack.logs / f"{scenario}.results.jsonl", "w") as f:
+            for r in sorted(results, key=lambda x: x.id):
+                f.write(json.dumps(asdict(r)) + "\n")
+        ok = sum(r.ok for r in results)
+        print(f"  {stack.name} {scenario} @ {rate:.2f} req/s: {ok}/{len(reqs)} ok", file=sys.stderr)
+        return run, t0
+
+    # the scenarios; each returns the runs it made
+
+    def run_idle(self, stack: Stack) -> list[Run]:
+        cfg = self.config(rate=1.0, duration_s=12.0, batch_share=0.3)
+        reqs = self.workload("idle", cfg)
+        results = []
+        for i, r in enumerate(reqs[:10]):  # one at a time: nothing waits
+            one = ServingRequest(**{**asdict(r), "arrival_s": 0.0, "id": f"idle{i}"})
+            results += asyncio.run(replay(stack, [one], 300))[0]
+        lanes = {
+            lane: sf.latency([r for r in results if r.lane == lane])
+            for lane in (INTERACTIVE, BATCH)
+        }
+        self.idle[stack.name] = lanes
+        if self.slos is None:  # from the first stack
+            slos = sf.slos_from_idle([r for r in results if r.lane == INTERACTIVE])
+            batch = [r.e2e for r in results if r.lane == BATCH and r.e2e is not None]
+            e2e = sf.percentile(batch, 50) if batch else float("nan")
+            slos[BATCH] = sf.Slo(e2e_s=None if math.isnan(e2e) else 10 * e2e)
+            slos.setdefault(INTERACTIVE, sf.Slo())
+            self.slos = slos
+        return []
+
+    def calibrate(self, stack: Stack) -> None:
+        """Capacity: completed requests/s of a saturating burst of the mixed workload."""
+        n = max(8, 6 * stack.k)
+        cfg = self.config(rate=100.0, duration_s=n / 100.0)
+        reqs = self.workload("calibrate", cfg)
+        results, _ = asyncio.run(replay(stack, reqs, 600))
+        ends = [r.end_s for r in results if r.ok and r.end_s is not None]
+        self.capacity = round(len(ends) / max(ends), 3) if ends else 0.1
+        print(f"  capacity {self.capacity} req/s ({len(ends)} requests)", file=sys.stderr)
+
+    def run_sweep(self, stack: Stack) -> list[Run]:
+        assert self.capacity is not None
+        runs = []
+        for i, scale in enumerate(self.a.scales):
+            cfg = self.config(rate=self.capacity, scale=scale, seed=self.a.seed + 1 + i)
+            reqs = self.workload(f"sweep-{scale}", cfg)
+            runs.append(self.measure(stack, f"sweep@{scale}", reqs, cfg.offered_rate)[0])
+        return runs
+
+    def run_flood(self, stack: Stack) -> list[Run]:
+        assert self.capacity is not None
+        cfg = flood_scenario(
+            **asdict(self.config(rate=self.capacity, scale=0.5, seed=self.a.seed + 100)),
+        )
+        cfg.flood_requests = self.a.flood or max(20, round(self.capacity * self.a.duration))
+        cfg.flood_at_s = self.a.duration / 3
+        reqs = self.workload("flood", cfg)
+        return [self.measure(stack, "flood", reqs, cfg.offered_rate)[0]]
+
+    def run_add(self, stack: Stack) -> list[Run]:
+        assert self.capacity is not None
+        # arrivals go on until well after the new engine is up (its start took start_s
+        # at the stack's start, longer under load): a router sends it new requests only
+        at = self.a.duration / 3
+        span = max(self.a.duration, at + 2 * stack.start_s + 20)
+        cfg = self.config(rate=self.capacity, scale=1.2, seed=self.a.seed + 200, duration_s=span)
+        reqs = self.workload("add", cfg)
+        times: dict[str, float | None] = {"started_s": None, "ready_s": None, "first_load_s": None}
+
+        async def add(t0: float) -> None:
+            await asyncio.sleep(at)
+            times["started_s"] = time.monotonic() - t0
+            p = stack.add_engine()
+            i = len(stack.engines) - 1
+            loop = asyncio.get_running_loop()
+            give_up = t0 + span + self.a.drain
+            while time.monotonic() < give_up and p.poll() is None:
+                if isinstance(stack, PluraiStack):
+                    ready = p.pid in await loop.run_in_executor(None, stack.serving)
+                else:
+                    try:
+                        ready = (
+                            await loop.run_in_executor(
+                                None, lambda: httpx.get(stack.engine_url(i) + "/health", timeout=2)
+                            )
+                        ).status_code == 200
+                    except httpx.HTTPError:
+                        ready = False
+                if ready:
+                    times["ready_s"] = time.monotonic() - t0
+                    if isinstance(stack, RouterStack):
+                        await loop.run_in_executor(None, stack.join, i)
+                    break
+                await asyncio.sleep(0.2)
+            key = p.pid if isinstance(stack, PluraiStack) else i
+            while times["ready_s"] is not None and time.monotonic() < give_up:
+                if await loop.run_in_executor(None, stack.carries_load, key):
+                    times["first_load_s"] = time.monotonic() - t0
+                    return
+                await asyncio.sleep(0.2)
+
+        run, _ = self.measure(stack, "add", reqs, cfg.offered_rate, add)
+        r, f = times["ready_s"], times["first_load_s"]
+        run.extra["add"] = {
+            "offered_s": round(span, 1),
+            **times,
+            "ready_to_load_s": None if r is None or f is None else round(f - r, 2),
+        }
+        return [run]
+
+    def run_kill(self, stack: Stack) -> list[Run]:
+        assert self.capacity is not None
+        cfg = self.config(rate=self.capacity, scale=0.5, seed=self.a.seed + 300)
+        reqs = self.workload("kill", cfg)
+        at = self.a.duration / 3
+
+        async def kill(t0: float) -> None:
+            await asyncio.sleep(at)
+            stack.kill_engine(0)
+
+        run, _ = self.measure(stack, "kill", reqs, cfg.offered_rate, kill)
+        run.extra["kill"] = {"at_s": round(at, 2), "recovery_s": recovery_s(run.results, at)}
+        return [run]
+
+
+def recovery_s(results: list[sf.Result], at: float, window: float = 3.0) -> float | None:
+    """Seconds from `at` (a kill) to the first completion of the first `window` after it
+    whose completions per second are back to 80% of the rate before `at`; None: never
+    within the run."""
+    ends = sorted(r.end_s for r in results if r.ok and r.end_s is not None)
+    before = sum(1 for e in ends if 0 < e <= at) / at if at > 0 else 0.0
+    if before <= 0 or not ends:
+        return None
+    t = at + window
+    while t <= ends[-1] + window:
+        inside = [e for e in ends if t - window < e <= t]
+        if len(inside) / window >= 0.8 * before:
+            return round(max(0.0, inside[0] - at), 2)
+        t += 0.25
+    return None
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+def run_figures(run: Run, slos: dict[str, sf.Slo]) -> dict[str, Any]:
+    return {
+        "offered_req_s": run.offered_req_s,
+        **sf.stack_figures(run.results, slos, run.expected),
+        "cpu_s": run.cpu_s,
+        **run.extra,
+    }
+
+
+def summary(runs: dict[str, list[Run]], slos: dict[str, sf.Slo]) -> dict[str, Any]:
+    """Per stack: every run's figures, goodput over the sweep, and the target figures."""
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        by = {r.scenario: r for r in rs}
+        sweep = [r for r in rs if r.scenario.startswith("sweep@")]
+        offered = {r.offered_req_s: len(r.expected) for r in sweep}
+        pairs = [(r.offered_req_s, r.results) for r in sweep]
+        good = sf.goodput(pairs, slos, offered=offered) if sweep else None
+        s: dict[str, Any] = {
+            "goodput_req_s": good,
+            "runs": {k: run_figures(v, slos) for k, v in by.items()},
+        }
+        if "flood" in by:
+            s["flood_interactive_ttft_p99_s"] = s["runs"]["flood"][INTERACTIVE]["ttft_p99"]
+        if "kill" in by:
+            k = s["runs"]["kill"]["all"]
+            s["kill_failed"], s["kill_lost"] = k["failed"], k["lost"]
+            s["kill_recovery_s"] = by["kill"].extra["kill"]["recovery_s"]
+        if "add" in by:
+            s["add_ready_to_load_s"] = by["add"].extra["add"]["ready_to_load_s"]
+        computed = [f["all"].get("computed_tokens") for f in s["runs"].values()]
+        s["prefill_computed_tokens"] = sum(c for c in computed if c is not None)
+        out[name] = s
+    return out
+
+
+def ratios(stacks: dict[str, Any], ours: str = "plurai-vllm") -> dict[str, Any]:
+    """Ours against the best router policy on each target figure."""
+    routers = {k: v for k, v in stacks.items() if k not in PLURAI_STACKS}
+    if ours not in stacks or not routers:
+        return {}
+    me = stacks[ours]
+
+    def best(key: str, high: bool) -> tuple[str, Any] | None:
+        vals = [(k, v.get(key)) for k, v in routers.items() if v.get(key) is not None]
+        vals = [(k, v) for k, v in vals if not (isinstance(v, float) and math.isnan(v))]
+        if not vals:
+            return None
+        return max(vals, key=lambda x: x[1]) if high else min(vals, key=lambda x: x[1])
+
+    out: dict[str, Any] = {}
+    for key, high, target in (
+        ("goodput_req_s", True, ">= 1.3"),
+        ("flood_interactive_ttft_p99_s", False, "<= 0.5"),
+        ("prefill_computed_tokens", False, "<= 1.0"),
+    ):
+        b, mine = best(key, high), me.get(key)
+        if b is None or mine is None or not b[1]:
+            continue
+        out[key] = {"ratio": round(mine / b[1], 3), "best_router": b[0], "target": target}
+    if "kill_failed" in me:
+        out["kill_failed_or_lost"] = {
+            "plurai": me["kill_failed"] + me["kill_lost"],
+            **{k: v.get("kill_failed", 0) + v.get("kill_lost", 0) for k, v in routers.items()},
+            "target": "0 for plurai",
+        }
+    if "add_ready_to_load_s" in me:
+        out["add_ready_to_load_s"] = {
+            "plurai": me["add_ready_to_load_s"],
+            **{k: v.get("add_ready_to_load_s") for k, v in routers.items()},
+            "target": "<= 5 s",
+        }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/bench-llama")
+    p.add_argument("--k", type=int, default=2, help="engines per stack")
+    p.add_argument("--stacks", default="plurai-vllm,plurai-native," + ",".join(ROUTER_POLICIES))
+    p.add_argument("--scenarios", default="idle,sweep,flood,add,kill")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
+    p.add_argument("--drain", type=float, default=120.0, help="seconds after the last arrival")
+    p.add_argument("--scales", default="0.3,0.6,0.9,1.3")
+    p.add_argument("--capacity", type=float, default=None, help="req/s; default: measured")
+    p.add_argument("--burstiness", type=float, default=0.3)
+    p.add_argument("--prompt", default="128-2048", help="tokens in, lo-hi")
+    p.add_argument("--output", default="16-128", help="tokens out, lo-hi")
+    p.add_argument(
+        "--flood", type=int, default=0, help="batch requests; default capacity x duration"
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="auto: bfloat16 where the CPU has bf16, else float32"
+    )
+    p.add_argument("--kv-gib", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="vLLM with torch.compile (slow starts)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for logs and workload files")
+    a = p.parse_args()
+    a.scales = [float(x) for x in a.scales.split(",")]
+    stacks = [s for s in a.stacks.split(",") if s]
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    if not VLLM_PY.exists():
+        sys.exit("vLLM's environment is missing: run `make vllm-install peers` first")
+
+    isa = cpu_isa()
+    dtype = (
+        a.dtype
+        if a.dtype != "auto"
+        else ("bfloat16" if isa in ("avx512_bf16", "amx") else "float32")
+    )
+    model = bench_model(a.model) if a.model == "models/bench-llama" else Path(a.model)
+    lo, hi = map(int, a.prompt.split("-"))
+    olo, ohi = map(int, a.output.split("-"))
+    max_len = -(-(hi + ohi + 64) // 256) * 256
+    spec = EngineSpec(
+        model=model,
+        name=model.name,
+        dtype=dtype,
+        max_model_len=max_len,
+        kv_gib=a.kv_gib,
+        eager=not a.compile,
+    )
+    work = Path(a.out or tempfile.mkdtemp(prefix="plurai-serving-"))
+    work.mkdir(parents=True, exist_ok=True)
+    bench = Bench(a, spec, work)
+    runs: dict[str, list[Run]] = {}
+    started = time.monotonic()
+    for name in stacks:
+        stack = make_stack(name, spec, a.k, work / name)
+        print(f"{name}: starting {a.k} engines", file=sys.stderr)
+        t = time.monotonic()
+        stack.start()
+        stack.start_s = time.monotonic() - t
+        print(f"{name}: ready in {stack.start_s:.0f}s", file=sys.stderr)
+        try:
+            if "idle" in scenarios:
+                bench.run_idle(stack)
+            if bench.slos is None:
+                bench.slos = {
+                    INTERACTIVE: sf.Slo(ttft_s=2.0, tpot_s=0.5),
+                    BATCH: sf.Slo(e2e_s=60.0),
+                }
+            if bench.capacity is None:
+                bench.calibrate(stack)
+            runs[name] = []
+            for sc in scenarios:
+                if sc != "idle":
+                    runs[name] += getattr(bench, f"run_{sc}")(stack)
+        finally:
+            stack.stop()
+    assert bench.slos is not None
+    figures = summary(runs, bench.slos)
+    out = {
+        "bench": "serving",
+        "isa": isa,
+        "cores": os.cpu_count(),
+        "k": a.k,
+        "model": str(model.name),
+        "dtype": dtype,
+        "max_model_len": max_len,
+        "kv_gib_per_engine": a.kv_gib,
+        "vllm_enforce_eager": spec.eager,
+        "capacity_req_s": bench.capacity,
+        "slos": {k: asdict(v) for k, v in bench.slos.items()},
+        "idle": bench.idle,
+        "plurai_env": PLURAI_ENV,
+        "workload": {
+            "prompt": a.prompt,
+            "output": a.output,
+            "burstiness": a.burstiness,
+            "duration_s": a.duration,
+            "seed": a.seed,
+        },
+        "stacks": figures,
+        "ratios": ratios(figures),
+        "work_dir": str(work),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
