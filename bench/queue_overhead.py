@@ -2,7 +2,7 @@
 Redis with one worker; and the enqueue rate of submit_many beside a plain XADD peer.
 
     python bench/queue_overhead.py [--model DIR] [--jobs 200] [--enqueue 20000]
-        [--cost-model DIR] [--cost-jobs 200]
+        [--cost-model DIR] [--cost-jobs 200] [--parts e2e,enqueue,cost]
 
 Redis cost: commands per job and per generated token (INFO commandstats; the slope between
 jobs of 16 and 64 tokens) on the tiny model, whose fast steps are where a GPU fleet is
@@ -12,6 +12,9 @@ idle worker, and the burst of --cost-jobs); whether every stream spells its reco
 
 Peer for the enqueue rate: `redis-benchmark -t xadd` when redis-benchmark is on PATH;
 otherwise raw pipelined XADD from redis-py with the same entry fields (said in the output).
+Both rates come with the CPU time per job of the client and of Redis (INFO cpu): where the
+machine's cores are busy with other work, the client and Redis cannot run at once and the
+rates follow the sum of the two.
 The last line is one JSON object of measured figures and ratios.
 """
 
@@ -43,6 +46,7 @@ from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from broker_config.stats import serving_workers  # noqa: E402
 from producer.client import Client  # noqa: E402
 
+PARTS = ("e2e", "enqueue", "cost")
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
 
@@ -112,15 +116,18 @@ def enqueue(url: str, n: int) -> dict:
         for i in range(n)
     ]
     client.redis.flushall()
+    cpu = CPU(client.redis)
     t = time.perf_counter()
     client.submit_many(reqs)
     sdk = n / (time.perf_counter() - t)
+    sdk_cpu = cpu.per_job(n)
 
     # The peer: the same entries (same fields, same body size) as bare XADDs.
     body = protocol.encode_body({"prompt": reqs[0]["prompt"], "temperature": 0.0})
     stream = keys.request_stream("batch")
     bench = shutil.which("redis-benchmark")
     client.redis.flushall()
+    peer_cpu = {}  # redis-benchmark: another process
     if bench:
         port = re.search(r":(\d+)/", url).group(1)  # type: ignore[union-attr]
         # redis-benchmark has no built-in XADD test; give it the entry itself: the same
@@ -161,6 +168,7 @@ def enqueue(url: str, n: int) -> dict:
         peer, peer_name = float(m[-1]), "redis-benchmark XADD (same fields, -P 1000)"
     else:
         pipe = client.redis.pipeline(transaction=False)
+        cpu = CPU(client.redis)
         t = time.perf_counter()
         for i in range(n):
             pipe.xadd(
@@ -185,6 +193,7 @@ def enqueue(url: str, n: int) -> dict:
             n / (time.perf_counter() - t),
             "redis-py pipelined XADD (redis-benchmark not found)",
         )
+        peer_cpu = cpu.per_job(n)
     # The wire ceiling for one Python process: pre-encoded XADDs, written in bulk.
     client.redis.flushall()
     t = time.perf_counter()
@@ -216,7 +225,27 @@ def enqueue(url: str, n: int) -> dict:
         "peer_xadd_per_s": peer,
         "peer": peer_name,
         "raw_packed_xadd_per_s": raw,
+        "submit_many_cpu_us_per_job": sdk_cpu,
+        "peer_cpu_us_per_job": peer_cpu,
     }
+
+
+class CPU:
+    """CPU time spent from now by this process (the client) and by Redis (INFO cpu): on a
+    machine whose cores are busy with other work the two cannot overlap, and wall-clock
+    rates say less than these."""
+
+    def __init__(self, r) -> None:
+        self.r = r
+        self.client, self.redis = time.process_time(), self._redis()
+
+    def _redis(self) -> float:
+        info = self.r.info("cpu")
+        return info["used_cpu_user"] + info["used_cpu_sys"]
+
+    def per_job(self, n: int) -> dict:
+        client, redis = time.process_time() - self.client, self._redis() - self.redis
+        return {"client": round(1e6 * client / n, 1), "redis": round(1e6 * redis / n, 1)}
 
 
 def start_worker(
@@ -334,6 +363,58 @@ def redis_cost(model: str, url: str, n: int) -> dict:
     return out
 
 
+def e2e_part(a: argparse.Namespace) -> dict:
+    """The workload offline through the engine, then end to end through Redis."""
+    if not (Path(a.model) / "config.json").exists():
+        from bench.workload import bench_model
+
+        bench_model(a.model)
+    reqs = workload(a.jobs)
+    off = offline(a, reqs)
+    print(
+        f"offline:    {off['tokens']} tokens in {off['seconds']:.2f}s = "
+        f"{off['tokens_per_s']:.1f} tokens/s"
+    )
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
+        e2e = end_to_end(a, url, reqs)
+    print(
+        f"end to end: {e2e['tokens']} tokens in {e2e['seconds']:.2f}s = "
+        f"{e2e['tokens_per_s']:.1f} tokens/s"
+    )
+    return {
+        "model": Path(a.model).name,
+        "jobs": a.jobs,
+        "offline_tokens_per_s": round(off["tokens_per_s"], 1),
+        "e2e_tokens_per_s": round(e2e["tokens_per_s"], 1),
+        "e2e_vs_offline": round(e2e["tokens_per_s"] / off["tokens_per_s"], 3),
+    }
+
+
+def cost_part(a: argparse.Namespace) -> dict:
+    """The Redis cost runs on the cost model, and their ratios."""
+    if not (Path(a.cost_model) / "config.json").exists():
+        from gpu_workers.models.factory import make_model
+
+        make_model(Path(a.cost_model), family="llama", size="tiny", train=True)
+    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
+        cost = redis_cost(a.cost_model, url, a.cost_jobs)
+    held, every = cost["held"], cost["every_token"]
+    return {
+        "redis_cost_model": Path(a.cost_model).name,
+        "redis_cost": cost,
+        "commands_per_generated_token": held["commands_per_generated_token"],
+        "commands_per_token_vs_every_token": round(
+            held["commands_per_generated_token"] / every["commands_per_generated_token"], 3
+        ),
+        "ttft_p50_idle_vs_every_token": round(
+            held["ttft_ms_p50_idle"] / max(every["ttft_ms_p50_idle"], 1), 3
+        ),
+        "ttft_p50_burst_vs_every_token": round(
+            held["ttft_ms_p50_burst"] / max(every["ttft_ms_p50_burst"], 1), 3
+        ),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -351,63 +432,44 @@ def main() -> None:
         help="model of the Redis-cost runs: fast steps, as a GPU fleet's (made if missing)",
     )
     p.add_argument("--cost-jobs", type=int, default=200)
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="which measurements, comma-separated (default: all): e2e (offline and end to "
+        "end), enqueue (submit_many and its peer), cost (Redis commands, TTFT)",
+    )
     a = p.parse_args()
-    if not (Path(a.model) / "config.json").exists():
-        from bench.workload import bench_model
-
-        bench_model(a.model)
-    reqs = workload(a.jobs)
-    off = offline(a, reqs)
-    print(
-        f"offline:    {off['tokens']} tokens in {off['seconds']:.2f}s = {off['tokens_per_s']:.1f} tokens/s"
-    )
-    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
-        e2e = end_to_end(a, url, reqs)
+    parts = set(a.parts.split(","))
+    if not parts or parts - set(PARTS):
+        p.error(f"--parts takes {', '.join(PARTS)}, got {a.parts!r}")
+    result: dict = {"threads": a.threads, "cpus": os.cpu_count()}
+    if "e2e" in parts:
+        result.update(e2e_part(a))
+    if "enqueue" in parts:
+        with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
+            enq = enqueue(url, a.enqueue)
         print(
-            f"end to end: {e2e['tokens']} tokens in {e2e['seconds']:.2f}s = {e2e['tokens_per_s']:.1f} tokens/s"
+            f"enqueue:    submit_many {enq['submit_many_jobs_per_s']:.0f} jobs/s; "
+            f"{enq['peer']} {enq['peer_xadd_per_s']:.0f}/s; "
+            f"raw packed XADD {enq['raw_packed_xadd_per_s']:.0f}/s; CPU µs per job "
+            f"(client, Redis): submit_many {enq['submit_many_cpu_us_per_job']}, "
+            f"peer {enq['peer_cpu_us_per_job']}"
         )
-        enq = enqueue(url, a.enqueue)
-    if not (Path(a.cost_model) / "config.json").exists():
-        from gpu_workers.models.factory import make_model
-
-        make_model(Path(a.cost_model), family="llama", size="tiny", train=True)
-    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
-        cost = redis_cost(a.cost_model, url, a.cost_jobs)
-    print(
-        f"enqueue:    submit_many {enq['submit_many_jobs_per_s']:.0f} jobs/s; "
-        f"{enq['peer']} {enq['peer_xadd_per_s']:.0f}/s; raw packed XADD {enq['raw_packed_xadd_per_s']:.0f}/s"
-    )
-    result = {
-        "model": Path(a.model).name,
-        "jobs": a.jobs,
-        "threads": a.threads,
-        "cpus": os.cpu_count(),
-        "offline_tokens_per_s": round(off["tokens_per_s"], 1),
-        "e2e_tokens_per_s": round(e2e["tokens_per_s"], 1),
-        "e2e_vs_offline": round(e2e["tokens_per_s"] / off["tokens_per_s"], 3),
-        "submit_many_jobs_per_s": round(enq["submit_many_jobs_per_s"]),
-        "peer_xadd_per_s": round(enq["peer_xadd_per_s"]),
-        "peer": enq["peer"],
-        "raw_packed_xadd_per_s": round(enq["raw_packed_xadd_per_s"]),
-        "submit_many_vs_peer": round(enq["submit_many_jobs_per_s"] / enq["peer_xadd_per_s"], 3),
-    }
-    held, every = cost["held"], cost["every_token"]
-    result.update(
-        {
-            "redis_cost_model": Path(a.cost_model).name,
-            "redis_cost": cost,
-            "commands_per_generated_token": held["commands_per_generated_token"],
-            "commands_per_token_vs_every_token": round(
-                held["commands_per_generated_token"] / every["commands_per_generated_token"], 3
-            ),
-            "ttft_p50_idle_vs_every_token": round(
-                held["ttft_ms_p50_idle"] / max(every["ttft_ms_p50_idle"], 1), 3
-            ),
-            "ttft_p50_burst_vs_every_token": round(
-                held["ttft_ms_p50_burst"] / max(every["ttft_ms_p50_burst"], 1), 3
-            ),
-        }
-    )
+        result.update(
+            {
+                "submit_many_jobs_per_s": round(enq["submit_many_jobs_per_s"]),
+                "peer_xadd_per_s": round(enq["peer_xadd_per_s"]),
+                "peer": enq["peer"],
+                "raw_packed_xadd_per_s": round(enq["raw_packed_xadd_per_s"]),
+                "submit_many_vs_peer": round(
+                    enq["submit_many_jobs_per_s"] / enq["peer_xadd_per_s"], 3
+                ),
+                "submit_many_cpu_us_per_job": enq["submit_many_cpu_us_per_job"],
+                "peer_cpu_us_per_job": enq["peer_cpu_us_per_job"],
+            }
+        )
+    if "cost" in parts:
+        result.update(cost_part(a))
     result["isa"] = cpu_isa()
     print(json.dumps(result))
 

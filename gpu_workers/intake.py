@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from broker_config import keys, protocol
+from broker_config import fastpipe, keys, protocol
 from broker_config.protocol import Code, WireError
 from broker_config.settings import Settings
 from broker_config.text import text
@@ -93,11 +93,12 @@ class Intake:
         k = self._turn % self.shards
         return [*range(k, self.shards), *range(k)]
 
-    def take(self, block: bool, below_top: bool = True) -> list[Entry]:
-        """The next valid entries: an entry stranded by a dead worker if there is one, else
-        one from the highest lane that has work (see lane_order); `below_top`: whether lanes
-        below the top one may be read now. Invalid entries met on the way get their error
-        result here and are skipped.
+    def take(self, block: bool, below_top: bool = True, count: int = 1) -> list[Entry]:
+        """The next valid entries, at most `count` (more after a blocking read: one per lane):
+        an entry stranded by a dead worker if there is one, else entries from the highest
+        lanes that have work (see lane_order); `below_top`: whether lanes below the top one
+        may be read now. Invalid entries met on the way get their error result here and are
+        skipped.
 
         While the engine is busy and the lanes were all empty, the lanes below the top one
         are read again only after poll_ms, so an empty queue costs one round trip a step
@@ -106,8 +107,10 @@ class Intake:
             got = self._reclaim()
             if not got:
                 scan_all = block or time.monotonic() >= self._next_scan
-                lanes = self.lane_order() if scan_all and below_top else self.lanes[:1]
-                got = self._read(block, lanes)
+                lanes, n = self.lanes[:1], count
+                if scan_all and below_top:
+                    lanes, n = self._turn_order(count)
+                got = self._read(block, lanes, n)
                 if not got:
                     if scan_all:
                         self._next_scan = time.monotonic() + self.settings.poll_ms / 1000
@@ -116,6 +119,16 @@ class Intake:
             if valid:
                 return valid
             block = False  # invalid entries were handled: look again without waiting
+
+    def _turn_order(self, count: int) -> tuple[list[str], int]:
+        """The lane order of the next pull and how many entries may be taken in it: never
+        past a fair turn, which is a pull of its own, so every fair_every-th entry taken
+        starts at a lower lane whatever the number taken at once."""
+        every = self.settings.fair_every
+        if len(self.lanes) < 2 or every <= 0:
+            return self.lanes, count
+        to_fair = every - self._pulls % every  # the fair turn is the to_fair-th pull from now
+        return self.lane_order(), 1 if to_fair == 1 else min(count, to_fair - 1)
 
     def lane_order(self) -> list[str]:
         """Highest lane first, except every fair_every-th pull, which starts at the next
@@ -128,18 +141,23 @@ class Intake:
         k = 1 + ((self._pulls + 1) // every - 1) % (n - 1)
         return self.lanes[k:] + self.lanes[:k]
 
-    def _read(self, block: bool, lanes: list[str]) -> list[Raw]:
+    def _read(self, block: bool, lanes: list[str], count: int = 1) -> list[Raw]:
+        """Up to `count` new entries, lane by lane in `lanes`' order, every shard of a lane
+        before the next lane: one call (TAKE) for a model of one shard, whose lanes share a
+        hash tag. Each entry taken counts as a pull (lane_order)."""
         got: list[Raw] = []
         shards = self._shard_order()
-        for lane in lanes:
-            for shard in shards:
-                reply = self.r.xreadgroup(
-                    keys.GROUP, self.id, {self.stream(lane, shard): ">"}, count=1
-                )
-                got = self._entries(reply)
-                if got:
-                    break
-            if got:
+        if self.shards == 1:
+            groups = [[self.stream(lane) for lane in lanes]]
+        else:
+            groups = [[self.stream(lane, shard)] for lane in lanes for shard in shards]
+        for streams in groups:
+            call = jobs.take(streams=streams, consumer=self.id, count=count - len(got))
+            for i, entry_id, flat in jobs.run(self.r, call):
+                stream = streams[i - 1]
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                got.append((self._lane_of[stream.encode()], stream, entry_id, fields))
+            if len(got) >= count:
                 break
         if not got and block:
             # one shard's lanes share a hash tag, so one read can wait on all of them; with
@@ -148,8 +166,7 @@ class Intake:
             wait_ms = max(1, self.settings.block_ms // self.shards)
             reply = self.r.xreadgroup(keys.GROUP, self.id, streams, count=1, block=wait_ms)
             got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))
-        if got:
-            self._pulls += 1
+        self._pulls += len(got)
         return got
 
     def _entries(self, reply: Any) -> list[Raw]:
@@ -356,13 +373,29 @@ class Intake:
         )
         jobs.run(self.r, call)
 
-    def begin(self, entry: Entry) -> str:
-        """Mark the entry's job running here and start its stream (script BEGIN): 'run', or
-        why not ('done', 'cancelled', 'expired', 'badkey'). Raises only for a refusal
-        that passes (OOM, ...); one tied to the job's keys is 'badkey'."""
+    def begin(self, entries: list[Entry]) -> list[str | redis.ResponseError]:
+        """Mark the entries' jobs running here and start their streams (script BEGIN, one
+        round trip for all). For each: 'run', or why not ('done', 'cancelled', 'expired',
+        'badkey'), or Redis's refusal when it refused for a reason that passes (OOM, ...);
+        a refusal tied to the job's keys is 'badkey'."""
+        calls = [self._begin_call(entry) for entry in entries]
+        out: list[str | redis.ResponseError] = []
+        for call, reply in zip(calls, self._pipeline(calls), strict=True):
+            if isinstance(reply, redis.exceptions.NoScriptError):  # nothing of it ran
+                try:
+                    reply = jobs.run(self.r, call)
+                except redis.ResponseError as e:
+                    reply = e
+            if isinstance(reply, redis.ResponseError):
+                out.append(reply if passing(reply) else "badkey")
+            else:
+                out.append(text(reply))
+        return out
+
+    def _begin_call(self, entry: Entry) -> jobs.Call:
         env = entry.req.envelope
         metadata = entry.req.metadata
-        call = jobs.begin(
+        return jobs.begin(
             job_id=entry.job_id,
             worker=self.id,
             now_ms=now_ms(),
@@ -372,13 +405,16 @@ class Intake:
             priority=env.priority,
             metadata_json=json.dumps(metadata) if metadata is not None else None,
         )
-        try:
-            verdict = jobs.run(self.r, call)
-        except redis.ResponseError as e:
-            if passing(e):
-                raise
-            return "badkey"
-        return text(verdict)
+
+    def _pipeline(self, calls: list[jobs.Call]) -> list[Any]:
+        """Script calls in one round trip (one per node on a Cluster); error replies in
+        place."""
+        if self.writer.cluster:
+            pipe = self.r.pipeline(transaction=False)
+            for call in calls:
+                pipe.execute_command(*call.command())
+            return pipe.execute(raise_on_error=False)
+        return fastpipe.run(self.r, [call.command() for call in calls])
 
     def ack(self, entry: Entry) -> None:
         """Ack and delete an entry that needs no result from here (workers delete acked

@@ -55,7 +55,8 @@ class Worker:
         self.model_id = Path(settings.model_dir).name if settings.model_dir else ""  # /v1/models
         self.lanes = list(settings.lanes)
         self.running: dict[str, Running] = {}
-        self.held: list[Entry] = []  # taken, not yet in the backend (bounded by len(lanes))
+        # taken, not yet in the backend: at most takes_per_step, or one per lane after a wait
+        self.held: list[Entry] = []
         self.stopping = False
         self.stop_deadline = 0.0
         self.metrics = Metrics(self.id, self.lanes)
@@ -79,7 +80,7 @@ class Worker:
     def start(self) -> None:
         """Consumer groups, scripts and the cancel channel: what a turn needs."""
         ensure_groups(self.r, self.intake.streams())
-        jobs.load(self.r, "DELTAS", "FINALIZE")  # sent in packed writes, not by jobs.run
+        jobs.load(self.r, "BEGIN", "DELTAS", "FINALIZE")  # pipelined, not sent by jobs.run
         self.cancels.subscribe(keys.CANCEL_CHANNEL)
 
     def request_stop(self, grace_s: float | None = None) -> None:
@@ -197,49 +198,63 @@ class Worker:
     def _fill(self) -> None:
         """Move entries into the backend while it has room for the next one, at most
         takes_per_step of them between two steps: a wave of finished jobs is refilled over
-        a few steps instead of stalling the running ones (and a top-lane arrival) for a
-        round trip per entry. Entries that end at once (cancelled, expired, refused) do not
-        count."""
+        a few steps instead of stalling the running ones (and a top-lane arrival). The
+        entries of a turn cost two round trips together: one read (Intake.take) and one
+        pipeline of BEGINs (`_start`). Entries that end at once (cancelled, expired,
+        refused) do not count."""
         added = 0
         limit = self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
         while added < limit and not self.stopping:
             if not self.held:
                 idle = not self.engine.has_unfinished() and not self.running
-                self.held = self.intake.take(block=idle, below_top=self._room_below_top())
+                n, below_top = limit - added, self._room_below_top()
+                if 0 < below_top < n:  # never past the top lane's reserve
+                    n = below_top
+                self.held = self.intake.take(idle, below_top > 0, count=n)
                 if not self.held:
                     return
-            req = self.held[0].req
-            if self.engine.has_unfinished() and not self.engine.can_admit(
-                req.prompt_tokens, req.envelope.max_tokens
-            ):
-                return
-            added += self._start(self.held.pop(0))
+            batch: list[tuple[Entry, Exception | None]] = []
+            while self.held and added + len(batch) < limit:
+                entry, req = self.held[0], self.held[0].req
+                if self._duplicate(entry, batch):
+                    self.held.pop(0)
+                    continue
+                if self.engine.has_unfinished() and not self.engine.can_admit(
+                    req.prompt_tokens, req.envelope.max_tokens
+                ):
+                    break
+                batch.append((self.held.pop(0), self._add(entry)))
+            if not batch:
+                if self.held:  # the next one does not fit now
+                    return
+                continue  # every one was a second entry of a running job
+            added += self._start(batch)
 
-    def _room_below_top(self) -> bool:
-        """Whether entries of lanes below the top one may be taken now: only while the
+    def _room_below_top(self) -> int:
+        """How many entries of lanes below the top one may be taken now: only while the
         backend keeps top_lane_reserve sequence slots free beyond them, so that a top-lane
         arrival is admitted at once rather than after lower-lane work finishes."""
         reserve = self.settings.top_lane_reserve
         if reserve <= 0 or not self.engine.has_unfinished():
-            return True
+            return self.engine.max_num_seqs
         busy = self.engine.num_running + self.engine.num_waiting
-        return busy + reserve < self.engine.max_num_seqs
+        return max(0, self.engine.max_num_seqs - reserve - busy)
 
-    def _start(self, entry: Entry) -> bool:
-        """Begin the entry's job; True when it went into the backend."""
-        req, env, job_id = entry.req, entry.req.envelope, entry.job_id
-        if job_id in self.running:
-            if self.running[job_id].entry.entry_id != entry.entry_id:
-                self.intake.ack(entry)  # a second entry for a job already running here
-            return False  # else this worker's own entry, reclaimed after a stall: it runs
-        try:
-            verdict = self.intake.begin(entry)
-        except redis.ResponseError:
-            self.held.insert(0, entry)  # refused for now: taken again once Redis takes writes
-            raise
-        if verdict != "run":
-            self._not_run(entry, verdict)
+    def _duplicate(self, entry: Entry, batch: list[tuple[Entry, Exception | None]]) -> bool:
+        """Whether the entry's job already runs here (or is in `batch`): a second entry of
+        the job is acked; this worker's own entry, reclaimed after a stall, runs on."""
+        run = self.running.get(entry.job_id)
+        if run is None and all(e.job_id != entry.job_id for e, _ in batch):
             return False
+        if run is None or run.entry.entry_id != entry.entry_id:
+            self.intake.ack(entry)
+        return True
+
+    def _add(self, entry: Entry) -> Exception | None:
+        """Put the entry's job into the backend ahead of its BEGIN, so that the backend's
+        room for the next entry counts it (`_start` takes it out again unless BEGIN says
+        run). Returns what the backend raised on it, if anything."""
+        req, env, job_id = entry.req, entry.req.envelope, entry.job_id
         try:
             self.engine.add(
                 job_id,
@@ -252,24 +267,62 @@ class Worker:
                 special_tokens=req.special_tokens,
             )
         except RequestError as e:
-            log.info(
-                "job refused: %s: %s",
-                e.code,
-                e.message,
-                extra={"job_id": job_id, "lane": entry.lane, "code": e.code},
-            )
-            self._end_now(Running(entry), records.FAILED, "", e.code, e.message)
-            return False
-        except Exception as e:  # a Plurai bug met on this job: it counts as a failed attempt
+            return e
+        except Exception as e:  # a Plurai bug met on this job
             log.exception("engine.add failed", extra={"job_id": job_id})
-            self._retry(entry, f"{type(e).__name__}: {str(e)[:300]}")
-            return False
-        self.running[job_id] = Running(entry)
-        self.metrics.jobs_started.labels(entry.lane).inc()
-        wait = max(0.0, time.time() - entry.entered_s)
-        self.metrics.queue_wait.labels(entry.lane).observe(wait)
-        log.debug("job started", extra={"job_id": job_id, "lane": entry.lane})
-        return True
+            return e
+        return None
+
+    def _start(self, batch: list[tuple[Entry, Exception | None]]) -> int:
+        """BEGIN the jobs of `batch` (entry, what the backend raised on it), in one round
+        trip; returns how many run. A job BEGIN does not let run leaves the backend and is
+        answered (`_not_run`), one the backend refused fails with its code, one it raised
+        on otherwise is handed back as a failed attempt; entries Redis refused for now
+        (OOM, ...) are held, taken again once it takes writes."""
+        try:
+            verdicts = self.intake.begin([entry for entry, _ in batch])
+        except BaseException:
+            for entry, error in batch:
+                if error is None:
+                    self.engine.abort(entry.job_id)
+            self.held[:0] = [entry for entry, _ in batch]  # begun again later
+            raise
+        refused: redis.ResponseError | None = None
+        again: list[Entry] = []
+        answers: list[tuple[Entry, Exception | None, str]] = []
+        started = 0
+        for (entry, error), verdict in zip(batch, verdicts, strict=True):
+            if error is None and verdict != "run":
+                self.engine.abort(entry.job_id)
+            if isinstance(verdict, redis.ResponseError):
+                refused = refused or verdict
+                again.append(entry)
+            elif verdict != "run" or error is not None:
+                answers.append((entry, error, verdict))
+            else:
+                self.running[entry.job_id] = Running(entry)
+                self.metrics.jobs_started.labels(entry.lane).inc()
+                wait = max(0.0, time.time() - entry.entered_s)
+                self.metrics.queue_wait.labels(entry.lane).observe(wait)
+                log.debug("job started", extra={"job_id": entry.job_id, "lane": entry.lane})
+                started += 1
+        self.held[:0] = again
+        for entry, error, verdict in answers:
+            if verdict != "run":
+                self._not_run(entry, verdict)
+            elif isinstance(error, RequestError):
+                log.info(
+                    "job refused: %s: %s",
+                    error.code,
+                    error.message,
+                    extra={"job_id": entry.job_id, "lane": entry.lane, "code": error.code},
+                )
+                self._end_now(Running(entry), records.FAILED, "", error.code, error.message)
+            else:  # a Plurai bug met on this job: it counts as a failed attempt
+                self._retry(entry, f"{type(error).__name__}: {str(error)[:300]}")
+        if refused is not None:
+            raise refused
+        return started
 
     def _not_run(self, entry: Entry, verdict: str) -> None:
         """BEGIN's answer for a job that must not run."""

@@ -90,6 +90,7 @@ class Writer:
             resync=resync,
             lane=lane,
             entry=entry,
+            ack_inside=not self.cluster,
         )
 
     def failed(
@@ -107,9 +108,11 @@ class Writer:
         if not isinstance(item, jobs.Call) or isinstance(reply, Exception):
             return
         if item.script == "FINALIZE" and reply == -1:
-            entry_id = item.then[0][3] if item.then else ""
+            entry_id = item.entry[1] if item.entry is not None else ""
             error = "bad_record: the job record is not a hash; no result written"
             self.acks.append(self.dead_letter(item.lane, entry_id, error, job_id=item.job_id))
+            if item.entry is not None and not item.then:  # FINALIZE did not ack it
+                self.acks += jobs.ack(*item.entry)
         self.acks += item.then
 
     def dead_letter(self, lane: str, entry_id: Any, error: str, **more: Any) -> list[Any]:
@@ -232,8 +235,8 @@ class Writer:
         leases to renew while Redis refuses the results (a full Redis takes renewals)."""
         out: dict[str, list[Any]] = {}
         for call in self.unsent:
-            for command in call.then[:1]:  # ["XACK", stream, group, entry id]
-                out.setdefault(command[1], []).append(command[3])
+            if call.entry is not None:
+                out.setdefault(call.entry[0], []).append(call.entry[1])
         return out
 
     def keep(self, calls: list[jobs.Call]) -> None:

@@ -17,14 +17,13 @@ from typing import Any
 import redis.asyncio
 from redis.exceptions import NoScriptError
 
-from broker_config import keys
 from broker_config.connection import connect_async, is_cluster, resolve_url
-from broker_config.routes import Routes, registry_value
+from broker_config.routes import Routes
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.client import _CHUNK, cancel_call
 from producer.errors import QueueFull, accepting, check_replicas, final, submitted
-from producer.request import SCRIPTS, prepare
+from producer.request import SCRIPTS, Batch, Checked, check, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
@@ -66,12 +65,12 @@ class AsyncClient:
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncJob]:
         """As Client.submit_many."""
         routes = await self.fresh_routes()
-        subs = [prepare(self.settings, routes, **req) for req in requests]
+        checked = [check(self.settings, routes, **req) for req in requests]
         await jobs.load_async(self.redis, *SCRIPTS)
         out: list[AsyncJob] = []
-        for i in range(0, len(subs), _CHUNK):
+        for i in range(0, len(checked), _CHUNK):
             with accepting(out):
-                out += await self.send(subs[i : i + _CHUNK], out)
+                out += await self.send(checked[i : i + _CHUNK], out)
         return out
 
     async def fresh_routes(self) -> Routes:
@@ -80,17 +79,14 @@ class AsyncClient:
         return self.routes
 
     async def send(
-        self, subs: list[jobs.Submission], before: list[AsyncJob] | None = None
+        self,
+        requests: list[jobs.Submission] | list[Checked],
+        before: list[AsyncJob] | None = None,
     ) -> list[AsyncJob]:
         """As Client.send."""
         s = self.settings
-        # a model no worker has served yet gets its entry in plurai:models, so `plurai status`
-        # and the metrics show the lanes where its jobs wait
-        new = dict.fromkeys(sub.model for sub in subs if sub.model not in self.routes.models)
-        listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
-        commands = listed + [c for sub in subs for c in sub.commands()]
-        if s.submit_replicas:
-            commands.append(["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms])
+        batch = Batch(requests, self.routes, s, is_cluster(self.redis))
+        commands = list(batch.commands())
         replies = await self._run(commands)
         missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
         if missing:  # Redis lost its scripts: those calls did nothing
@@ -98,9 +94,10 @@ class AsyncClient:
             again = await self._run([commands[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
-        acked = replies.pop() if s.submit_replicas else 0
-        del replies[: len(listed)]
-        ids, cleanup, error = submitted(subs, replies, s.queue_full_retry_s, before or [], self.job)
+        acked, replies = batch.split_replies(replies)
+        ids, cleanup, error = submitted(
+            batch.subs, replies, s.queue_full_retry_s, before or [], self.job, batch.split
+        )
         if cleanup:  # also when refused: a record QUEUED wrote would read "queued" for days
             await self._run(cleanup)
         if error is not None:

@@ -16,13 +16,13 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from broker_config import fastpipe, keys
+from broker_config import fastpipe
 from broker_config.connection import connect, is_cluster, resolve_url
-from broker_config.routes import Routes, registry_value
+from broker_config.routes import Routes
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.errors import QueueFull, accepting, check_replicas, final, submitted
-from producer.request import SCRIPTS, prepare
+from producer.request import SCRIPTS, Batch, Checked, check, prepare
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
@@ -79,12 +79,12 @@ class Client:
         flight may have been queued too: submit with idempotency keys to make a retry
         safe)."""
         routes = self.fresh_routes()
-        subs = [prepare(self.settings, routes, **req) for req in requests]
+        checked = [check(self.settings, routes, **req) for req in requests]
         jobs.load(self.redis, *SCRIPTS)
         out: list[Job] = []
-        for i in range(0, len(subs), _CHUNK):
+        for i in range(0, len(checked), _CHUNK):
             with accepting(out):
-                out += self.send(subs[i : i + _CHUNK], out)
+                out += self.send(checked[i : i + _CHUNK], out)
         return out
 
     def fresh_routes(self) -> Routes:
@@ -92,28 +92,28 @@ class Client:
             self.routes.load(self.routes.read(self.redis))
         return self.routes
 
-    def send(self, subs: list[jobs.Submission], before: list[Job] | None = None) -> list[Job]:
-        """Queue prepared submissions (producer.request.prepare) in one pipeline round trip;
-        with PLURAI_SUBMIT_REPLICAS, followed on the same connection by a WAIT for that many
-        replicas to have them. `before`: jobs of the same call already queued, for QueueFull."""
+    def send(
+        self, requests: list[jobs.Submission] | list[Checked], before: list[Job] | None = None
+    ) -> list[Job]:
+        """Queue prepared submissions (producer.request.prepare), or checked requests built
+        into submissions as they are written (Redis runs the first while the rest are
+        built), in one pipeline round trip; with PLURAI_SUBMIT_REPLICAS, followed on the
+        same connection by a WAIT for that many replicas to have them. `before`: jobs of the
+        same call already queued, for QueueFull."""
         s = self.settings
-        # a model no worker has served yet gets its entry in plurai:models, so `plurai status`
-        # and the metrics show the lanes where its jobs wait
-        new = dict.fromkeys(sub.model for sub in subs if sub.model not in self.routes.models)
-        listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
-        commands = listed + [c for sub in subs for c in sub.commands()]
-        if s.submit_replicas:
-            commands.append(["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms])
-        replies = self._run(commands)
+        batch = Batch(requests, self.routes, s, is_cluster(self.redis))
+        replies = self._run(batch.commands())
         missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
         if missing:  # Redis lost its scripts (a restart, a failover): those calls did nothing
             jobs.load(self.redis, *SCRIPTS)
+            commands = list(batch.commands())  # the same submissions again
             again = self._run([commands[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
-        acked = replies.pop() if s.submit_replicas else 0
-        del replies[: len(listed)]
-        ids, cleanup, error = submitted(subs, replies, s.queue_full_retry_s, before or [], self.job)
+        acked, replies = batch.split_replies(replies)
+        ids, cleanup, error = submitted(
+            batch.subs, replies, s.queue_full_retry_s, before or [], self.job, batch.split
+        )
         if cleanup:  # also when refused: a record QUEUED wrote would read "queued" for days
             self._run(cleanup)
         if error is not None:
@@ -121,14 +121,14 @@ class Client:
         check_replicas([j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms)
         return ids
 
-    def _run(self, commands: list[list[Any]]) -> list[Any]:
+    def _run(self, commands: Iterable[list[Any]]) -> list[Any]:
         """Commands in one round trip (one per node on a Cluster); error replies in place."""
         if is_cluster(self.redis):
             pipe = self.redis.pipeline(transaction=False)
             for c in commands:
                 pipe.execute_command(*c)
             return pipe.execute(raise_on_error=False)
-        return fastpipe.run(self.redis, [fastpipe.pack(c) for c in commands])
+        return fastpipe.run(self.redis, commands)
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

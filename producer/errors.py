@@ -137,7 +137,7 @@ def check_replicas(job_ids: list[str], acked: Any, wanted: int, timeout_ms: int)
 
 
 def queue_full(error: Exception, lane: str, retry_after: float) -> QueueFull | None:
-    """The QueueFull that a QUEUED or SUBMIT error reply stands for (RedisFull when Redis
+    """The QueueFull that a submit script's error reply stands for (RedisFull when Redis
     is out of memory), or None for any other error."""
     if is_oom(error):
         return RedisFull(lane, retry_after)
@@ -153,29 +153,32 @@ def submitted(
     retry_after: float,
     before: list[J],
     job: Callable[[str], J],
+    split: bool = False,
 ) -> tuple[list[J], list[list[Any]], Exception | None]:
-    """The jobs of a chunk of submissions, from their replies (QUEUED's then SUBMIT's for
-    each, an error reply as its exception), the commands that delete the records written
-    for nothing, and the error to raise once those are sent: any error reply but
-    QUEUEFULL as it is, else QueueFull if a lane was full; its `accepted` holds `before`
-    and the jobs queued."""
+    """The jobs of a chunk of submissions, from their replies (ENQUEUE's for each, or with
+    `split` QUEUED's then SUBMIT's; an error reply as its exception), the commands that
+    delete the records written for nothing, and the error to raise once those are sent:
+    any error reply but QUEUEFULL as it is, else QueueFull if a lane was full; its
+    `accepted` holds `before` and the jobs queued."""
     out: list[J] = []
     cleanup: list[list[Any]] = []
     full: QueueFull | None = None
     error: Exception | None = None
+    per = 2 if split else 1
     for i, sub in enumerate(subs):
-        record, reply = replies[2 * i], replies[2 * i + 1]
-        drop = sub.cleanup(record, reply)
-        if drop is not None:
-            cleanup.append(drop)
-        # SUBMIT's reply decides: a job queued without its record (QUEUED refused) runs
+        reply = replies[per * i + per - 1]
+        if split:
+            drop = sub.cleanup(replies[per * i], reply)
+            if drop is not None:
+                cleanup.append(drop)
+        # The queue's reply decides: a job queued without its record (QUEUED refused) runs
         # all the same, and its worker's BEGIN writes the record.
         if not isinstance(reply, Exception):
             owner = text(reply)
             if owner == sub.job_id or valid_job_id(owner):
                 out.append(job(owner))
                 continue
-            reply = BadIdempotencyKey(sub.queue.keys[-1], owner)
+            reply = BadIdempotencyKey(sub.keys[-1], owner)
         lane_full = queue_full(reply, sub.lane, retry_after)
         if lane_full is None:
             error = error or reply

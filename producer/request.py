@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from broker_config import keys, protocol
-from broker_config.routes import Routes
+from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from producer.errors import UnknownModel
 from results import jobs
@@ -31,7 +33,7 @@ SUBMIT_OPTIONS = frozenset(
     }
 )
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
-SCRIPTS = ("QUEUED", "SUBMIT")  # a Submission's scripts
+SCRIPTS = ("ENQUEUE", "QUEUED", "SUBMIT")  # a Submission's scripts (jobs.Submission)
 
 
 def response_format(model: type) -> dict[str, Any]:
@@ -55,7 +57,53 @@ def _short(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def prepare(
+def prepare(settings: Settings, routes: Routes | None = None, **options: Any) -> jobs.Submission:
+    """The Submission (results.jobs.submit) that queues the request: `check`, then
+    Checked.submission. Its `job_id`, `lane` and `model` say which job, lane and model."""
+    return check(settings, routes, **options).submission()
+
+
+@dataclass(slots=True)
+class Checked:
+    """A request that passed every check of `check`, its entry encoded but for its job id:
+    `submission()` cannot fail. submit_many checks every request before it queues any,
+    then builds the submissions while Redis runs the first ones."""
+
+    settings: Settings
+    lane: str
+    model: str
+    shards: int
+    priority: int
+    fields: list[Any]  # the entry's field/value pairs; the job id's place is empty
+    metadata_json: str | None
+    idempotency_key: str | None
+
+    def submission(self) -> jobs.Submission:
+        """A new job (its own id) of this request."""
+        s, job_id = self.settings, protocol.new_job_id()
+        fields = self.fields.copy()
+        fields[_ID] = job_id
+        return jobs.submit(
+            lane=self.lane,
+            model=self.model,
+            shard=keys.shard_of(self.idempotency_key or job_id, self.shards),
+            job_id=job_id,
+            fields=fields,
+            created_ms=int(time.time() * 1000),
+            priority=self.priority,
+            metadata_json=self.metadata_json,
+            idempotency_key=self.idempotency_key,
+            stream_maxlen=s.stream_maxlen,
+            queued_ttl_s=s.queued_ttl_s,
+            idempotency_ttl_s=s.idempotency_ttl_s,
+            max_queued=s.max_queued_per_lane,
+        )
+
+
+_ID = 3  # the job id's place in Checked.fields
+
+
+def check(
     settings: Settings,
     routes: Routes | None = None,
     *,
@@ -74,9 +122,9 @@ def prepare(
     cache_salt: str | None = None,
     special_tokens: bool = False,
     **sampling: Any,
-) -> jobs.Submission:
-    """The Submission (results.jobs.submit) that queues the request; its `job_id`, `lane`
-    and `model` say which job, lane and model. `model` (default: PLURAI_DEFAULT_MODEL)
+) -> Checked:
+    """Check a request and encode its entry (see Checked); raises for what cannot be
+    queued. `model` (default: PLURAI_DEFAULT_MODEL)
     picks the queue; `routes` (fresh enough, see Routes.stale) gives its shard count and
     refuses a model no worker serves when the deployment says so (UnknownModel).
 
@@ -85,10 +133,9 @@ def prepare(
     checked by the worker; only their names are checked here. `response_format` may be a
     pydantic model class (its JSON schema).
     """
-    unknown = set(sampling) - _SAMPLING
-    if unknown:
-        raise TypeError(f"unknown submit option(s) {sorted(unknown)}")
-    if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
+    if not _SAMPLING.issuperset(sampling):
+        raise TypeError(f"unknown submit option(s) {sorted(set(sampling) - _SAMPLING)}")
+    if (prompt is not None) + (messages is not None) + (token_ids is not None) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     lane = settings.lane_or_default(lane)
     if not _integer(priority) or abs(priority) > protocol.MAX_PRIORITY:
@@ -128,7 +175,7 @@ def prepare(
         raise ValueError(
             f"content_type must be one of {list(protocol.CONTENT_TYPES)}, got {_short(content_type)}"
         )
-    body: dict[str, Any] = dict(sampling)
+    body: dict[str, Any] = sampling  # a dict of its own (**sampling)
     if isinstance(body.get("response_format"), type):
         body["response_format"] = response_format(body["response_format"])
     if prompt is not None:
@@ -151,12 +198,11 @@ def prepare(
         body["cache_salt"] = cache_salt
     if special_tokens:
         body["special_tokens"] = True
-    job_id = protocol.new_job_id()
     fields: list[Any] = [
         "v",
         protocol.VERSION,
         "id",
-        job_id,
+        "",
         "priority",
         priority,
         "lane",
@@ -176,19 +222,55 @@ def prepare(
         fields += ["deadline", int(deadline * 1000)]
     if idempotency_key is not None:
         fields += ["idem", idempotency_key]
-    shards = routes.shards(model) if routes is not None else 1
-    return jobs.submit(
-        lane=lane,
-        model=model,
-        shard=keys.shard_of(idempotency_key or job_id, shards),
-        job_id=job_id,
-        fields=fields,
-        created_ms=int(time.time() * 1000),
-        priority=priority,
-        metadata_json=json.dumps(metadata, separators=(",", ":")) if metadata is not None else None,
-        idempotency_key=idempotency_key,
-        stream_maxlen=settings.stream_maxlen,
-        queued_ttl_s=settings.queued_ttl_s,
-        idempotency_ttl_s=settings.idempotency_ttl_s,
-        max_queued=settings.max_queued_per_lane,
+    return Checked(
+        settings,
+        lane,
+        model,
+        routes.shards(model) if routes is not None else 1,
+        priority,
+        fields,
+        json.dumps(metadata, separators=(",", ":")) if metadata is not None else None,
+        idempotency_key,
     )
+
+
+class Batch:
+    """The commands of one pipelined submit (Client.send): the models' entries in
+    plurai:models for those no worker has served yet (so `plurai status` and the metrics
+    show the lanes where their jobs wait), each job's submit calls (one, or two with
+    `split` on a Cluster), then, with PLURAI_SUBMIT_REPLICAS, a WAIT. Checked requests are
+    built into submissions (`subs`) as `commands()` is iterated."""
+
+    def __init__(
+        self,
+        requests: list[jobs.Submission] | list[Checked],
+        routes: Routes,
+        settings: Settings,
+        split: bool,
+    ) -> None:
+        new = dict.fromkeys(r.model for r in requests if r.model not in routes.models)
+        self.listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
+        self.requests, self.settings, self.split = requests, settings, split
+        self.subs: list[jobs.Submission] = []
+        self.built = False
+
+    def commands(self) -> Iterator[list[Any]]:
+        """Every command, in order; the submissions are built the first time."""
+        yield from self.listed
+        if self.built:
+            for sub in self.subs:
+                yield from sub.commands(self.split)
+        else:
+            self.built = True
+            for r in self.requests:
+                sub = r.submission() if isinstance(r, Checked) else r
+                self.subs.append(sub)
+                yield from sub.commands(self.split)
+        s = self.settings
+        if s.submit_replicas:
+            yield ["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms]
+
+    def split_replies(self, replies: list[Any]) -> tuple[Any, list[Any]]:
+        """WAIT's reply (0 without it) and the submit calls' replies."""
+        acked = replies.pop() if self.settings.submit_replicas else 0
+        return acked, replies[len(self.listed) :]

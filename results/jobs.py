@@ -36,8 +36,9 @@ _FINALIZE_RESYNC = 6  # the index of FINALIZE's resync in its ARGV (ARGV[7])
 class Call:
     """One call of the script `script` (a name in results/scripts.py, e.g. "FINALIZE").
 
-    `job_id` and `lane` say which job and lane the call is about, when it is about one (for
-    the caller's errors and logs); they are not sent, nor is `then` with it."""
+    `job_id`, `lane` and `entry` say which job, lane and request entry the call is about,
+    when it is about one (for the caller's errors and logs); they are not sent, nor is
+    `then` with it."""
 
     script: str
     keys: list[str]
@@ -46,6 +47,8 @@ class Call:
     lane: str = field(default="", compare=False)
     # commands to send once this call's reply is back (a FINALIZE's ack of its entry)
     then: list[list[Any]] = field(default_factory=list, compare=False)
+    # the request entry (stream, entry id) the call is about, when it is about one
+    entry: tuple[str, Any] | None = field(default=None, compare=False)
 
     def command(self, sha: str | None = None) -> list[Any]:
         """["EVALSHA", sha, number of keys, *keys, *args], for a pipeline or a packed write;
@@ -115,26 +118,50 @@ async def load_async(r: redis.asyncio.Redis, *names: str) -> None:
 
 @dataclass(slots=True)
 class Submission:
-    """A job's submit: QUEUED (its record) and SUBMIT (its entry), sent in this order. The
-    SUBMIT reply is the job id in the queue; when it is not `job_id` (an earlier job with
-    the same idempotency key, or an error reply such as QUEUEFULL), `cleanup()` deletes the
-    record QUEUED wrote."""
+    """A job's submit. On a single Redis it is one call, ENQUEUE (its record and its entry);
+    on a Redis Cluster two, QUEUED (its record) and SUBMIT (its entry), sent in this order
+    (`commands(split=True)`). The reply of ENQUEUE or SUBMIT is the job id in the queue;
+    when it is not `job_id` (an earlier job with the same idempotency key, or an error
+    reply such as QUEUEFULL), ENQUEUE wrote nothing, and `cleanup()` deletes the record
+    QUEUED wrote."""
 
-    record: Call
-    queue: Call
     job_id: str
     lane: str
     model: str
+    keys: list[str]  # the job record, the request stream[, the idempotency key]
+    record_args: list[Any]  # QUEUED's ARGV
+    queue_args: list[Any]  # SUBMIT's ARGV
 
-    def commands(self) -> list[list[Any]]:
-        return [self.record.command(), self.queue.command()]
+    @property
+    def record(self) -> Call:
+        """The QUEUED call."""
+        return Call("QUEUED", self.keys[:1], self.record_args, job_id=self.job_id, lane=self.lane)
+
+    @property
+    def queue(self) -> Call:
+        """The SUBMIT call."""
+        return Call("SUBMIT", self.keys[1:], self.queue_args, job_id=self.job_id, lane=self.lane)
+
+    @property
+    def whole(self) -> Call:
+        """The ENQUEUE call: QUEUED and SUBMIT in one, where all their keys share a server."""
+        args = self.record_args + self.queue_args
+        return Call("ENQUEUE", self.keys, args, job_id=self.job_id, lane=self.lane)
+
+    def commands(self, split: bool = False) -> list[list[Any]]:
+        """ENQUEUE's command; with `split` (a Cluster), QUEUED's then SUBMIT's."""
+        if split:
+            return [self.record.command(), self.queue.command()]
+        k = self.keys
+        return [["EVALSHA", _digest("ENQUEUE"), len(k), *k, *self.record_args, *self.queue_args]]
 
     def cleanup(self, record_reply: Any, queue_reply: Any) -> list[Any] | None:
-        """The command that deletes a record written for nothing, or None."""
+        """After QUEUED and SUBMIT: the command that deletes a record written for nothing,
+        or None."""
         ours = not isinstance(queue_reply, Exception) and _str(queue_reply) == self.job_id
         if ours or record_reply != 1:
             return None
-        return ["DEL", self.record.keys[0]]
+        return ["DEL", self.keys[0]]
 
 
 def _str(x: Any) -> str:
@@ -162,19 +189,19 @@ def submit(
     used, the earlier job's id is returned and nothing is added. `max_queued` 0: no limit;
     else an error reply 'QUEUEFULL <queued>' when the lane holds that many waiting
     entries."""
-    record = Call(
-        "QUEUED",
-        [keys.job(job_id)],
-        [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model],
-        job_id=job_id,
-        lane=lane,
-    )
-    k = [keys.request_stream(lane, model, shard)]
+    k = [keys.job(job_id), keys.request_stream(lane, model, shard)]
     if idempotency_key is not None:
         k.append(keys.idempotency(idempotency_key, model, shard))
-    args = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, *fields]
-    queue = Call("SUBMIT", k, args, job_id=job_id, lane=lane)
-    return Submission(record, queue, job_id, lane, model)
+    record = [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model]
+    queue = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, *fields]
+    return Submission(job_id, lane, model, k, record, queue)
+
+
+def take(*, streams: list[str], consumer: str, count: int) -> Call:
+    """Read up to `count` new entries for `consumer` from `streams` (one shard's lanes, in
+    the order to read them: each while it has entries, then the next). Returns
+    [stream index (1-based), entry id, fields] for each."""
+    return Call("TAKE", streams, [keys.GROUP, consumer, count])
 
 
 def begin(
@@ -225,12 +252,15 @@ def finalize(
     resync: Resync = RESYNC_AUTO,
     lane: str = "",
     entry: tuple[str, bytes | str] | None = None,
+    ack_inside: bool = False,
 ) -> Call:
     """Store a job's one final result (`fields`: flat record field/value pairs, e.g.
     records.final_fields), end its token stream and publish its state on its done channel.
     Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash). `entry`
-    (stream, entry id): the job's request entry on `lane`, acked once the reply is back
-    (the call's `then`): never before its result is stored."""
+    (stream, entry id): the job's request entry on `lane`, never acked before its result
+    is stored: by the script itself with `ack_inside` (a single Redis), else once the
+    reply is back (the call's `then`; on a Cluster the entry is in another slot)."""
+    inside = ack_inside and entry is not None
     args = [
         ttl_s,
         keys.done_channel(job_id),
@@ -239,11 +269,15 @@ def finalize(
         stream_ttl_s,
         stream_maxlen,
         resync,
+        keys.GROUP if inside else "",
+        entry[1] if inside and entry is not None else "",
         *fields,
     ]
-    then = ack(*entry) if entry is not None else []
     k = [keys.job(job_id), keys.output(job_id)]
-    return Call("FINALIZE", k, args, job_id=job_id, lane=lane, then=then)
+    if inside and entry is not None:
+        k.append(entry[0])
+    then = ack(*entry) if entry is not None and not inside else []
+    return Call("FINALIZE", k, args, job_id=job_id, lane=lane, then=then, entry=entry)
 
 
 def ack(stream: str, entry_id: bytes | str) -> list[list[Any]]:

@@ -19,8 +19,23 @@ local function full(reply)
 end
 """
 
-# A submit is two calls, sent together: QUEUED (the job's slot), then SUBMIT (the queue
-# shard's slot). Each touches one Redis Cluster slot; on one Redis they run in this order.
+# A submit is one call on a single Redis (ENQUEUE: the job's record and its entry), and
+# two on a Redis Cluster, sent together: QUEUED (the job's slot), then SUBMIT (the queue
+# shard's slot). Each of those touches one Cluster slot; on one Redis they run in this order.
+
+# Prepended to the submit scripts: `queued_over(stream, limit, group)` is how many entries
+# wait in the lane when that is `limit` or more (0: no limit), else nil. Workers delete an
+# entry once it is acknowledged, so XLEN minus the group's pending count is what waits.
+_LANE = """
+local function queued_over(stream, limit, group)
+  local queued = redis.call('XLEN', stream)
+  if limit <= 0 or queued < limit then return nil end
+  local pending = redis.pcall('XPENDING', stream, group)
+  if type(pending) == 'table' and pending.err == nil then queued = queued - pending[1] end
+  if queued >= limit then return queued end
+  return nil
+end
+"""
 
 # KEYS: job record
 # ARGV: record ttl, lane, priority, created_ms, metadata JSON or '', model
@@ -44,24 +59,72 @@ return 0
 #       entry's field/value pairs.
 # Returns the id of the job in the queue: this one, or the earlier job with the same
 # idempotency key (then nothing is added); or the error 'QUEUEFULL <queued>' when the lane
-# already holds max queued entries not yet taken by a worker. Workers delete an entry once
-# it is acknowledged, so XLEN minus the group's pending count is what waits in the lane.
+# already holds max queued entries not yet taken by a worker.
 # When the reply is not this job's id, the client deletes the record QUEUED wrote.
-SUBMIT = """
+SUBMIT = (
+    _LANE
+    + """
 if #KEYS == 2 then
   local owner = redis.call('GET', KEYS[2])
   if owner then return owner end
 end
-local limit = tonumber(ARGV[4])
-local queued = redis.call('XLEN', KEYS[1])
-if limit > 0 and queued >= limit then
-  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[5])
-  if type(pending) == 'table' and pending.err == nil then queued = queued - pending[1] end
-  if queued >= limit then return redis.error_reply('QUEUEFULL ' .. queued) end
-end
+local queued = queued_over(KEYS[1], tonumber(ARGV[4]), ARGV[5])
+if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
 if #KEYS == 2 then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2]) end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 6))
 return ARGV[3]
+"""
+)
+
+# KEYS: job record, request stream[, idempotency key]
+# ARGV: QUEUED's six, then SUBMIT's: record ttl, lane, priority, created_ms, metadata JSON
+#       or '', model, maxlen, idempotency ttl, job id, max queued, group, then the entry's
+#       field/value pairs.
+# QUEUED and SUBMIT in one call, where the job's keys and the shard's are on one server
+# (any Redis but a Cluster): the same replies and the same entry. The record (new: no
+# worker can have the entry before this call ends) is written only with the entry, so a
+# refused submit (QUEUEFULL, a taken idempotency key) leaves nothing to delete. The XADD
+# is the first write: a Redis at maxmemory refuses it, and the call, before anything is
+# written. A record key of another type is left as it is (pcall): the job runs all the
+# same and its worker reports bad_record, as on a Cluster.
+ENQUEUE = (
+    _LANE
+    + """
+if #KEYS == 3 then
+  local owner = redis.call('GET', KEYS[3])
+  if owner then return owner end
+end
+local queued = queued_over(KEYS[2], tonumber(ARGV[10]), ARGV[11])
+if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 12))
+if #KEYS == 3 then redis.call('SET', KEYS[3], ARGV[9], 'EX', ARGV[8]) end
+local rec = redis.pcall('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'priority', ARGV[3],
+                        'created_ms', ARGV[4], 'model', ARGV[6])
+if type(rec) == 'number' then
+  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'metadata', ARGV[5]) end
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+end
+return ARGV[9]
+"""
+)
+
+# KEYS: request streams of one shard (one hash tag), in the order to read them
+# ARGV: group, consumer, count
+# Takes up to count new entries for the consumer (XREADGROUP, as a worker's own read):
+# from the first stream while it has some, then from the next. One call instead of a read
+# per lane. Returns {stream index (1-based), entry id, fields} for each entry, in order.
+TAKE = """
+local out = {}
+for i = 1, #KEYS do
+  local left = tonumber(ARGV[3]) - #out
+  if left <= 0 then break end
+  local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
+                         'STREAMS', KEYS[i], '>')
+  if got then
+    for _, e in ipairs(got[1][2]) do out[#out + 1] = {i, e[1], e[2]} end
+  end
+end
+return out
 """
 
 # KEYS: job record, token stream
@@ -136,44 +199,53 @@ return n
 """
 )
 
-# KEYS: job record, token stream
+# KEYS: job record, token stream[, request stream]
 # ARGV: ttl, done channel, state, finish_reason, stream ttl, stream maxlen, resync ('1':
 #       write a reset and the whole text before the end entry; '': only when deltas may be
 #       missing (the record does not name the result's worker) or may be stale (the stream
-#       exists and the result has no text); 'n': never, a job without deltas), then record
-#       field/value pairs (with text, token_ids and worker)
+#       exists and the result has no text); 'n': never, a job without deltas), group and
+#       entry id of the job's request entry (or ''), then record field/value pairs (with
+#       text, token_ids and worker)
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
-# same job can never overwrite the first result. The worker acks and deletes the job's
-# request entry once this call's reply is back (another slot: results/jobs.py, acks).
+# same job can never overwrite the first result. With the request stream (a single Redis:
+# its keys and the job's on one server), then acks and deletes the job's request entry,
+# in the same step as its result; on a Cluster (another slot) the worker acks it once this
+# call's reply is back (results/jobs.py, acks).
 # Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: no result can
-# be written; the worker dead-letters the job).
+# be written, nothing is acked; the worker dead-letters the job).
 FINALIZE = """
 local rt = redis.call('TYPE', KEYS[1]).ok
 if rt ~= 'hash' and rt ~= 'none' then return -1 end
-if redis.call('HSETNX', KEYS[1], 'final', '1') == 0 then return 0 end
-local owner = redis.call('HGET', KEYS[1], 'worker')
-local text, ids, worker = '', '[]', ''
-for i = 8, #ARGV - 1, 2 do
-  if ARGV[i] == 'text' then text = ARGV[i + 1] end
-  if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
-  if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
-end
-redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finish_reason', ARGV[4], unpack(ARGV, 8))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-local st = redis.call('TYPE', KEYS[2]).ok
-if st == 'stream' or st == 'none' then
-  local stale = st == 'stream' and text == ''
-  if ARGV[7] == '1' or (ARGV[7] == '' and ((text ~= '' and owner ~= worker) or stale)) then
-    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'reset')
-    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'delta',
-                'text', text, 'token_ids', ids)
+local stored = redis.call('HSETNX', KEYS[1], 'final', '1')
+if stored == 1 then
+  local owner = redis.call('HGET', KEYS[1], 'worker')
+  local text, ids, worker = '', '[]', ''
+  for i = 10, #ARGV - 1, 2 do
+    if ARGV[i] == 'text' then text = ARGV[i + 1] end
+    if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
+    if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
   end
-  redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'end',
-              'state', ARGV[3], 'finish_reason', ARGV[4])
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finish_reason', ARGV[4], unpack(ARGV, 10))
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+  local st = redis.call('TYPE', KEYS[2]).ok
+  if st == 'stream' or st == 'none' then
+    local stale = st == 'stream' and text == ''
+    if ARGV[7] == '1' or (ARGV[7] == '' and ((text ~= '' and owner ~= worker) or stale)) then
+      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'reset')
+      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'delta',
+                  'text', text, 'token_ids', ids)
+    end
+    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'end',
+                'state', ARGV[3], 'finish_reason', ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[5])
+  end
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
 end
-redis.call('PUBLISH', ARGV[2], ARGV[3])
-return 1
+if #KEYS == 3 then  -- pcall: a request stream of another type must not fail a stored result
+  redis.pcall('XACK', KEYS[3], ARGV[8], ARGV[9])
+  redis.pcall('XDEL', KEYS[3], ARGV[9])
+end
+return stored
 """
 
 # KEYS: job record, token stream

@@ -30,8 +30,9 @@ def r(redis_url: str) -> redis.Redis:
     client.close()
 
 
-def submit(r: redis.Redis, job_id: str, **over) -> str:
-    """QUEUED then SUBMIT, as the SDK sends them; the record written for nothing deleted."""
+def submit(r: redis.Redis, job_id: str, split: bool = False, **over) -> str:
+    """As the SDK sends a submit: ENQUEUE on one Redis; with `split` (a Cluster), QUEUED then
+    SUBMIT, the record written for nothing deleted."""
     named = dict(
         lane=LANE,
         model=keys.DEFAULT_MODEL,
@@ -47,6 +48,8 @@ def submit(r: redis.Redis, job_id: str, **over) -> str:
         max_queued=0,
     )
     sub = jobs.submit(**{**named, **over})
+    if not split:
+        return jobs.run(r, sub.whole)
     record = jobs.run(r, sub.record)
     try:
         reply = jobs.run(r, sub.queue)
@@ -98,7 +101,8 @@ def begin(r: redis.Redis, job_id: str, **over) -> str:
 
 
 def finalize(r: redis.Redis, job_id: str, entry_id: str, **over) -> int:
-    """FINALIZE, then what its reply makes due (as the worker's writer does)."""
+    """FINALIZE, then what its reply makes due (as the worker's writer does); with
+    `ack_inside=True`, the script acks the entry itself (a single Redis)."""
     named = dict(
         job_id=job_id,
         lane=LANE,
@@ -134,8 +138,9 @@ def stream(r: redis.Redis, job_id: str) -> list[dict[str, str]]:
     return [f for _, f in r.xrange(keys.output(job_id))]
 
 
-def test_submit(r):
-    assert submit(r, "j1", idempotency_key="k") == "j1"
+@pytest.mark.parametrize("split", [False, True], ids=["enqueue", "queued-submit"])
+def test_submit(r, split):
+    assert submit(r, "j1", split, idempotency_key="k") == "j1"
     ((_, entry),) = r.xrange(keys.request_stream(LANE))
     assert entry == {"v": "1", "id": "j1", "body": "x"}
     rec = records.get(r, "j1")
@@ -143,23 +148,46 @@ def test_submit(r):
     assert r.hget(keys.job("j1"), "model") == keys.DEFAULT_MODEL
     assert rec.metadata == {"m": 1} and 490 < r.ttl(keys.job("j1")) <= 500
     assert r.get(keys.idempotency("k")) == "j1" and 690 < r.ttl(keys.idempotency("k")) <= 700
-    assert submit(r, "j2", idempotency_key="k") == "j1"  # the earlier job; nothing added
+    assert submit(r, "j2", split, idempotency_key="k") == "j1"  # the earlier job; nothing added
     assert r.xlen(keys.request_stream(LANE)) == 1 and not r.exists(keys.job("j2"))
-    submit(r, "j3", metadata_json=None)
+    submit(r, "j3", split, metadata_json=None)
     assert records.get(r, "j3").metadata is None
+    assert r.hkeys(keys.job("j3")) == ["state", "lane", "priority", "created_ms", "model"]
     with pytest.raises(redis.ResponseError, match="QUEUEFULL 2"):
-        submit(r, "j4", max_queued=2)
+        submit(r, "j4", split, max_queued=2)
     assert not r.exists(keys.job("j4"))  # refused: no record left behind
+    assert r.xlen(keys.request_stream(LANE)) == 2
     take(r)  # a taken entry no longer waits
-    assert submit(r, "j4", max_queued=2) == "j4"
-    # a worker that took the entry first (on a Cluster the two calls may cross): QUEUED
-    # leaves its record alone
-    r.delete(keys.job("j4"))
-    begin(r, "j4")
-    assert jobs.run(r, jobs.submit(**{**SUBMIT, "job_id": "j4"}).record) == 0
-    rec = records.get(r, "j4")  # still running; what BEGIN does not write is filled in
-    assert (rec.state, rec.created_ms) == ("running", 1)
-    assert r.hget(keys.job("j4"), "model") == keys.DEFAULT_MODEL
+    assert submit(r, "j4", split, max_queued=2) == "j4"
+    if split:
+        # a worker that took the entry first (on a Cluster the two calls may cross): QUEUED
+        # leaves its record alone
+        r.delete(keys.job("j4"))
+        begin(r, "j4")
+        assert jobs.run(r, jobs.submit(**{**SUBMIT, "job_id": "j4"}).record) == 0
+        rec = records.get(r, "j4")  # still running; what BEGIN does not write is filled in
+        assert (rec.state, rec.created_ms) == ("running", 1)
+        assert r.hget(keys.job("j4"), "model") == keys.DEFAULT_MODEL
+
+
+def test_enqueue_queues_a_job_whose_record_key_has_another_type(r):
+    """As on a Cluster, where QUEUED fails alone: the job is queued all the same, the key
+    is left as it is, and the worker that takes the job reports bad_record."""
+    r.set(keys.job("j1"), "not a hash")
+    assert submit(r, "j1") == "j1"
+    assert r.xlen(keys.request_stream(LANE)) == 1
+    assert r.get(keys.job("j1")) == "not a hash" and r.ttl(keys.job("j1")) == -1
+    assert begin(r, "j1") == "badkey"
+
+
+def test_enqueue_writes_the_entry_and_record_of_queued_and_submit(r):
+    """A worker of today reads the same entry whichever way it was queued."""
+    for split, job_id in ((True, "split-1"), (False, "whole-1")):
+        submit(r, job_id, split, fields=["v", "2", "id", job_id, "priority", "-3", "body", "x"])
+    (_, a), (_, b) = r.xrange(keys.request_stream(LANE))
+    assert a == {**b, "id": "split-1"}
+    ra, rb = r.hgetall(keys.job("split-1")), r.hgetall(keys.job("whole-1"))
+    assert ra == rb and r.ttl(keys.job("whole-1")) == r.ttl(keys.job("split-1"))
 
 
 def test_begin(r):
@@ -204,13 +232,14 @@ def test_deltas_skip_a_stream_key_of_another_type(r):
     assert r.get(keys.output("a")) == "not a stream"
 
 
-def test_finalize_acks_stores_and_publishes(r):
+@pytest.mark.parametrize("ack_inside", [True, False], ids=["one-redis", "cluster"])
+def test_finalize_acks_stores_and_publishes(r, ack_inside):
     submit(r, "j1")
     entry_id = take(r)
     begin(r, "j1")
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(keys.done_channel("j1"))
-    assert finalize(r, "j1", entry_id) == 1
+    assert finalize(r, "j1", entry_id, ack_inside=ack_inside) == 1
     rec = records.get(r, "j1")
     assert (rec.state, rec.finish_reason, rec.text, rec.token_ids) == (
         "completed",
@@ -226,8 +255,8 @@ def test_finalize_acks_stores_and_publishes(r):
     pubsub.close()
     assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
     assert r.xlen(keys.request_stream(LANE)) == 0
-    assert finalize(r, "j1", entry_id, state="failed") == 0  # the first result stays
-    assert records.get(r, "j1").state == "completed"
+    assert finalize(r, "j1", entry_id, state="failed", ack_inside=ack_inside) == 0
+    assert records.get(r, "j1").state == "completed"  # the first result stays
 
 
 def test_finalize_resync_and_without_a_lane(r):
@@ -250,16 +279,18 @@ def test_finalize_resync_and_without_a_lane(r):
         {"type": "end", "state": "completed", "finish_reason": "stop"},
     ]
     assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 1
-    assert finalize(r, "j1", entry_id) == 0  # acks it all the same
+    assert finalize(r, "j1", entry_id, ack_inside=True) == 0  # acks it all the same
     assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
+    assert r.xlen(keys.request_stream(LANE)) == 0
 
 
-def test_finalize_dead_letters_a_record_that_is_not_a_hash(r):
+@pytest.mark.parametrize("ack_inside", [True, False], ids=["one-redis", "cluster"])
+def test_finalize_dead_letters_a_record_that_is_not_a_hash(r, ack_inside):
     submit(r, "j1")
     entry_id = take(r)
     r.delete(keys.job("j1"))
     r.set(keys.job("j1"), "not a hash")
-    assert finalize(r, "j1", entry_id, resync=jobs.RESYNC_NEVER) == -1
+    assert finalize(r, "j1", entry_id, resync=jobs.RESYNC_NEVER, ack_inside=ack_inside) == -1
     ((_, dead),) = r.xrange(keys.DEAD_LETTER)
     assert (dead["lane"], dead["entry_id"], dead["job_id"]) == (LANE, entry_id, "j1")
     assert dead["error"].startswith("bad_record")
@@ -408,7 +439,7 @@ def test_batch_calls(r):
 def test_run_loads_a_script_redis_lost(r, redis_url):
     r.script_flush()
     assert submit(r, "j1") == "j1"
-    assert r.script_exists(jobs.sha("SUBMIT")) == [True]
+    assert r.script_exists(jobs.sha("ENQUEUE")) == [True]
     r.script_flush()
 
     async def run_async() -> None:

@@ -263,3 +263,20 @@ def test_a_full_redis_refuses_a_job_script_whole(redis_url):
     assert not records.get(r, started).final
     r.delete(FILLER)
     assert jobs.run(r, delta) == 1 and jobs.run(r, result) == 1
+
+
+@pytest.mark.parametrize("idempotency_key", [None, "invoice-7"])
+def test_a_full_redis_refuses_a_submit_whole(redis_url, idempotency_key):
+    """ENQUEUE (a submit on one Redis) on a full Redis: Redis's OOM error, which the SDK
+    raises as RedisFull, and no entry, record or idempotency key written."""
+    r = redis.Redis.from_url(redis_url)
+    client = Client(redis_url)
+    fill(r)
+    with pytest.raises(RedisFull):
+        client.submit("Hello", max_tokens=4, idempotency_key=idempotency_key)
+    assert r.keys("plurai:*") == []
+    r.delete(FILLER)
+    job = client.submit("Hello", max_tokens=4, idempotency_key=idempotency_key)
+    assert records.get(r, job.id).state == "queued"
+    assert r.xlen(keys.request_stream("standard")) == 1
+    client.close()

@@ -75,6 +75,12 @@ def test_submit_many_checks_every_request_before_queueing_any(
     with pytest.raises(ValueError, match="unknown lane 'nope'"):
         asyncio.run(run())
     assert queued(redis_url) == 0
+    # a value only the body's encoder refuses is found before anything is queued too
+    # (submit_many builds the submissions while Redis runs the first ones)
+    reqs[-1] = {"prompt": "bad", "metadata": {"tags": {"a", "b"}}}
+    with Client(redis_url) as client, pytest.raises(TypeError):
+        client.submit_many(reqs)
+    assert queued(redis_url) == 0
 
 
 def test_an_error_reply_in_submit_many_lists_the_jobs_queued(redis_url: str) -> None:

@@ -1,13 +1,18 @@
 """How entries enter a worker's engine: a few per engine step, ranked by lane first and
-the job's own priority second."""
+the job's own priority second, several read in one call and begun in one pipeline."""
 
 from __future__ import annotations
 
+import time
+
+from broker_config import keys
 from broker_config.connection import connect
 from broker_config.protocol import MAX_PRIORITY
 from broker_config.settings import Settings
+from gpu_workers.backend import RequestError
 from gpu_workers.worker import Worker
 from producer.client import Client
+from results import records
 
 
 class Recorder:
@@ -19,6 +24,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.added: list[tuple[str, int]] = []
+        self.aborted: list[str] = []
 
     def has_unfinished(self) -> bool:
         return bool(self.added)
@@ -26,8 +32,14 @@ class Recorder:
     def can_admit(self, *_a: object) -> bool:
         return True
 
-    def add(self, request_id: str, priority: int, **_kw: object) -> None:
+    def add(self, request_id: str, priority: int, prompt: str | None = None, **_kw: object):
+        if prompt == "refuse me":
+            raise RequestError("invalid_params", "temperature must be in 0..100")
         self.added.append((request_id, priority))
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
 
 
 def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
@@ -57,3 +69,53 @@ def test_default_takes_scale_with_the_engine(redis_url):
         client.submit_many([{"prompt": "x", "lane": "interactive"} for _ in range(10)])
         w._fill()
         assert len(engine.added) == 8  # 128 slots / 16
+
+
+def test_several_entries_a_take_keep_the_fair_turns(redis_url):
+    """Entries read several at once still give every fair_every-th one to a lower lane."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=4, top_lane_reserve=0)
+    engine = Recorder()
+    engine.added.append(("busy", 0))  # a running engine: no blocking read
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        top = [client.submit("i", lane="interactive").id for _ in range(10)]
+        low = [client.submit("b", lane="batch").id for _ in range(10)]
+        w._fill()
+    got = [rid for rid, _ in engine.added[1:]]
+    assert got == [*top[:3], low[0], *top[3:6], low[1]]
+    assert set(w.running) == set(got)
+
+
+def test_one_batch_of_begins_answers_each_job(redis_url):
+    """A turn's jobs are begun together; each gets its own answer: run, cancelled while
+    queued, past its deadline, refused by the engine (which no longer holds the ones that
+    do not run)."""
+    r = connect(redis_url)
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
+    engine = Recorder()
+    w = Worker(engine, r, settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        runs = client.submit("fine", lane="interactive")
+        cancelled = client.submit("cancel me", lane="interactive")
+        assert cancelled.cancel() == "cancelled"
+        late = client.submit("late", lane="interactive", deadline=time.time() - 1)
+        refused = client.submit("refuse me", lane="interactive")
+        w._fill()
+        w.writer.settle()
+        assert list(w.running) == [runs.id] and runs.status() == "running"
+        assert [rid for rid, _ in engine.added] == [runs.id, cancelled.id, late.id]
+        assert engine.aborted == [cancelled.id, late.id]
+        states = {j.id: j.record() for j in (cancelled, late, refused)}
+        assert states[cancelled.id].state == records.CANCELLED
+        assert (states[late.id].state, states[late.id].error_code) == (
+            records.FAILED,
+            "deadline_exceeded",
+        )
+        assert (states[refused.id].state, states[refused.id].error_code) == (
+            records.FAILED,
+            "invalid_params",
+        )
+    # every entry but the running job's is acknowledged and deleted
+    assert r.xlen(keys.request_stream("interactive")) == 1

@@ -12,8 +12,8 @@ from results import jobs, scripts
 
 
 def test_sha_is_the_sha1_of_the_script_text() -> None:
-    names = ("QUEUED", "SUBMIT", "BEGIN", "DELTAS", "FINALIZE", "CANCEL", "RELEASE", "REQUEUE")
-    for name in (*names, "RENEW", "CHECK"):
+    names = ("QUEUED", "SUBMIT", "ENQUEUE", "TAKE", "BEGIN", "DELTAS", "FINALIZE", "CANCEL")
+    for name in (*names, "RELEASE", "REQUEUE", "RENEW", "CHECK"):
         assert jobs.sha(name) == hashlib.sha1(getattr(scripts, name).encode()).hexdigest()
     with pytest.raises(KeyError, match="no script"):
         jobs.sha("NOPE")
@@ -83,6 +83,13 @@ def test_finalize_acks_its_entry_only_after_its_reply() -> None:
     without = jobs.finalize(**named)
     assert with_entry.keys == without.keys == [keys.job("j"), keys.output("j")]
     assert with_entry.then == jobs.ack(stream, b"1-0") and without.then == []
+    assert with_entry.entry == (stream, b"1-0") and without.entry is None
+    # on one Redis the script acks the entry itself, in the same step as the result
+    inside = jobs.finalize(**named, lane="batch", entry=(stream, b"1-0"), ack_inside=True)
+    assert inside.keys == [keys.job("j"), keys.output("j"), stream] and inside.then == []
+    assert inside.args[7:10] == [keys.GROUP, b"1-0", "text"]
+    assert without.args[7:10] == ["", "", "text"]
+    assert jobs.finalize(**named, ack_inside=True).keys == without.keys  # no entry: no ack
     assert jobs.ack(stream, b"1-0") == [
         ["XACK", stream, keys.GROUP, b"1-0"],
         ["XDEL", stream, b"1-0"],
