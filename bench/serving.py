@@ -14,8 +14,8 @@ Stacks (each started fresh, K engines, engine i bound to core i mod cores):
   (`make peers` installs the router into vLLM's environment).
 
 Scenarios, run in this order on every stack, so each stack's caches see the same history:
-- idle: a few requests one at a time on the first stack; the SLOs are multiples of its
-  medians (interactive: TTFT 5x, TPOT 2x; batch: end to end 10x) unless --slo gives them.
+- idle: a few requests one at a time on every stack; the SLOs are multiples of the first
+  stack's medians (interactive: TTFT and TPOT 5x; batch: end to end 10x; --slo-*).
 - sweep: the mixed workload (interactive chats on shared system prompts, growing multi-turn
   sessions, batch-lane document extraction; gamma arrivals, --burstiness) offered at each
   --scales multiple of the calibrated capacity; goodput is the highest offered rate whose
@@ -382,7 +382,8 @@ class RouterStack(Stack):
             wait_http(self.engine_url(i) + "/health", self.engines, 600, self.logs)
         self.router_port = free_port()
         cmd = [str(VLLM_PY.parent / "vllm-router"), "--policy", self.policy]
-        cmd += ["--port", str(self.router_port), "--worker-urls"]
+        cmd += ["--port", str(self.router_port), "--prometheus-port", str(free_port())]
+        cmd += ["--worker-urls"]
         cmd += [self.engine_url(i) for i in range(self.k)]
         self.front = spawn(cmd, self.logs / "router.log")
         self.base = f"http://127.0.0.1:{self.router_port}/v1"
@@ -580,10 +581,12 @@ class Bench:
         }
         self.idle[stack.name] = lanes
         if self.slos is None:  # from the first stack
-            slos = sf.slos_from_idle([r for r in results if r.lane == INTERACTIVE])
+            a = self.a
+            interactive = [r for r in results if r.lane == INTERACTIVE]
+            slos = sf.slos_from_idle(interactive, a.slo_ttft, a.slo_tpot)
             batch = [r.e2e for r in results if r.lane == BATCH and r.e2e is not None]
             e2e = sf.percentile(batch, 50) if batch else float("nan")
-            slos[BATCH] = sf.Slo(e2e_s=None if math.isnan(e2e) else 10 * e2e)
+            slos[BATCH] = sf.Slo(e2e_s=None if math.isnan(e2e) else a.slo_batch_e2e * e2e)
             slos.setdefault(INTERACTIVE, sf.Slo())
             self.slos = slos
         return []
@@ -726,7 +729,8 @@ def summary(runs: dict[str, list[Run]], slos: dict[str, sf.Slo]) -> dict[str, An
             "runs": {k: run_figures(v, slos) for k, v in by.items()},
         }
         if "flood" in by:
-            s["flood_interactive_ttft_p99_s"] = s["runs"]["flood"][INTERACTIVE]["ttft_p99"]
+            p99 = s["runs"]["flood"][INTERACTIVE]["ttft_p99_ms"]
+            s["flood_interactive_ttft_p99_s"] = None if p99 is None else round(p99 / 1000, 3)
         if "kill" in by:
             k = s["runs"]["kill"]["all"]
             s["kill_failed"], s["kill_lost"] = k["failed"], k["lost"]
@@ -800,6 +804,9 @@ def main() -> None:
     p.add_argument("--kv-gib", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="vLLM with torch.compile (slow starts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="x the idle interactive TTFT")
+    p.add_argument("--slo-tpot", type=float, default=5.0, help="x the idle interactive TPOT")
+    p.add_argument("--slo-batch-e2e", type=float, default=10.0, help="x the idle batch e2e")
     p.add_argument("--out", default=None, help="folder for logs and workload files")
     a = p.parse_args()
     a.scales = [float(x) for x in a.scales.split(",")]
@@ -830,12 +837,19 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     bench = Bench(a, spec, work)
     runs: dict[str, list[Run]] = {}
+    failed: dict[str, str] = {}  # stacks that did not start, and why
     started = time.monotonic()
     for name in stacks:
         stack = make_stack(name, spec, a.k, work / name)
         print(f"{name}: starting {a.k} engines", file=sys.stderr)
         t = time.monotonic()
-        stack.start()
+        try:
+            stack.start()
+        except (RuntimeError, TimeoutError) as e:  # reported; the other stacks run on
+            print(f"{name}: {e}", file=sys.stderr)
+            failed[name] = str(e)
+            stack.stop()
+            continue
         stack.start_s = time.monotonic() - t
         print(f"{name}: ready in {stack.start_s:.0f}s", file=sys.stderr)
         try:
@@ -878,6 +892,7 @@ def main() -> None:
             "seed": a.seed,
         },
         "stacks": figures,
+        "stacks_not_started": failed,
         "ratios": ratios(figures),
         "work_dir": str(work),
         "wall_s": round(time.monotonic() - started, 1),

@@ -165,6 +165,10 @@ class Settings(_Sourced):
     fair_every: int = 8
     # Sequence slots of a worker's engine that lower lanes leave free for the top lane.
     top_lane_reserve: int = 4
+    # Lower lanes yield to the top lane's speed (gpu_workers/pace.py): while a top-lane job
+    # ran on a worker within the last 10 s, it takes lower-lane entries only while the top
+    # lane's time per output token stays within this many times its unloaded time. 0: off.
+    top_lane_slowdown: float = Field(default=3.0, ge=0)
     # Most entries a worker moves into its engine between two engine steps; None: one per
     # 16 of the engine's sequence slots, at least 4.
     takes_per_step: int | None = Field(default=None, ge=1)

@@ -31,6 +31,7 @@ class Running:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     first_token_s: float = 0.0  # wall clock, for the time-per-output-token histogram
+    last_token_s: float = 0.0  # monotonic, when its latest tokens came (gpu_workers/pace.py)
     # The job's token stream may lack deltas (Redis failed while they were sent): its next
     # write is a reset followed by the whole text so far.
     resync: bool = False

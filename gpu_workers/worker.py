@@ -27,6 +27,7 @@ from gpu_workers.heartbeat import Heartbeat
 from gpu_workers.intake import BAD_RECORD, Entry, Intake
 from gpu_workers.job import Running, Stream
 from gpu_workers.metrics import Metrics
+from gpu_workers.pace import Pace
 from gpu_workers.writer import Outage, Writer, now_ms
 from results import jobs, records
 
@@ -63,6 +64,8 @@ class Worker:
         self.metrics_port = 0  # where /metrics is served (serve.py sets it), 0: nowhere
         self.writer = Writer(r, settings, self.id)
         self.stream = Stream(settings.stream_flush_tokens, settings.stream_flush_ms / 1000)
+        self.pace = Pace(settings.top_lane_slowdown)
+        self._lower_open = True  # the pace gate's state, logged when it changes
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
@@ -213,12 +216,20 @@ class Worker:
                 self.held = self.intake.take(idle, below_top > 0, count=n)
                 if not self.held:
                     return
+            elif self.held[0].lane != self.lanes[0] and not self._room_below_top():
+                # the lower-lane entries held must wait: a top-lane arrival need not
+                top = self.intake.take(False, False, count=limit - added)
+                if not top:
+                    return
+                self.held[:0] = top
             batch: list[tuple[Entry, Exception | None]] = []
             while self.held and added + len(batch) < limit:
                 entry, req = self.held[0], self.held[0].req
                 if self._duplicate(entry, batch):
                     self.held.pop(0)
                     continue
+                if entry.lane != self.lanes[0] and not self._room_below_top():
+                    break  # held until the top lane's reserve and pace allow it
                 if self.engine.has_unfinished() and not self.engine.can_admit(
                     req.prompt_tokens, req.envelope.max_tokens
                 ):
@@ -233,9 +244,23 @@ class Worker:
     def _room_below_top(self) -> int:
         """How many entries of lanes below the top one may be taken now: only while the
         backend keeps top_lane_reserve sequence slots free beyond them, so that a top-lane
-        arrival is admitted at once rather than after lower-lane work finishes."""
+        arrival is admitted at once rather than after lower-lane work finishes, and none
+        while they would slow the top lane's tokens (gpu_workers/pace.py)."""
         reserve = self.settings.top_lane_reserve
-        if reserve <= 0 or not self.engine.has_unfinished():
+        if not self.engine.has_unfinished():
+            return self.engine.max_num_seqs
+        open_ = self.pace.lower_lanes_open(time.monotonic())
+        if open_ != self._lower_open:
+            self._lower_open = open_
+            log.info(
+                "lower lanes %s: the top lane's time per token %.0f ms, unloaded %.0f ms",
+                "open" if open_ else "held",
+                1000 * self.pace.tpot_s,
+                1000 * self.pace.unloaded_s,
+            )
+        if not open_:
+            return 0  # lower-lane work would slow the top lane's tokens further
+        if reserve <= 0:
             return self.engine.max_num_seqs
         busy = self.engine.num_running + self.engine.num_waiting
         return max(0, self.engine.max_num_seqs - reserve - busy)
@@ -301,6 +326,8 @@ class Worker:
                 answers.append((entry, error, verdict))
             else:
                 self.running[entry.job_id] = Running(entry)
+                if entry.lane == self.lanes[0]:
+                    self.pace.seen(time.monotonic())
                 self.metrics.jobs_started.labels(entry.lane).inc()
                 wait = max(0.0, time.time() - entry.entered_s)
                 self.metrics.queue_wait.labels(entry.lane).observe(wait)
@@ -359,6 +386,11 @@ class Worker:
                 run.first_token_s = now
                 ttft = max(0.0, now - run.entry.entered_s)
                 self.metrics.ttft.labels(run.entry.lane).observe(ttft)
+            if out.new_token_ids and run.entry.lane == self.lanes[0]:
+                if run.last_token_s:
+                    gap = mono - run.last_token_s
+                    self.pace.tokens(gap, len(out.new_token_ids), mono)
+                run.last_token_s = mono
             generated += len(out.new_token_ids)
             delta = run.absorb(out, mono, self.stream)
             if delta is not None:
