@@ -8,7 +8,9 @@ same OpenAI requests, driven open-loop from one seeded workload file per run.
 
 Stacks (each started fresh, K engines, engine i bound to core i mod cores):
 - plurai-vllm: a Redis, `plurai gateway`, K `plurai worker --backend vllm` with the Redis KV
-  tier (PLURAI_KV_REDIS_URL); plurai-native: the same with the native engine.
+  tier on a Redis of its own (PLURAI_KV_REDIS_URL: allkeys-lru, no persistence, as
+  docs/operations.md deploys a cache); plurai-native: the same with the native engine;
+  plurai-vllm-notier, plurai-native-notier: without the KV tier.
 - round_robin, power_of_two, cache_aware (any vllm-router policy): K `vllm serve
   --scheduling-policy priority --enable-prefix-caching` behind `vllm-router --policy P`
   (`make peers` installs the router into vLLM's environment).
@@ -23,10 +25,11 @@ Scenarios, run in this order on every stack, so each stack's caches see the same
   once on the first stack with a saturating burst) is the same for every stack.
 - flood: steady interactive traffic at 0.5x capacity with a burst of batch extraction on top;
   the interactive lane's TTFT p99 is the figure.
-- add: a K+1th engine started at a third of the run under 1.2x capacity; the seconds from its
-  being ready (the worker's heartbeat, the engine's /health) to its first request (the worker
-  took a job; vLLM's running gauge), counting the router's /add_worker call, which a router
-  needs and a worker does not.
+- add: a K+1th engine started at a third of the run under 1.2x capacity, arrivals going on
+  until well after it is up (twice the stack's own start time, plus 20 s); the seconds from
+  its being ready (the worker's heartbeat, the engine's /health) to its first request (the
+  worker took a job; vLLM's running gauge), counting the router's /add_worker call, which a
+  router needs and a worker does not.
 - kill: one engine SIGKILLed at a third of the run under 0.5x capacity; failed and lost
   requests and the seconds until completions per second are back to 80% of before.
 
@@ -441,10 +444,18 @@ def make_stack(name: str, spec: EngineSpec, k: int, logs: Path) -> Stack:
 # -- the client -----------------------------------------------------------------------
 
 
-async def _one(http: httpx.AsyncClient, stack: Stack, req: ServingRequest, t0: float) -> sf.Result:
+async def _one(
+    http: httpx.AsyncClient,
+    stack: Stack,
+    req: ServingRequest,
+    t0: float,
+    stop: asyncio.Event | None = None,
+) -> sf.Result | None:
     delay = t0 + req.arrival_s - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
+    if stop is not None and stop.is_set():
+        return None  # the scenario ended its arrivals early: never sent
     sent = time.monotonic()
     first = None
     usage: dict[str, Any] = {}
@@ -492,22 +503,26 @@ async def _one(http: httpx.AsyncClient, stack: Stack, req: ServingRequest, t0: f
 
 async def replay(
     stack: Stack, reqs: list[ServingRequest], drain_s: float, during: Any = None
-) -> tuple[list[sf.Result], float]:
+) -> tuple[list[sf.Result], float, set[str]]:
     """Send every request at its arrival time; results of those done within drain_s of the
-    last arrival (the rest are lost). `during(t0)`: a coroutine run beside (faults)."""
+    last arrival (the rest are lost). `during(t0, stop)`: a coroutine run beside (faults);
+    setting `stop` ends the arrivals early: the ids of requests never sent are returned."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as http:
         t0 = time.monotonic()
-        tasks = [asyncio.create_task(_one(http, stack, r, t0)) for r in reqs]
-        side = asyncio.create_task(during(t0)) if during else None
+        tasks = {r.id: asyncio.create_task(_one(http, stack, r, t0, stop)) for r in reqs}
+        side = asyncio.create_task(during(t0, stop)) if during else None
         last = max((r.arrival_s for r in reqs), default=0.0)
-        done, pending = await asyncio.wait(tasks, timeout=last + drain_s)
+        done, pending = await asyncio.wait(tasks.values(), timeout=last + drain_s)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if side is not None:
-            await side
-    return [t.result() for t in done], t0
+            side.cancel()
+            await asyncio.gather(side, return_exceptions=True)
+    unsent = {i for i, t in tasks.items() if t in done and t.result() is None}
+    return [r for t in done if (r := t.result()) is not None], t0, unsent
 
 
 # -- scenarios --------------------------------------------------------------------------
@@ -554,10 +569,10 @@ class Bench:
         self, stack: Stack, scenario: str, reqs: list[ServingRequest], rate: float, during=None
     ) -> tuple[Run, float]:
         before, client = stack.cpu(), client_cpu_s()
-        results, t0 = asyncio.run(replay(stack, reqs, self.a.drain, during))
+        results, t0, unsent = asyncio.run(replay(stack, reqs, self.a.drain, during))
         cpu = {k: round(v - before.get(k, 0.0), 2) for k, v in stack.cpu().items()}
         cpu["load_generator"] = round(client_cpu_s() - client, 2)
-        expected = {r.id: r.lane for r in reqs}
+        expected = {r.id: r.lane for r in reqs if r.id not in unsent}
         run = Run(scenario, round(rate, 3), results, expected, cpu, stack.extra())
         with open(stack.logs / f"{scenario}.results.jsonl", "w") as f:
             for r in sorted(results, key=lambda x: x.id):
@@ -596,7 +611,7 @@ class Bench:
         n = max(8, 6 * stack.k)
         cfg = self.config(rate=100.0, duration_s=n / 100.0)
         reqs = self.workload("calibrate", cfg)
-        results, _ = asyncio.run(replay(stack, reqs, 600))
+        results = asyncio.run(replay(stack, reqs, 600))[0]
         ends = [r.end_s for r in results if r.ok and r.end_s is not None]
         self.capacity = round(len(ends) / max(ends), 3) if ends else 0.1
         print(f"  capacity {self.capacity} req/s ({len(ends)} requests)", file=sys.stderr)
@@ -612,25 +627,26 @@ class Bench:
 
     def run_flood(self, stack: Stack) -> list[Run]:
         assert self.capacity is not None
-        cfg = flood_scenario(
-            **asdict(self.config(rate=self.capacity, scale=0.5, seed=self.a.seed + 100)),
-        )
-        cfg.flood_requests = self.a.flood or max(20, round(self.capacity * self.a.duration))
-        cfg.flood_at_s = self.a.duration / 3
+        base = self.config(rate=self.capacity, scale=0.5, seed=self.a.seed + 100)
+        base.batch_share = 0.0  # steady interactive traffic; the batch comes as the flood
+        base.duration_s = max(base.duration_s, 40.0)  # enough interactive requests for a p99
+        cfg = flood_scenario(**asdict(base))
+        cfg.flood_requests = self.a.flood or max(20, round(self.capacity * cfg.duration_s))
+        cfg.flood_at_s = cfg.duration_s / 3
         reqs = self.workload("flood", cfg)
         return [self.measure(stack, "flood", reqs, cfg.offered_rate)[0]]
 
     def run_add(self, stack: Stack) -> list[Run]:
         assert self.capacity is not None
-        # arrivals go on until well after the new engine is up (its start took start_s
-        # at the stack's start, longer under load): a router sends it new requests only
+        # arrivals go on until 10 s after the new engine carries load (a router sends it new
+        # requests only), at most until it has had 4x the stack's own start time
         at = self.a.duration / 3
-        span = max(self.a.duration, at + 2 * stack.start_s + 20)
+        span = at + 4 * stack.start_s + 30
         cfg = self.config(rate=self.capacity, scale=1.2, seed=self.a.seed + 200, duration_s=span)
         reqs = self.workload("add", cfg)
         times: dict[str, float | None] = {"started_s": None, "ready_s": None, "first_load_s": None}
 
-        async def add(t0: float) -> None:
+        async def add(t0: float, stop: asyncio.Event) -> None:
             await asyncio.sleep(at)
             times["started_s"] = time.monotonic() - t0
             p = stack.add_engine()
@@ -659,6 +675,8 @@ class Bench:
             while times["ready_s"] is not None and time.monotonic() < give_up:
                 if await loop.run_in_executor(None, stack.carries_load, key):
                     times["first_load_s"] = time.monotonic() - t0
+                    await asyncio.sleep(10)
+                    stop.set()
                     return
                 await asyncio.sleep(0.2)
 
@@ -677,7 +695,7 @@ class Bench:
         reqs = self.workload("kill", cfg)
         at = self.a.duration / 3
 
-        async def kill(t0: float) -> None:
+        async def kill(t0: float, stop: asyncio.Event) -> None:
             await asyncio.sleep(at)
             stack.kill_engine(0)
 

@@ -23,7 +23,8 @@ def test_the_bench_replays_a_workload_through_a_plurai_stack(tiny_model: Path, t
         )  # fmt: skip
         reqs = generate(cfg, Tokens(tiny_model))
         assert {r.lane for r in reqs} == {INTERACTIVE, BATCH}
-        results, _ = asyncio.run(replay(stack, reqs, 120))
+        results, _, unsent = asyncio.run(replay(stack, reqs, 120))
+        assert not unsent
         by_id = {r.id: r for r in results}
         assert set(by_id) == {r.id for r in reqs}
         for req in reqs:
