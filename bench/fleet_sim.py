@@ -235,6 +235,10 @@ class SimBackend:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def prompt_backlog(self) -> int:
+        return sum(s.prompt_tokens for s in self._waiting.values())
+
     def stats(self) -> dict[str, Any]:
         used = self._reserved()
         return {

@@ -169,6 +169,12 @@ class Settings(_Sourced):
     # ran on a worker within the last 10 s, it takes lower-lane entries only while the top
     # lane's time per output token stays within this many times its unloaded time. 0: off.
     top_lane_slowdown: float = Field(default=3.0, ge=0)
+    # Pull only what the engine can start soon: a worker takes a new request only while the
+    # prompt tokens its engine holds not yet computed, plus the new prompt, stay within
+    # this (a prompt alone always may): the rest waits in the queue for whichever worker
+    # frees up first, and a top-lane arrival never queues behind a big held backlog. Raise
+    # it where a step computes many prompt tokens cheaply (GPUs); 0: no bound.
+    prefill_backlog_tokens: int = Field(default=512, ge=0)
     # Most entries a worker moves into its engine between two engine steps; None: one per
     # 16 of the engine's sequence slots, at least 4.
     takes_per_step: int | None = Field(default=None, ge=1)

@@ -7,6 +7,9 @@ followed stream returns them together. A stream that starts being followed while
 reader is blocked is picked up at once: the reader's XREAD also watches this gateway's
 wake-up stream, which `follow` writes to.
 
+A Redis blip (a connection lost or a read timed out) is retried for up to OUTAGE_S, from
+the same positions, so the streams go on where they were; only a longer outage ends them.
+
 A stream whose client is behind (its response waits on a slow reader) is not read while
 it holds MAX_QUEUED batches, or MAX_QUEUED_CHARS of text, not yet taken: its tokens wait
 in Redis, not in the gateway, and reading it resumes (with a wake-up) once its client
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +35,7 @@ log = logging.getLogger("plurai.gateway")
 
 BLOCK_MS = 5000
 READ_TIMEOUT_S = BLOCK_MS / 1000 + 10  # an XREAD not back by then went to a dead connection
+OUTAGE_S = 10.0  # transient read errors retried this long before the followers are failed
 WAKE_TTL_S = 60
 MAX_QUEUED = 4  # batches (of up to 256 entries) read ahead of a stream's client
 MAX_QUEUED_CHARS = 64 << 10  # and their text
@@ -68,6 +73,7 @@ class Streams:
         self.idle = asyncio.Event()  # set while nothing is followed
         self.blocked = False  # whether the reader waits in XREAD now
         self.woken = False  # whether a wake-up was sent during this XREAD
+        self.failing_since: float | None = None  # monotonic time of the first failed read
 
     async def batches(self, job_id: str, new: bool = True) -> AsyncIterator[list[tokens.Event]]:
         """Every event of the job's stream from its start, until `end`, in the batches
@@ -141,6 +147,7 @@ class Streams:
                         reply = await self._read(request)
                 finally:
                     self.blocked = False
+                self.failing_since = None
                 self._deliver(reply)
             except Exception as e:  # every follower learns of it: none waits forever
                 task = asyncio.current_task()
@@ -150,11 +157,28 @@ class Streams:
                     e = redis.TimeoutError(f"no XREAD reply in {READ_TIMEOUT_S:g} s")
                 elif not isinstance(e, redis.RedisError):
                     log.exception("the shared stream reader failed")
+                if await self._blip(e):
+                    continue  # read again from the same positions: nothing lost or repeated
                 for f in self.followed.values():
                     if not f.done:
                         f.done = True
                         f.queue.put_nowait(e)
                 await asyncio.sleep(0.2)
+
+    async def _blip(self, e: Exception) -> bool:
+        """Whether to retry after a transient read error: for up to OUTAGE_S since the
+        first of a run of them, after a short pause."""
+        if not isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+            return False
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+            log.warning("token streams: %s; reading again for up to %g s", e, OUTAGE_S)
+        if now - self.failing_since >= OUTAGE_S:
+            self.failing_since = None
+            return False
+        await asyncio.sleep(0.2)
+        return True
 
     async def _read(self, request: dict[Any, Any]) -> Any:
         """The XREAD of every followed stream. A stream that cannot be read (its key of

@@ -61,10 +61,16 @@ class Backend(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
-        """Whether a request of this size fits beside the ones already added."""
+        """Whether a request of this size fits beside the ones already added (sequence
+        slots and KV blocks, each assumed to run to its max_tokens)."""
         ...
 
     def has_unfinished(self) -> bool: ...
+
+    @property
+    def prompt_backlog(self) -> int:
+        """Prompt tokens of the requests added and not computed yet."""
+        ...
 
     @property
     def num_running(self) -> int: ...

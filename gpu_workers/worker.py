@@ -66,6 +66,7 @@ class Worker:
         self.stream = Stream(settings.stream_flush_tokens, settings.stream_flush_ms / 1000)
         self.pace = Pace(settings.top_lane_slowdown)
         self._lower_open = True  # the pace gate's state, logged when it changes
+        self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
@@ -204,13 +205,18 @@ class Worker:
         a few steps instead of stalling the running ones (and a top-lane arrival). The
         entries of a turn cost two round trips together: one read (Intake.take) and one
         pipeline of BEGINs (`_start`). Entries that end at once (cancelled, expired,
-        refused) do not count."""
+        refused) do not count. Only as many are asked for as the prompt backlog bound
+        leaves room for (`_backlog_room`), so that a worker does not hold entries it cannot
+        start while another worker could."""
         added = 0
         limit = self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
         while added < limit and not self.stopping:
+            n = min(limit - added, self._backlog_room())
+            if n <= 0:
+                return
             if not self.held:
                 idle = not self.engine.has_unfinished() and not self.running
-                n, below_top = limit - added, self._room_below_top()
+                below_top = self._room_below_top()
                 if 0 < below_top < n:  # never past the top lane's reserve
                     n = below_top
                 self.held = self.intake.take(idle, below_top > 0, count=n)
@@ -218,7 +224,7 @@ class Worker:
                     return
             elif self.held[0].lane != self.lanes[0] and not self._room_below_top():
                 # the lower-lane entries held must wait: a top-lane arrival need not
-                top = self.intake.take(False, False, count=limit - added)
+                top = self.intake.take(False, False, count=n)
                 if not top:
                     return
                 self.held[:0] = top
@@ -230,16 +236,36 @@ class Worker:
                     continue
                 if entry.lane != self.lanes[0] and not self._room_below_top():
                     break  # held until the top lane's reserve and pace allow it
-                if self.engine.has_unfinished() and not self.engine.can_admit(
-                    req.prompt_tokens, req.envelope.max_tokens
-                ):
+                if self.engine.has_unfinished() and not self._fits(req):
                     break
+                size = self._prompt_size or req.prompt_tokens
+                self._prompt_size = size + (req.prompt_tokens - size) / 8
                 batch.append((self.held.pop(0), self._add(entry)))
             if not batch:
                 if self.held:  # the next one does not fit now
                     return
                 continue  # every one was a second entry of a running job
             added += self._start(batch)
+
+    def _fits(self, req: protocol.Request) -> bool:
+        """Whether the engine has room for the request now, and its prompt fits in the
+        backlog bound beside the prompts not computed yet (a prompt alone always does)."""
+        bound, backlog = self.settings.prefill_backlog_tokens, self.engine.prompt_backlog
+        if bound and backlog and backlog + req.prompt_tokens > bound:
+            return False  # left in the queue, for whichever worker frees up first
+        return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens)
+
+    def _backlog_room(self) -> int:
+        """How many entries to ask for now: as many prompts of the recent mean size as fit
+        in the backlog bound beside the prompts not computed yet; at least one while none
+        is pending (and one at first, with no size to go by), none while the next would
+        probably not fit."""
+        bound, size = self.settings.prefill_backlog_tokens, round(self._prompt_size)
+        if not bound:
+            return self.engine.max_num_seqs
+        backlog = self.engine.prompt_backlog
+        room = (bound - backlog) // size if size else 1
+        return room if backlog else max(1, room)
 
     def _room_below_top(self) -> int:
         """How many entries of lanes below the top one may be taken now: only while the

@@ -176,21 +176,21 @@ class Engine:
 
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether a request of this size fits beside everything already in the engine,
-        assuming each runs to its max_tokens, with a watermark of blocks kept free; and
-        whether its prompt and those not computed yet fit in one step's token budget (or
-        none is pending): a request the engine could not start computing at its next step
-        is better left in the queue, where a worker with compute to spare takes it."""
-        reserved = pending = 0
+        assuming each runs to its max_tokens, with a watermark of blocks kept free."""
+        reserved = 0
         for seq in self.seqs.values():
             reserved += max(0, self._blocks_needed(seq.max_len) - len(seq.block_table))
-            pending += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-        if pending and pending + prompt_len > self.config.max_num_batched_tokens:
-            return False
         watermark = int(self.config.watermark * self.blocks.num_blocks)
         room = self.blocks.num_free - reserved - watermark
         return (
             len(self.seqs) < self.config.max_num_seqs
             and self._blocks_needed(prompt_len + max_tokens) <= room
+        )
+
+    @property
+    def prompt_backlog(self) -> int:
+        return sum(
+            max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.seqs.values()
         )
 
     def has_unfinished(self) -> bool:

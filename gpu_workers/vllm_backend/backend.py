@@ -177,7 +177,6 @@ class VllmBackend:
         self.num_blocks = cache.num_gpu_blocks or 0
         self.max_model_len = config.model_config.max_model_len
         self.max_num_seqs = config.scheduler_config.max_num_seqs
-        self.step_tokens = config.scheduler_config.max_num_batched_tokens
         self.watermark = watermark
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         vocab = config.model_config.get_vocab_size()
@@ -297,14 +296,10 @@ class VllmBackend:
 
     def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
         """Whether a request of this size fits: vLLM has nothing waiting, a sequence slot is
-        free, the prompts not computed yet and this one fit in one step's token budget (or
-        none is pending), and the blocks in use now plus what every request here may still
-        grow by (to its max_tokens) plus this one leave the watermark free."""
+        free, and the blocks in use now plus what every request here may still grow by (to
+        its max_tokens) plus this one leave the watermark free."""
         if len(self.reqs) >= self.max_num_seqs or self.figures.waiting > 0:
             return False
-        pending = sum(r.num_prompt for r in self.reqs.values() if not r.num_output)
-        if pending and pending + prompt_tokens > self.step_tokens:
-            return False  # left in the queue, where a worker with compute to spare takes it
         used = round(self.figures.kv_usage * self.num_blocks)
         growth = 0
         for r in self.reqs.values():
@@ -315,6 +310,10 @@ class VllmBackend:
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs) or self.engine.has_unfinished_requests()
+
+    @property
+    def prompt_backlog(self) -> int:
+        return sum(r.num_prompt for r in self.reqs.values() if not r.num_output)
 
     @property
     def num_running(self) -> int:

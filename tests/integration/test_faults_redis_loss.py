@@ -21,7 +21,7 @@ from .faults import pending
 class OneStepEngine:
     """Finishes every request in one step with the text 'done'; `on_step` runs first."""
 
-    num_running = num_waiting = 0
+    num_running = num_waiting = prompt_backlog = 0
     max_model_len = 4096
     max_num_seqs = 64
 

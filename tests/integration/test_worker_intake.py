@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from broker_config import keys
+from broker_config import keys, protocol
 from broker_config.connection import connect
 from broker_config.protocol import MAX_PRIORITY
 from broker_config.settings import Settings
@@ -18,7 +18,7 @@ from results import records
 class Recorder:
     """Stands in for the engine: always has room, records what it is given."""
 
-    num_running = num_waiting = 0
+    num_running = num_waiting = prompt_backlog = 0
     max_model_len = 4096
     max_num_seqs = 64
 
@@ -58,6 +58,46 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
         w._fill()
         assert [rid for rid, _ in engine.added] == [top, *batch]
         assert client.job(top).status() == "running"
+
+
+class Prefilling(Recorder):
+    """Computes no prompt: every prompt added stays in its backlog."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt_backlog = 0
+
+    def add(self, request_id: str, priority: int, prompt: str | None = None, **kw: object):
+        super().add(request_id, priority, prompt, **kw)
+        self.prompt_backlog += protocol.estimate_prompt_tokens({"prompt": prompt})
+
+
+def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
+    """A worker takes only the prompts it can start soon (prefill_backlog_tokens): the rest
+    of a burst stays in the queue for the next worker, not held by the first."""
+    settings = Settings(
+        redis_url=redis_url, takes_per_step=8, fair_every=0, prefill_backlog_tokens=100
+    )
+    engines = [Prefilling() for _ in range(3)]
+    workers = [
+        Worker(e, connect(redis_url), settings, worker_id=f"w{i}") for i, e in enumerate(engines)
+    ]
+    for w in workers:
+        w.start()
+    with Client(redis_url) as client:
+        ids = [client.submit("x" * 160, lane="interactive").id for _ in range(5)]  # 40 tokens
+        for w in workers:
+            w._fill()
+            assert not w.held  # nothing taken that it could not start
+        got = [[rid for rid, _ in e.added] for e in engines]
+        assert got == [ids[:2], ids[2:4], [ids[4]]]  # 80 each; a third would pass 100
+        big = client.submit("y" * 800, lane="interactive").id  # 200: over the bound alone
+        fresh = Prefilling()
+        w = Worker(fresh, connect(redis_url), settings, worker_id="w3")
+        w.start()
+        w._fill()
+        assert [rid for rid, _ in fresh.added] == [big]  # a prompt alone always may
+        assert client.job(big).status() == "running"
 
 
 def test_default_takes_scale_with_the_engine(redis_url):

@@ -123,7 +123,9 @@ def test_capacity_query_reserves_what_running_requests_will_need(path, engine_fa
     engine = engine_factory(path, num_kv_blocks=40, watermark=0.0, max_num_seqs=8)
     assert engine.max_model_len == 640  # lowered to what the cache holds
     engine.add("r", token_ids=[11] * 40, params=SamplingParams(max_tokens=280, ignore_eos=True))
+    assert engine.prompt_backlog == 40  # not computed yet: what the worker bounds
     engine.step()
+    assert engine.prompt_backlog == 0
     # "r" may grow to 320 tokens = 20 blocks, so 20 remain for a newcomer
     assert engine.can_admit(60, 260)
     assert not engine.can_admit(60, 261)

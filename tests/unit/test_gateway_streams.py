@@ -212,7 +212,9 @@ def test_a_client_that_leaves_while_a_read_holds_its_cancel_is_still_let_go() ->
     run(go())
 
 
-def test_redis_errors_reach_followers(redis_url) -> None:
+def test_redis_errors_reach_followers_after_the_outage_window(redis_url, monkeypatch) -> None:
+    monkeypatch.setattr(streams, "OUTAGE_S", 0.6)
+
     async def go():
         r = redis.asyncio.Redis.from_url(redis_url)
         s = streams.Streams(r)
@@ -223,8 +225,44 @@ def test_redis_errors_reach_followers(redis_url) -> None:
         r.xread = broken
         try:
             _, first = await started(s, "job-redis-down")
+            t0 = time.monotonic()
             with pytest.raises(redis.ConnectionError):
-                await asyncio.wait_for(first, 2)
+                await asyncio.wait_for(first, 3)
+            assert time.monotonic() - t0 >= 0.4  # retried through the window first
+        finally:
+            await s.close()
+            await r.aclose()
+
+    run(go())
+
+
+def test_a_redis_blip_loses_no_token(redis_url) -> None:
+    """Reads that fail for a moment are retried from the same positions: the follower gets
+    every event once, in order, and no error."""
+
+    async def go():
+        r = redis.asyncio.Redis.from_url(redis_url)
+        s = streams.Streams(r)
+        xread, failures = r.xread, [2]
+
+        async def flaky(*a, **kw):
+            if failures[0]:
+                failures[0] -= 1
+                raise redis.TimeoutError("Timeout reading from socket")
+            return await xread(*a, **kw)
+
+        key = keys.output("job-blip")
+        await r.xadd(key, {"type": tokens.START})
+        await r.xadd(key, {"type": tokens.DELTA, "text": "hello", "token_ids": "[5]"})
+        r.xread = flaky
+        try:
+            it = s.batches("job-blip")
+            got = list(await asyncio.wait_for(anext(it), 5))
+            await r.xadd(key, {"type": tokens.END, "state": records.COMPLETED})
+            async for batch in it:
+                got += batch
+            assert [e.type for e in got] == [tokens.START, tokens.DELTA, tokens.END]
+            assert got[1].text == "hello" and failures == [0]
         finally:
             await s.close()
             await r.aclose()

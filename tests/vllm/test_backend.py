@@ -135,8 +135,10 @@ def test_abort_frees_blocks_and_capacity(backend) -> None:
             f"long{i}", prompt=f"long one {i}", params={"max_tokens": 200, "ignore_eos": True}
         )
     assert not backend.can_admit(10, 10)  # every sequence slot taken
+    assert backend.prompt_backlog > 0  # prompts with no output yet: what the worker bounds
     for _ in range(3):
         backend.step()
+    assert backend.prompt_backlog == 0
     s = backend.stats()
     assert s["running"] == MAX_SEQS and s["blocks_used"] > 0
     assert all(backend.abort(f"long{i}") for i in range(MAX_SEQS))
