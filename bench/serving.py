@@ -26,7 +26,8 @@ Scenarios, run in this order on every stack, so each stack's caches see the same
 - flood: steady interactive traffic at 0.5x capacity with a burst of batch extraction on top;
   the interactive lane's TTFT p99 is the figure.
 - add: a K+1th engine started at a third of the run under 1.2x capacity, arrivals going on
-  until well after it is up (twice the stack's own start time, plus 20 s); the seconds from
+  until 10 s after it carries load (at most ten times the stack's own start time: a new
+  engine on cores its peers keep busy starts several times slower); the seconds from
   its being ready (the worker's heartbeat, the engine's /health) to its first request (the
   worker took a job; vLLM's running gauge), counting the router's /add_worker call, which a
   router needs and a worker does not.
@@ -81,6 +82,7 @@ from bench.serving_workload import (  # noqa: E402
 from bench.workload import bench_model, cpu_isa  # noqa: E402
 from broker_config import keys, stats  # noqa: E402
 from broker_config.embedded import EmbeddedRedis, find_binary, free_port  # noqa: E402
+from broker_config.settings import Settings  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PLURAI_STACKS = ("plurai-vllm", "plurai-native")
@@ -444,6 +446,16 @@ def make_stack(name: str, spec: EngineSpec, k: int, logs: Path) -> Stack:
 # -- the client -----------------------------------------------------------------------
 
 
+def client_late_ms(reqs: list[ServingRequest], results: list[sf.Result]) -> dict[str, float]:
+    """How late the load generator sent requests after their arrival times (p50, max): on
+    a busy machine it shares the cores with the stack, and latencies count from the send."""
+    due = {r.id: r.arrival_s for r in reqs}
+    late = sorted(1000 * max(0.0, r.sent_s - due[r.id]) for r in results if r.id in due)
+    if not late:
+        return {"p50": 0.0, "max": 0.0}
+    return {"p50": round(late[len(late) // 2], 1), "max": round(late[-1], 1)}
+
+
 async def _one(
     http: httpx.AsyncClient,
     stack: Stack,
@@ -573,7 +585,8 @@ class Bench:
         cpu = {k: round(v - before.get(k, 0.0), 2) for k, v in stack.cpu().items()}
         cpu["load_generator"] = round(client_cpu_s() - client, 2)
         expected = {r.id: r.lane for r in reqs if r.id not in unsent}
-        run = Run(scenario, round(rate, 3), results, expected, cpu, stack.extra())
+        extra = {**stack.extra(), "client_late_ms": client_late_ms(reqs, results)}
+        run = Run(scenario, round(rate, 3), results, expected, cpu, extra)
         with open(stack.logs / f"{scenario}.results.jsonl", "w") as f:
             for r in sorted(results, key=lambda x: x.id):
                 f.write(json.dumps(asdict(r)) + "\n")
@@ -639,9 +652,9 @@ class Bench:
     def run_add(self, stack: Stack) -> list[Run]:
         assert self.capacity is not None
         # arrivals go on until 10 s after the new engine carries load (a router sends it new
-        # requests only), at most until it has had 4x the stack's own start time
+        # requests only), at most until it has had 10x the stack's own start time
         at = self.a.duration / 3
-        span = at + 4 * stack.start_s + 30
+        span = at + 10 * stack.start_s + 30
         cfg = self.config(rate=self.capacity, scale=1.2, seed=self.a.seed + 200, duration_s=span)
         reqs = self.workload("add", cfg)
         times: dict[str, float | None] = {"started_s": None, "ready_s": None, "first_load_s": None}
@@ -902,6 +915,7 @@ def main() -> None:
         "slos": {k: asdict(v) for k, v in bench.slos.items()},
         "idle": bench.idle,
         "plurai_env": PLURAI_ENV,
+        "plurai_prefill_backlog_tokens": Settings().prefill_backlog_tokens,
         "workload": {
             "prompt": a.prompt,
             "output": a.output,

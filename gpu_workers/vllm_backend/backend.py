@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,11 +244,9 @@ class VllmBackend:
         prefill step runs instead of after it."""
         ready = getattr(self.engine.engine_core, "outputs_queue", None)
         if ready is not None:
-            deadline = time.monotonic() + POLL_S
-            while ready.empty() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if ready.empty():
-                return []
+            with ready.not_empty:  # the queue's own condition: woken by its put, no polling
+                if not ready.not_empty.wait_for(lambda: len(ready.queue) > 0, POLL_S):
+                    return []
         outputs = self.engine.step()
         self.steps += 1
         self.added = 0
