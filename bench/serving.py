@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -464,8 +465,11 @@ async def _one(
     stop: asyncio.Event | None = None,
 ) -> sf.Result | None:
     delay = t0 + req.arrival_s - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
+    if stop is None:
+        await asyncio.sleep(max(0.0, delay))
+    elif delay > 0:
+        with contextlib.suppress(asyncio.TimeoutError):  # the arrival time came
+            await asyncio.wait_for(stop.wait(), delay)
     if stop is not None and stop.is_set():
         return None  # the scenario ended its arrivals early: never sent
     sent = time.monotonic()
@@ -591,7 +595,8 @@ class Bench:
             for r in sorted(results, key=lambda x: x.id):
                 f.write(json.dumps(asdict(r)) + "\n")
         ok = sum(r.ok for r in results)
-        print(f"  {stack.name} {scenario} @ {rate:.2f} req/s: {ok}/{len(reqs)} ok", file=sys.stderr)
+        sent = len(expected)
+        print(f"  {stack.name} {scenario} @ {rate:.2f} req/s: {ok}/{sent} ok", file=sys.stderr)
         return run, t0
 
     # the scenarios; each returns the runs it made
