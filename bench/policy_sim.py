@@ -1,0 +1,1106 @@
+"""Fleet scale by simulation: routers against Plurai's KV-aware pulling, on the same seeded
+requests, as a discrete-event simulation (one heap of events; no Redis, engines or threads).
+
+    python bench/policy_sim.py [--calibrate-from DIR] [--check-against DIR[,DIR]]
+        [--check-budget 512] [--sizes 64,256,1000] [--scales 0.3,0.6,1.0,1.3,1.6]
+        [--duration 60] [--pull-budget 512] [--lookahead 0] [--seed 0]
+
+Policies. Routers assign a request when it arrives: round_robin; power_of_two (two engines
+at random, the one with fewer outstanding requests); cache_aware (vllm-router's and the
+SGLang router's idea: the router keeps, per engine, a tree of the prompts it sent there; if
+the outstanding counts are imbalanced, max - min > 32 and max > 1.0001 * min, the least
+loaded engine; else the engine whose tree matches the longest share of the prompt, if that
+share is over 0.5; else the engine with the smallest tree). Pulling (Plurai): one FIFO queue
+per lane; an engine takes the head of the highest non-empty lane when it has a free slot,
+KV room for prompt + max_tokens, and the prompts it holds with no token yet plus the new
+one fit the backlog bound B (--pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS; whole prompts,
+as the worker counts them; one alone always fits). Engines that found the
+queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
+the others pull again at the end of each step. --lookahead N lets a puller take, among
+the first N entries of the lane, the one with the most leading blocks on its device (an
+entry skipped N times is taken first). Prefix blocks on the engine's device are free;
+blocks in the fleet's shared pool (every pulling engine writes what it computed; LRU of
+--pool-blocks) cost `pool_block_s` each, paid before the request joins the engine's
+waiting list; the rest is computed. Routers have no pool.
+
+Engines batch like vLLM: a step runs every decoding sequence (one token each), then
+prefill chunks of partly prefilled and then waiting sequences (waiting ordered by lane,
+then arrival: vLLM's priority scheduling) up to 2048 tokens, with at most 256 sequences
+running. A step takes a + b * prompt tokens computed + c * decoding sequences + d * context
+tokens attended (a decode attends its context, a chunk the prompt up to its end). A request's
+first token comes at the end of the step that computes its last prompt token (at least one
+is always computed, as in vLLM); it finishes after its output tokens. Each engine has a
+device prefix cache of 16-token blocks (the measured engines' block when replaying), LRU,
+holding what its KV budget (1 GiB of the bench model's fp32 KV) leaves beside the running
+sequences. An engine's speed wanders (the noisy shared machine): its steps take a factor,
+lognormal of mean 1 (noise_sd), drawn anew after exponential stretches (noise_s mean).
+TTFT and end times get the front's fixed overhead, one constant per stack kind (router;
+gateway + queue).
+
+Prefix identity. The replayed workloads carry messages, not tokens; the results carry each
+prompt's token count. A prompt's conversation text (bench/serving_workload.py's flatten) is
+cut into blocks at the workload's mean characters per token: block i stands for the text up
+to (i + 1) * block tokens, chained on the block before (as a chained block hash), so two
+prompts share exactly the leading blocks whose text they share: a system prompt, a
+session's earlier turns, the extraction instructions. The block is the measured engines'
+(the gcd of the results' cached tokens: 128 on vLLM's CPU backend); replayed this way the
+simulated routers' cached tokens come within a few blocks of the measured ones. Generated
+fleets use the same structure in token counts (bench/serving_workload.py's chats, sessions
+and extractions, with 2 prefix groups and 2 open sessions per engine) and 16-token blocks.
+Requests of the same instant are queued together before an engine pulls (a burst).
+
+Calibration (--calibrate-from a bench/serving.py folder, K = 2): its sweep and flood runs
+are whatever out.json holds; a measured request arrives at its sent_s (when the load
+generator really sent it); plurai-vllm pulls with out.json's plurai_prefill_backlog_tokens,
+else --check-budget (2048 for runs before the bound). A first guess by least squares on
+the router stacks' sweep requests that ran alone (TPOT = (a + c) + d * mean context, TTFT
+= (front + a) + b * computed + d * prompt), then coordinate descent of a, b, c, d and the
+router's front on the squared log error of every router sweep request's TTFT and TPOT
+replayed under its own policy (one set of constants for all routers); then the queue's
+front alone, the same way, on plurai-vllm's requests; then the speed noise (sd 0-0.8,
+stretches of 0.5, 2 or 8 s) that brings every stack's simulated interactive TTFT p99s
+closest to the measured ones, one setting for all. The check (--check-against, default
+the calibration folder: another is out of sample) replays every run of each folder at its
+K through every stack's policy and compares interactive TTFT p99 (sweeps and flood) and
+goodput with the measured ones: within 20% or not, reported as it comes out (no constant
+is tuned per stack).
+Then fleets of --sizes engines at --scales of the simulated capacity per engine * engines:
+the capacity is measured in the simulation as bench/serving.py measures the real one (a
+saturating burst of about 6 requests per engine, completions / last end, pulling); the
+measured run's is reported beside it. Figures (p50/p99, SLO attainment, goodput) are
+bench/serving_figures.py's own. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import serving_figures as sf  # noqa: E402
+from bench.serving_workload import arrival_times, flatten  # noqa: E402
+
+BLOCK = 16  # vLLM's block on a GPU
+STEP_TOKENS = 2048  # vLLM's max_num_batched_tokens
+MAX_SEQS = 256
+KV_TOKEN_BYTES = 2 * 12 * 4 * 64 * 4  # bench-llama: K and V, 12 layers, 4 heads of 64, fp32
+KV_TOKENS = (1 << 30) // KV_TOKEN_BYTES  # 1 GiB per engine, as the serving bench runs it
+LANES = ("interactive", "batch")
+ROUTERS = ("round_robin", "power_of_two", "cache_aware")
+POLICIES = (*ROUTERS, "pull")
+STACK_POLICY = {"plurai-vllm": "pull", **{r: r for r in ROUTERS}}
+TOLERANCE = 0.2
+# vllm-router's cache-aware defaults
+BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD = 32, 1.0001, 0.5
+
+
+@dataclass
+class Constants:
+    a_s: float  # per step
+    b_s: float  # per prompt token computed
+    c_s: float  # per decoding sequence
+    d_s: float  # per context token attended
+    router_front_s: float  # client -> vllm-router -> vllm serve and back
+    queue_front_s: float  # client -> gateway -> Redis queue -> worker and back
+    pool_block_s: float  # one 16-token block copied from the Redis KV pool
+    # an engine's speed wanders: its steps take a factor, lognormal of mean 1 and this
+    # sd of its log, drawn anew after exponential stretches of noise_s mean
+    noise_sd: float = 0.0
+    noise_s: float = 2.0
+
+
+# Fitted by `--calibrate-from` a bench/serving.py folder (flood and sweeps), K = 2, bench-llama fp32, vLLM CPU
+# engines on a 2-core AVX2 machine (out.json capacity 1.568 req/s), pull budget 512.
+# pool_block_s is not fitted (the run does not split device hits from pool hits): 384 KiB
+# a block over a local Redis, about 1 ms.
+DEFAULTS = Constants(
+    a_s=0.0185,
+    b_s=0.00163,
+    c_s=0.0142,
+    d_s=3.94e-06,
+    router_front_s=0.198,
+    queue_front_s=0.274,
+    pool_block_s=0.001,
+    noise_sd=0.2,
+    noise_s=8.0,
+)
+# the same run's SLOs (5x the idle interactive TTFT and TPOT medians, 10x the batch e2e)
+DEFAULT_SLOS = {
+    "interactive": sf.Slo(ttft_s=1.5495, tpot_s=0.1772),
+    "batch": sf.Slo(e2e_s=15.8216),
+}
+DEFAULT_CAPACITY_PER_ENGINE = 1.568 / 2  # the measured one, for reference
+
+
+@dataclass(slots=True)
+class Req:
+    id: str
+    arrival_s: float
+    lane: str
+    prompt: int
+    output: int  # tokens it generates
+    max_tokens: int
+    blocks: tuple[int, ...]  # its full prompt blocks, equal ids for equal prefixes
+    prio: int = 0
+    # filled by the run
+    left: int = 0  # prompt tokens still to compute
+    device: int = 0  # prompt tokens found on the engine's device
+    pool: int = 0  # prompt tokens copied from the pool
+    reserved: int = 0  # KV blocks held
+    skips: int = 0
+    engine: int = -1
+    first_s: float | None = None
+    end_s: float | None = None
+
+
+# -- workloads --------------------------------------------------------------------------
+
+
+class Prefixes:
+    """Block ids from prefix structure: a prompt is a list of (prefix key, tokens at its
+    end); a block's id is (the first key whose end covers the block, the block's index)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[Any, int] = {}
+        self.ends: dict[int, int] = {}
+        self.ids: dict[tuple[int, int], int] = {}
+
+    def key(self, k: Any, end: int) -> tuple[int, int]:
+        i = self.keys.setdefault(k, len(self.keys))
+        return i, self.ends.setdefault(i, end)
+
+    def blocks(self, bounds: list[tuple[int, int]], prompt: int) -> tuple[int, ...]:
+        out, j = [], 0
+        for i in range(prompt // BLOCK):
+            end = (i + 1) * BLOCK
+            while j < len(bounds) - 1 and bounds[j][1] < end:
+                j += 1
+            out.append(self.ids.setdefault((bounds[j][0], i), len(self.ids)))
+        return tuple(out)
+
+
+def from_messages(
+    rows: list[dict], results: dict[str, dict] | None = None, block: int = BLOCK
+) -> list[Req]:
+    """Requests of a serving workload file (its JSON rows); token counts, output lengths
+    and arrival times from `results` (id -> result row) where there is one: a measured
+    request arrives when the load generator really sent it (its sent_s, on the workload's
+    clock; on a busy machine up to hundreds of ms after its arrival_s). Block i of a prompt stands for
+    the characters of its conversation text up to (i + 1) * block tokens at the workload's
+    mean characters per token, chained on the block before, so prompts share exactly the
+    blocks whose text they share from the start."""
+    texts = [flatten(row["messages"]) for row in rows]
+    res = [(results or {}).get(row["id"], {}) for row in rows]
+    prompts = [
+        int(x.get("prompt_tokens") or row["prompt_tokens"])
+        for x, row in zip(res, rows, strict=True)
+    ]
+    per_token = sum(map(len, texts)) / max(1, sum(prompts))
+    ids: dict[tuple[int, str], int] = {}
+    out = []
+    for row, x, text, prompt in zip(rows, res, texts, prompts, strict=True):
+        chain, parent, start = [], -1, 0
+        for i in range(prompt // block):
+            end = min(len(text), round((i + 1) * block * per_token))
+            parent = ids.setdefault((parent, text[start:end]), len(ids))
+            chain.append(parent)
+            start = end
+        lane = row["lane"]
+        sent = x.get("sent_s")
+        out.append(
+            Req(
+                row["id"],
+                float(row["arrival_s"] if sent is None else sent),
+                lane,
+                prompt,
+                max(1, int(x.get("output_tokens") or row["max_tokens"])),
+                int(row["max_tokens"]),
+                tuple(chain),
+                LANES.index(lane) if lane in LANES else len(LANES),
+            )
+        )
+    return out
+
+
+@dataclass
+class Shape:
+    """Generated requests in token counts, as bench/serving_workload.py builds them with
+    --prompt 64-512 --output 16-64 (the calibration run's)."""
+
+    groups: int = 4
+    open_sessions: int = 4
+    batch_share: float = 0.2
+    session_share: float = 0.5
+    burstiness: float = 0.3
+    system_tokens: int = 140  # the svF prompts' system prefix, template included
+    min_prompt: int = 64
+    max_prompt: int = 512
+    min_output: int = 16
+    max_output: int = 64
+    max_turns: int = 6
+    turn_overhead: int = 5  # template tokens around one message
+
+
+def generate(shape: Shape, rate: float, duration_s: float, seed: int) -> list[Req]:
+    rng = random.Random(f"{seed}/content")
+    times = arrival_times(random.Random(f"{seed}/arrivals"), rate, shape.burstiness, duration_s)
+    px = Prefixes()
+    sessions: list[list] = []  # [id, bounds, prompt, answer, turn, turns]
+    made = 0
+    out = []
+    o = shape.turn_overhead
+    for n, t in enumerate(times):
+        rid = f"r{n:06d}"
+        if rng.random() < shape.batch_share:
+            prompt = rng.randint(shape.max_prompt // 2, shape.max_prompt)
+            output = rng.randint(shape.min_output, min(shape.max_output, 2 * shape.min_output))
+            bounds = [px.key(("doc", rid), prompt)]
+            lane = "batch"
+        elif rng.random() < shape.session_share:
+            if len(sessions) < shape.open_sessions:
+                g = rng.randrange(shape.groups)
+                sessions.append([f"s{made}", [px.key(("sys", g), shape.system_tokens)], 0, 0, 0, 0])
+                sessions[-1][5] = rng.randint(2, shape.max_turns)
+                made += 1
+            s = rng.choice(sessions)
+            ask = rng.randint(shape.min_prompt // 8, shape.min_prompt // 2) + o
+            bounds = list(s[1])
+            if s[4]:
+                bounds.append(px.key((s[0], s[4], "answer"), s[2] + s[3] + o))
+            end = bounds[-1][1] + ask
+            prompt = max(shape.min_prompt, end)
+            bounds.append(px.key((s[0], s[4], "ask"), prompt))
+            output = rng.randint(shape.min_output, shape.max_output)
+            s[1], s[2], s[3], s[4] = bounds, prompt, output, s[4] + 1
+            if s[4] >= s[5] or prompt + output + 2 * o + shape.min_prompt // 2 > shape.max_prompt:
+                sessions.remove(s)
+            lane = "interactive"
+        else:
+            g = rng.randrange(shape.groups)
+            ask = rng.randint(shape.min_prompt // 4, shape.min_prompt) + o
+            prompt = max(shape.min_prompt, shape.system_tokens + ask)
+            bounds = [px.key(("sys", g), shape.system_tokens), px.key(("chat", rid), prompt)]
+            output = rng.randint(shape.min_output, shape.max_output)
+            lane = "interactive"
+        out.append(
+            Req(rid, t, lane, prompt, output, output, px.blocks(bounds, prompt), LANES.index(lane))
+        )
+    return out
+
+
+# -- the simulation ---------------------------------------------------------------------
+
+
+class Lru:
+    """Block ids, least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.d: OrderedDict[int, None] = OrderedDict()
+
+    def leading(self, blocks: tuple[int, ...], start: int = 0, limit: int | None = None) -> int:
+        """How many of blocks[start:limit] from start on are held; touches them."""
+        n, d = 0, self.d
+        for b in blocks[start:limit]:
+            if b not in d:
+                break
+            d.move_to_end(b)
+            n += 1
+        return n
+
+    def peek(self, blocks: tuple[int, ...], limit: int) -> int:
+        n, d = 0, self.d
+        for b in blocks[:limit]:
+            if b not in d:
+                break
+            n += 1
+        return n
+
+    def add(self, blocks: tuple[int, ...], room: int) -> None:
+        d = self.d
+        for b in blocks:
+            d[b] = None
+            d.move_to_end(b)
+        while len(d) > max(0, room):
+            d.popitem(last=False)
+
+
+@dataclass(slots=True)
+class Engine:
+    i: int
+    cache: Lru
+    used: int = 0  # KV blocks reserved by its requests
+    outstanding: int = 0  # assigned and not finished
+    pending: int = 0  # prompt tokens of the requests assigned with no token yet
+    waiting: list = field(default_factory=list)  # heap (prio, arrival, n, req)
+    prefilling: list = field(default_factory=list)
+    decoding: int = 0
+    context: int = 0  # tokens attended by the decoding sequences
+    finishes: list = field(default_factory=list)  # heap (step, n, req)
+    steps: int = 0
+    busy: bool = False
+    in_line: bool = False  # waits for work (pulling)
+    tree: set = field(default_factory=set)  # the cache-aware router's view of its blocks
+    speed: float = 1.0  # its steps' time factor (Constants.noise_sd)
+    speed_until: float = 0.0
+
+
+class Sim:
+    def __init__(
+        self,
+        engines: int,
+        policy: str,
+        k: Constants,
+        pull_budget: int = 512,
+        lookahead: int = 0,
+        pool_blocks: int = 1 << 20,
+        kv_tokens: int = KV_TOKENS,
+        block: int = BLOCK,
+        seed: int = 0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.policy, self.k, self.budget, self.lookahead = policy, k, pull_budget, lookahead
+        self.block, self.kv_blocks = block, kv_tokens // block
+        self.engines = [Engine(i, Lru(self.kv_blocks)) for i in range(engines)]
+        self.pool = Lru(pool_blocks) if policy == "pull" else None
+        self.rng = random.Random(f"{seed}/policy")
+        self.noise = random.Random(f"{seed}/noise")
+        self.events: list = []
+        self.n = 0  # tie-breaker, so equal times run in the order they were made
+        self.rr = 0
+        self.lanes: list[deque] = [deque() for _ in LANES]
+        self.line: deque[Engine] = deque(self.engines)  # pullers waiting for work
+        for e in self.engines:
+            e.in_line = True
+        self.front = k.queue_front_s if policy == "pull" else k.router_front_s
+        # the cache-aware router: engines by outstanding count, block -> engines whose tree
+        # holds it, (tree size, engine) with stale entries skipped
+        self.by_load: dict[int, set[int]] = {0: set(range(engines))}
+        self.load_min = self.load_max = 0
+        self.index: dict[int, set[int]] = {}
+        self.sizes = [(0, i) for i in range(engines)]
+
+    def push(self, t: float, kind: int, a: Any, b: Any = None) -> None:
+        self.n += 1
+        heapq.heappush(self.events, (t, self.n, kind, a, b))
+
+    # event kinds
+    STEP, READY = 0, 1
+
+    def run(self, reqs: list[Req]) -> list[Req]:
+        """Every request to its end; returns them with their times filled in."""
+        for r in reqs:
+            if -(-(r.prompt + r.max_tokens) // self.block) > self.kv_blocks:
+                raise ValueError(f"request {r.id} needs more KV than an engine has")
+        arrivals = sorted(reqs, key=lambda r: r.arrival_s)
+        i, ev = 0, self.events
+        while i < len(arrivals) or ev:
+            if i < len(arrivals) and (not ev or arrivals[i].arrival_s <= ev[0][0]):
+                # requests of the same instant (a burst) are all queued before anyone pulls
+                now, j = arrivals[i].arrival_s, i
+                while i < len(arrivals) and arrivals[i].arrival_s == now:
+                    i += 1
+                self.arrive(arrivals[j:i], now)
+                continue
+            t, _, kind, a, b = heapq.heappop(ev)
+            if kind == self.STEP:
+                self.step_end(a, b, t)
+            else:
+                self.ready(a, b, t)
+        for r in reqs:
+            r.first_s = None if r.first_s is None else r.first_s + self.front
+            r.end_s = None if r.end_s is None else r.end_s + self.front
+        return reqs
+
+    # routers and the queue
+
+    def arrive(self, reqs: list[Req], now: float) -> None:
+        if self.policy == "pull":
+            for r in reqs:
+                self.lanes[min(r.prio, len(LANES) - 1)].append(r)
+            line = self.line
+            while line and any(self.lanes):
+                e = line.popleft()
+                e.in_line = False
+                self.pull(e, now)
+            return
+        for r in reqs:
+            self.assign(self.route(r), r, now)
+
+    def route(self, r: Req) -> Engine:
+        es = self.engines
+        if self.policy == "round_robin":
+            self.rr = (self.rr + 1) % len(es)
+            return es[self.rr - 1]
+        if self.policy == "power_of_two":
+            if len(es) == 1:
+                return es[0]
+            x, y = self.rng.sample(es, 2)
+            return y if y.outstanding < x.outstanding else x
+        hi, lo = self.load_max, self.load_min
+        if hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo:
+            e = es[min(self.by_load[lo])]
+        else:
+            cands, depth = set(), 0
+            for b in r.blocks:
+                held = self.index.get(b)
+                nxt = held if not depth else cands & held if held else None
+                if not nxt:
+                    break
+                cands, depth = nxt, depth + 1
+            if depth and depth * self.block / r.prompt > CACHE_THRESHOLD:
+                e = es[min(cands, key=lambda i: (es[i].outstanding, i))]
+            else:
+                sizes = self.sizes
+                while sizes[0][0] != len(es[sizes[0][1]].tree):  # stale entries
+                    heapq.heapreplace(sizes, (len(es[sizes[0][1]].tree), sizes[0][1]))
+                e = es[sizes[0][1]]
+        new = [b for b in r.blocks if b not in e.tree]
+        if new:
+            e.tree.update(new)
+            for b in new:
+                self.index.setdefault(b, set()).add(e.i)
+            heapq.heappush(self.sizes, (len(e.tree), e.i))
+        return e
+
+    def load(self, e: Engine, delta: int) -> None:
+        """Outstanding counts, kept by value for the cache-aware router's balance check."""
+        before = e.outstanding
+        e.outstanding += delta
+        if self.policy != "cache_aware":
+            return
+        by = self.by_load
+        by[before].discard(e.i)
+        by.setdefault(e.outstanding, set()).add(e.i)
+        self.load_max = max(self.load_max, e.outstanding)
+        while not by.get(self.load_max):
+            self.load_max -= 1
+        self.load_min = min(self.load_min, e.outstanding)
+        while not by.get(self.load_min):
+            self.load_min += 1
+
+    def fits(self, e: Engine, r: Req) -> bool:
+        """Room for r's KV and a sequence slot, and its prompt within the backlog bound
+        beside the prompts with no token yet, as the product's worker counts them (whole
+        prompts, cached parts included; one alone always fits; a budget of 0: no bound)."""
+        return (
+            e.outstanding < MAX_SEQS
+            and e.used + -(-(r.prompt + r.max_tokens) // self.block) <= self.kv_blocks
+            and (not self.budget or e.pending == 0 or e.pending + r.prompt <= self.budget)
+        )
+
+    def pick(self, e: Engine, lane: deque) -> int:
+        """The index in lane that e takes: the head, or with lookahead the entry of the
+        first N with the most leading blocks on e's device (one skipped N times first)."""
+        n = min(self.lookahead, len(lane))
+        if n <= 1:
+            return 0
+        best, most = 0, 0
+        for j in range(n):
+            r = lane[j]
+            if r.skips >= self.lookahead:
+                return j
+            held = e.cache.peek(r.blocks, (r.prompt - 1) // self.block)
+            if held > most:
+                best, most = j, held
+        for j in range(best):
+            lane[j].skips += 1
+        return best
+
+    def pull(self, e: Engine, now: float) -> None:
+        """e takes entries while it has room; waits in line if the lanes are empty."""
+        while True:
+            lane = next((q for q in self.lanes if q), None)
+            if lane is None:
+                if not e.in_line:
+                    e.in_line = True
+                    self.line.append(e)
+                return
+            j = self.pick(e, lane)
+            r = lane[j]
+            if not self.fits(e, r):
+                return
+            del lane[j]
+            self.assign(e, r, now)
+
+    def assign(self, e: Engine, r: Req, now: float) -> None:
+        limit = (r.prompt - 1) // self.block  # at least one token is computed
+        dev = e.cache.leading(r.blocks, 0, limit)
+        pool = self.pool.leading(r.blocks, dev, limit) if self.pool is not None else 0
+        r.engine, r.device, r.pool = e.i, dev * self.block, pool * self.block
+        r.left = r.prompt - r.device - r.pool
+        r.reserved = -(-(r.prompt + r.max_tokens) // self.block)
+        e.used += r.reserved
+        self.load(e, 1)
+        e.pending += r.prompt
+        if pool:
+            self.push(now + pool * self.k.pool_block_s, self.READY, e, r)
+        else:
+            self.ready(e, r, now)
+
+    # the engine
+
+    def ready(self, e: Engine, r: Req, now: float) -> None:
+        self.n += 1
+        heapq.heappush(e.waiting, (r.prio, r.arrival_s, self.n, r))
+        if not e.busy:
+            self.step_start(e, now)
+
+    def step_start(self, e: Engine, now: float) -> None:
+        k = self.k
+        budget = STEP_TOKENS - e.decoding
+        computed, attended = 0, e.context
+        chunks = []
+        for r in e.prefilling:
+            if budget <= 0:
+                break
+            take = min(r.left, budget)
+            budget -= take
+            computed += take
+            attended += r.prompt - r.left + take
+            chunks.append((r, take))
+        while budget > 0 and e.waiting and e.decoding + len(e.prefilling) < MAX_SEQS:
+            r = heapq.heappop(e.waiting)[3]
+            e.prefilling.append(r)
+            take = min(r.left, budget)
+            budget -= take
+            computed += take
+            attended += r.prompt - r.left + take
+            chunks.append((r, take))
+        if not chunks and not e.decoding:
+            e.busy = False
+            return
+        e.busy = True
+        dt = k.a_s + k.b_s * computed + k.c_s * e.decoding + k.d_s * attended
+        if k.noise_sd:
+            if now >= e.speed_until:
+                sd = k.noise_sd
+                e.speed = math.exp(self.noise.gauss(-sd * sd / 2, sd))
+                e.speed_until = now + self.noise.expovariate(1 / k.noise_s)
+            dt *= e.speed
+        self.push(now + dt, self.STEP, e, (chunks, e.decoding))
+
+    def step_end(self, e: Engine, step: tuple, now: float) -> None:
+        chunks, decoded = step
+        e.steps += 1
+        e.context += decoded
+        fin = e.finishes
+        while fin and fin[0][0] <= e.steps:
+            self.finish(e, heapq.heappop(fin)[2], now)
+            e.decoding -= 1
+        for r, take in chunks:
+            r.left -= take
+            if r.left:
+                continue
+            e.prefilling.remove(r)
+            e.pending -= r.prompt
+            r.first_s = now
+            room = self.kv_blocks - e.used
+            e.cache.add(r.blocks, room)
+            if self.pool is not None:
+                self.pool.add(r.blocks, self.pool.capacity)
+            if r.output <= 1:
+                self.finish(e, r, now)
+            else:
+                e.decoding += 1
+                e.context += r.prompt + 1
+                self.n += 1
+                heapq.heappush(fin, (e.steps + r.output - 1, self.n, r))
+        if self.pool is not None:
+            self.pull(e, now)
+        self.step_start(e, now)
+
+    def finish(self, e: Engine, r: Req, now: float) -> None:
+        r.end_s = now
+        e.used -= r.reserved
+        self.load(e, -1)
+        if r.output > 1:
+            e.context -= r.prompt + r.output
+
+
+def simulate(reqs: list[Req], engines: int, policy: str, k: Constants, **kw: Any) -> list[Req]:
+    fresh = [replace(r) for r in reqs]
+    return Sim(engines, policy, k, **kw).run(fresh)
+
+
+def results(reqs: list[Req]) -> list[sf.Result]:
+    return [
+        sf.Result(
+            id=r.id,
+            lane=r.lane,
+            sent_s=r.arrival_s,
+            first_token_s=r.first_s,
+            end_s=r.end_s,
+            output_tokens=r.output,
+            ok=r.end_s is not None,
+            prompt_tokens=r.prompt,
+            cached_tokens=r.device + r.pool,
+        )
+        for r in reqs
+    ]
+
+
+def prefill(reqs: list[Req]) -> dict[str, int]:
+    return {
+        "computed_tokens": sum(r.prompt - r.device - r.pool for r in reqs),
+        "device_tokens": sum(r.device for r in reqs),
+        "pool_tokens": sum(r.pool for r in reqs),
+    }
+
+
+def p_ttft_s(res: list[sf.Result], p: float, lane: str = "interactive") -> float | None:
+    """The p-th percentile of the lane's TTFT in seconds; None with no values."""
+    v = sf.percentile([r.ttft for r in res if r.lane == lane and r.ttft is not None], p)
+    return None if math.isnan(v) else round(v, 4)
+
+
+def p99_ttft_s(res: list[sf.Result], lane: str = "interactive") -> float | None:
+    return p_ttft_s(res, 99, lane)
+
+
+# -- calibration ------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclass
+class Measured:
+    folder: str
+    out: dict  # out.json's last line
+    workloads: dict[str, list[dict]]  # run -> workload rows
+    results: dict[str, dict[str, list[dict]]]  # stack -> run -> result rows
+    budget: int = 512  # the plurai stack's pull budget (PLURAI_PREFILL_BACKLOG_TOKENS)
+    block: int = BLOCK  # the measured engines' cache block
+    reqs: dict[tuple[str, str], list[Req]] = field(default_factory=dict)
+
+    @property
+    def sweeps(self) -> list[str]:
+        """The sweep runs, by scale."""
+        runs = [r for r in self.workloads if r.startswith("sweep@")]
+        return sorted(runs, key=lambda r: float(r.split("@")[1]))
+
+    @property
+    def runs(self) -> list[str]:
+        """The sweeps, then the flood where there is one."""
+        return self.sweeps + [r for r in self.workloads if r == "flood"]
+
+    def requests(self, stack: str, run: str) -> list[Req]:
+        if (stack, run) not in self.reqs:
+            res = {r["id"]: r for r in self.results[stack][run]}
+            self.reqs[stack, run] = from_messages(self.workloads[run], res, self.block)
+        return self.reqs[stack, run]
+
+
+def workload_file(run: str) -> str:
+    """bench/serving.py's name for a run's workload: sweep@0.7 -> sweep-0.7.jsonl."""
+    return run.replace("@", "-") + ".jsonl"
+
+
+def load(folder: str | Path, budget: int = 512) -> Measured:
+    """A bench/serving.py folder's figures, and the workloads and per-request results of
+    its sweep runs and flood. The pull budget is out.json's plurai_prefill_backlog_tokens,
+    else `budget` (runs before the bound pulled with 2048). The engines' cache block is the
+    gcd of the cached token counts (vLLM's CPU backend caches 128-token blocks, its GPU
+    build 16)."""
+    folder = Path(folder)
+    lines = (folder / "out.json").read_text().strip().splitlines()
+    if not lines:
+        raise ValueError(f"{folder / 'out.json'} is empty: the bench run has not finished")
+    out = json.loads(lines[-1])
+    named = {run for s in out["stacks"].values() for run in s.get("runs", {})}
+    runs = [r for r in named if r.startswith("sweep@") or r == "flood"]
+    work = {
+        r: _read_jsonl(folder / workload_file(r))
+        for r in runs
+        if (folder / workload_file(r)).exists()
+    }
+    res = {
+        stack: {
+            run: _read_jsonl(folder / stack / f"{run}.results.jsonl")
+            for run in work
+            if (folder / stack / f"{run}.results.jsonl").exists()
+        }
+        for stack in STACK_POLICY
+        if stack in out["stacks"] and (folder / stack).is_dir()
+    }
+    cached = [r["cached_tokens"] for rs in res.values() for rows in rs.values() for r in rows]
+    block = math.gcd(*cached) if any(cached) else BLOCK
+    budget = int(out.get("plurai_prefill_backlog_tokens") or budget)
+    return Measured(str(folder), out, work, res, budget, block)
+
+
+def slos_of(m: Measured) -> dict[str, sf.Slo]:
+    return {lane: sf.Slo(**v) for lane, v in m.out["slos"].items()}
+
+
+def lone(rows: list[dict]) -> list[dict]:
+    """The requests that no other request of the run overlapped in time."""
+    ok = [r for r in rows if r["ok"] and r["end_s"] is not None]
+    out = []
+    for r in ok:
+        if all(o is r or o["end_s"] <= r["sent_s"] or o["sent_s"] >= r["end_s"] for o in ok):
+            out.append(r)
+    return out
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def _descend(k: Constants, names: list[str], error: Any) -> Constants:
+    """Coordinate descent on `names` in multiplicative steps, each kept positive."""
+    best = error(k)
+    for step in (2.0, 1.4, 1.15, 1.05):
+        improved = True
+        while improved:
+            improved = False
+            for name in names:
+                for f in (step, 1 / step):
+                    trial = replace(k, **{name: max(1e-7, getattr(k, name) * f)})
+                    e = error(trial)
+                    if e < best - 1e-9:
+                        k, best, improved = trial, e, True
+                        break
+    return k
+
+
+ENGINE_CONSTANTS = ("a_s", "b_s", "c_s", "d_s", "router_front_s")
+
+
+def fit(m: Measured, names: tuple[str, ...] = ENGINE_CONSTANTS) -> tuple[Constants, dict]:
+    """The constants from the router stacks' requests, then the queue's front from
+    plurai-vllm's with the engine constants held."""
+    routers = [s for s in ROUTERS if s in m.results]
+    alone = [r for s in routers for run in m.sweeps for r in lone(m.results[s].get(run, []))]
+    start = replace(DEFAULTS, noise_sd=0.0)
+    dec = [r for r in alone if r["output_tokens"] >= 2]
+    if len(dec) >= 3:  # a first guess from the requests that ran alone
+        tpot = [(r["end_s"] - r["first_token_s"]) / (r["output_tokens"] - 1) for r in dec]
+        j, d = _fit_line([r["prompt_tokens"] + r["output_tokens"] / 2 for r in dec], tpot)
+        d = max(d, 1e-7)
+        ys = [r["first_token_s"] - r["sent_s"] - d * r["prompt_tokens"] for r in alone]
+        i, b = _fit_line([r["prompt_tokens"] - r["cached_tokens"] for r in alone], ys)
+        if j > 0 and i > j / 2 and b > 0:
+            start = replace(start, a_s=j / 2, c_s=j / 2, b_s=b, d_s=d, router_front_s=i - j / 2)
+    k = _descend(start, list(names), lambda k: sum(_error(m, s, k) for s in routers))
+    if "plurai-vllm" in m.results:
+        k = _descend(k, ["queue_front_s"], lambda k: _error(m, "plurai-vllm", k))
+    k, tails = fit_noise(m, k)
+    rounded = Constants(**{f: float(f"{v:.3g}") for f, v in asdict(k).items()})
+    return rounded, {"block_tokens": m.block, "lone_router_requests": len(alone), **tails}
+
+
+def _tail_error(m: Measured, k: Constants) -> float:
+    """Squared log error of every stack's simulated interactive TTFT p99 against the
+    measured one, over the folder's runs (sweeps and flood)."""
+    err = 0.0
+    for stack, runs in m.results.items():
+        figures = m.out["stacks"][stack]["runs"]
+        for run in m.runs:
+            if run not in runs or run not in figures:
+                continue
+            p99 = figures[run]["interactive"]["ttft_p99_ms"]
+            sim = results(_replay(m, stack, run, k, STACK_POLICY[stack], pull_budget=m.budget))
+            got = p_ttft_s(sim, 99)
+            if p99 and got:
+                err += math.log(1000 * got / p99) ** 2
+    return err
+
+
+def fit_noise(m: Measured, k: Constants) -> tuple[Constants, dict]:
+    """The engine speed noise (sd and stretch, or none) that brings the simulated
+    interactive TTFT p99s of every stack's runs closest to the measured ones; one setting
+    for every stack."""
+    base = replace(k, noise_sd=0.0)
+    best, err = base, _tail_error(m, base)
+    before = err
+    for period in (0.5, 2.0, 8.0):
+        for sd in (0.1, 0.2, 0.3, 0.4, 0.6, 0.8):
+            trial = replace(base, noise_sd=sd, noise_s=period)
+            e = _tail_error(m, trial)
+            if e < err:
+                best, err = trial, e
+    return best, {"p99_log_error": {"noise_free": round(before, 3), "fitted": round(err, 3)}}
+
+
+def _replay(m: Measured, stack: str, run: str, k: Constants, policy: str, **kw: Any) -> list[Req]:
+    kw.setdefault("block", m.block)
+    return simulate(m.requests(stack, run), int(m.out.get("k", 2)), policy, k, **kw)
+
+
+def _error(m: Measured, stack: str, k: Constants) -> float:
+    """Squared log error of simulated against measured TTFT and TPOT, per request of the
+    sweeps (pulling with the folder's budget, as plurai-vllm ran)."""
+    err = 0.0
+    for run in m.sweeps:
+        if run not in m.results[stack]:
+            continue
+        measured = {r["id"]: sf.Result(**r) for r in m.results[stack][run]}
+        sim = _replay(m, stack, run, k, STACK_POLICY[stack], pull_budget=m.budget)
+        for s in results(sim):
+            ref = measured.get(s.id)
+            if ref is None or not ref.ok:
+                continue
+            for x, y in ((s.ttft, ref.ttft), (s.tpot, ref.tpot)):
+                if x and y:
+                    err += math.log(x / y) ** 2
+    return err
+
+
+def within(sim: float | None, measured: float | None) -> dict:
+    """sim / measured and whether it is within TOLERANCE; two Nones agree."""
+    if sim is None or measured is None:
+        return {
+            "sim": sim,
+            "measured": measured,
+            "ratio": None,
+            "ok": sim is None and measured is None,
+        }
+    ratio = sim / measured if measured else math.inf
+    return {
+        "sim": sim,
+        "measured": measured,
+        "ratio": round(ratio, 3),
+        "ok": abs(ratio - 1) <= TOLERANCE,
+    }
+
+
+def check(m: Measured, k: Constants) -> dict:
+    """Each measured stack against its policy replayed on the same runs at the same K:
+    interactive TTFT p99 of every sweep run and of the flood, and goodput over the sweeps,
+    each within TOLERANCE or not (the medians beside them, for reading only)."""
+    slos = slos_of(m)
+    out: dict[str, Any] = {}
+    for stack, policy in STACK_POLICY.items():
+        if stack not in m.results:
+            continue
+        runs = m.out["stacks"][stack]["runs"]
+        pairs, offered, figures, errors = [], {}, {}, []
+        for run in m.runs:
+            if run not in m.results[stack] or run not in runs:
+                continue
+            sim = results(_replay(m, stack, run, k, policy, pull_budget=m.budget))
+            if run.startswith("sweep@"):
+                rate = runs[run]["offered_req_s"]
+                pairs.append((rate, sim))
+                offered[rate] = len(sim)
+            lane = runs[run]["interactive"]
+            p50, p99 = lane["ttft_p50_ms"], lane["ttft_p99_ms"]
+            figures[f"interactive_ttft_p50_s@{run}"] = {
+                "sim": p_ttft_s(sim, 50),
+                "measured": None if p50 is None else round(p50 / 1000, 4),
+            }
+            f = within(p_ttft_s(sim, 99), None if p99 is None else p99 / 1000)
+            figures[f"interactive_ttft_p99_s@{run}"] = f
+            if not f["ok"]:
+                errors.append(f"{run} interactive TTFT p99 ratio {f['ratio']}")
+        if pairs:
+            measured = m.out["stacks"][stack]["goodput_req_s"]
+            g = within(sf.goodput(pairs, slos, offered=offered), measured)
+            figures["goodput_req_s"] = g
+            if not g["ok"]:
+                errors.append(f"goodput {g['sim']} req/s against {g['measured']} measured")
+        checked = sum("ratio" in f and "ok" in f for f in figures.values())
+        out[stack] = {
+            "policy": policy,
+            **figures,
+            "ok": not errors,
+            "checked": checked,
+            "errors": errors,
+        }
+    return out
+
+
+def check_summary(stacks: dict[str, Any]) -> dict[str, Any]:
+    """How many of the checked figures came within TOLERANCE, per stack and in all."""
+    per = {s: v["checked"] - len(v["errors"]) for s, v in stacks.items()}
+    total = sum(v["checked"] for v in stacks.values())
+    return {
+        "within": sum(per.values()),
+        "checked": total,
+        "per_stack": {s: f"{n}/{stacks[s]['checked']}" for s, n in per.items()},
+        "ok": all(v["ok"] for v in stacks.values()),
+    }
+
+
+# -- fleets -----------------------------------------------------------------------------
+
+
+def capacity(size: int, k: Constants, seed: int = 0, **kw: Any) -> float:
+    """Completed requests per second per engine of a saturating burst on `size` engines, as
+    bench/serving.py measures the real capacity on its first stack (plurai-vllm): about 6
+    requests per engine of the mixed workload within 0.12 s, completions / the last end."""
+    shape = Shape(groups=2 * size, open_sessions=2 * size)
+    n = max(8, 6 * size)
+    reqs = generate(shape, n / 0.12, 0.12, seed)
+    done = simulate(reqs, size, "pull", k, seed=seed, **kw)
+    ends = [r.end_s for r in done if r.end_s is not None]
+    return round(len(ends) / max(ends) / size, 4) if ends else 0.0
+
+
+def fleet(
+    size: int,
+    scales: list[float],
+    k: Constants,
+    slos: dict[str, sf.Slo],
+    duration_s: float,
+    seed: int = 0,
+    per_engine: float | None = None,
+    **kw: Any,
+) -> dict:
+    """Every policy at every scale of the capacity per engine (default: the simulated one
+    at this size) times the engines, on the same generated requests per scale."""
+    if per_engine is None:
+        per_engine = capacity(size, k, seed, **kw)
+    shape = Shape(groups=2 * size, open_sessions=2 * size)
+    out: dict[str, Any] = {"capacity_per_engine_req_s": per_engine}
+    out.update({p: {"runs": {}} for p in POLICIES})
+    for i, scale in enumerate(scales):
+        rate = per_engine * size * scale
+        reqs = generate(shape, rate, duration_s, seed + 1 + i)
+        for p in POLICIES:
+            t = time.monotonic()
+            done = simulate(reqs, size, p, k, seed=seed, **kw)
+            res = results(done)
+            good = sf.goodput([(rate, res)], slos)
+            if good is not None:
+                out[p]["goodput_req_s"] = max(good, out[p].get("goodput_req_s") or 0.0)
+            out[p]["runs"][f"@{scale}"] = {
+                "offered_req_s": round(rate, 3),
+                "requests": len(res),
+                "interactive_ttft_p99_s": p99_ttft_s(res),
+                "slo_attainment": round(sf.attainment(res, slos), 4),
+                **prefill(done),
+                "sim_wall_s": round(time.monotonic() - t, 2),
+            }
+            print(f"  {size} engines {p} @ {scale}: {len(res)} requests", file=sys.stderr)
+    for p in POLICIES:
+        runs = out[p]["runs"]
+        good = out[p].setdefault("goodput_req_s", None)
+        if good is not None:
+            out[p]["goodput_req_s"] = good = round(good, 3)
+        out[p]["goodput_per_engine"] = None if good is None else round(good / size, 4)
+        out[p]["prefill_computed_tokens"] = sum(v["computed_tokens"] for v in runs.values())
+    out["ratios"] = ratios(out, scales)
+    return out
+
+
+def ratios(stacks: dict[str, Any], scales: list[float], ours: str = "pull") -> dict[str, Any]:
+    """Pulling against the best router on each figure, as bench/serving.py prints them."""
+    out: dict[str, Any] = {}
+    me = stacks[ours]
+
+    def best(get: Any, high: bool) -> tuple[str, float] | None:
+        vals = [(r, v) for r in ROUTERS if (v := get(stacks[r])) is not None]
+        if not vals:
+            return None
+        return max(vals, key=lambda x: x[1]) if high else min(vals, key=lambda x: x[1])
+
+    figures = [
+        ("goodput_req_s", True, lambda s: s["goodput_req_s"]),
+        ("prefill_computed_tokens", False, lambda s: s["prefill_computed_tokens"]),
+    ]
+    for scale in scales:
+        figures.append(
+            (
+                f"interactive_ttft_p99_s@{scale}",
+                False,
+                lambda s, sc=scale: s["runs"][f"@{sc}"]["interactive_ttft_p99_s"],
+            )
+        )
+    for name, high, get in figures:
+        b, mine = best(get, high), get(me)
+        if b is None or mine is None or not b[1]:
+            continue
+        out[name] = {"ratio": round(mine / b[1], 3), "best_router": b[0]}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calibrate-from", default=None, help="a bench/serving.py folder to fit on")
+    p.add_argument(
+        "--check-against",
+        default=None,
+        help="bench/serving.py folders, comma-separated, to check the constants on "
+        "(default: the calibration folder)",
+    )
+    p.add_argument(
+        "--check-budget",
+        type=int,
+        default=512,
+        help="the plurai stack's pull budget where out.json does not name it (2048 for "
+        "runs from before the backlog bound)",
+    )
+    p.add_argument("--sizes", default="64,256,1000")
+    p.add_argument("--scales", default="0.3,0.6,1.0,1.3,1.6")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    p.add_argument("--pull-budget", type=int, default=512, help="admission budget B, tokens")
+    p.add_argument("--lookahead", type=int, default=0)
+    p.add_argument("--pool-blocks", type=int, default=1 << 20, help="the shared pool's LRU size")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    sizes = [int(x) for x in a.sizes.split(",") if x]
+    scales = [float(x) for x in a.scales.split(",") if x]
+    started = time.monotonic()
+    k, slos, measured = DEFAULTS, DEFAULT_SLOS, DEFAULT_CAPACITY_PER_ENGINE
+    out: dict[str, Any] = {"bench": "policy_sim"}
+    from bench.workload import cpu_isa
+
+    out["isa"] = cpu_isa()
+    folders: dict[Path, Measured] = {}
+    if a.calibrate_from:
+        m = folders[Path(a.calibrate_from).resolve()] = load(a.calibrate_from, a.check_budget)
+        k, info = fit(m)
+        slos, measured = slos_of(m), m.out["capacity_req_s"] / m.out.get("k", 2)
+        out["calibration"] = {"from": a.calibrate_from, "pull_budget": m.budget, **info}
+    out["constants"] = asdict(k)
+    out["constants_source"] = "fitted" if a.calibrate_from else "defaults"
+    against = a.check_against or a.calibrate_from
+    if against:
+        out["checks"] = {}
+        for f in against.split(","):
+            path = Path(f).resolve()
+            m = folders.get(path) or load(path, a.check_budget)
+            stacks = check(m, k)
+            out["checks"][f] = {
+                "pull_budget": m.budget,
+                "runs": m.runs,
+                **check_summary(stacks),
+                "stacks": stacks,
+            }
+            print(f"  checked against {f}: {out['checks'][f]['per_stack']}", file=sys.stderr)
+        out["check_ok"] = all(c["ok"] for c in out["checks"].values())
+    out["slos"] = {lane: asdict(s) for lane, s in slos.items()}
+    kw = dict(pull_budget=a.pull_budget, lookahead=a.lookahead, pool_blocks=a.pool_blocks)
+    out["capacity_per_engine_req_s"] = {
+        "measured": round(measured, 4),
+        "simulated_k2": capacity(2, k, a.seed, **kw),
+    }
+    out["pull_budget"], out["lookahead"] = a.pull_budget, a.lookahead
+    out["sizes"] = {str(n): fleet(n, scales, k, slos, a.duration, a.seed, **kw) for n in sizes}
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
