@@ -333,11 +333,21 @@ def _alive(
 def live_view(s: Session, argv: list[str], where: str) -> None:
     """`plurai status`: refreshes until Ctrl-C; it must show the live worker, then end 0."""
     proc = subprocess.Popen(
-        argv, cwd=s.root, env=s.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        argv,
+        cwd=s.root,
+        env={**s.env, "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     time.sleep(2.5)  # a few refreshes
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # say where it is: faulthandler dumps every thread
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"{where}: no exit 60 s after Ctrl-C\n{err[-6000:]}") from None
     assert proc.returncode == 0, f"{where}: exit {proc.returncode}\n{err[-3000:]}"
     assert re.search(r"\b1 worker\(s\)", out), f"{where}: the view shows no worker:\n{out}"
 
