@@ -339,6 +339,9 @@ def live_view(s: Session, argv: list[str], where: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a suite run as a background job of a script inherits SIGINT ignored (POSIX):
+        # the view must get Ctrl-C as a terminal would give it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(2.5)  # a few refreshes
     proc.send_signal(signal.SIGINT)
