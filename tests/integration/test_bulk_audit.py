@@ -18,8 +18,6 @@ from producer.client import Client
 
 from .test_security_bulk import BS, run_steps
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def client(redis_url: str, monkeypatch) -> Iterator[Client]:

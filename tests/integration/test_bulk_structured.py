@@ -23,8 +23,6 @@ from producer.client import Client
 
 from .test_bulk import WORDS, Celery, lines, wait_done
 
-pytestmark = pytest.mark.integration
-
 CONTEXT = 900  # the schema alone is about 410 tokens of the prompt
 SCHEMA = {
     "type": "object",

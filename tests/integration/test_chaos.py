@@ -24,7 +24,7 @@ from results import records
 
 from .faults import FAST, LANES, drained, pending
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 JOBS = 300
 MAX_TOKENS = 16

@@ -27,7 +27,7 @@ from .conftest import ROOT
 from .faults import FAST, LANES, drained
 from .test_chaos import stream_problems
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 JOBS = 24
 MAX_TOKENS = 8

@@ -22,8 +22,6 @@ from .conftest import Workers
 from .faults import FAST, drained, end_entries, final_records
 from .test_faults_worker_crash import sigkill_mid_run
 
-pytestmark = pytest.mark.integration
-
 SHARDS = 3
 
 

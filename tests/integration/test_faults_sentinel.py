@@ -26,8 +26,6 @@ from results import records
 
 from .faults import FAST, LANES, drained, end_entries
 
-pytestmark = pytest.mark.integration
-
 SERVICE = "plurai-main"
 
 

@@ -50,7 +50,7 @@ from results.records import JobRecord
 from .conftest import ENGINE_ARGS
 from .faults import LANES, drained, pending
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 512
 LIMIT = 64  # PLURAI_MAX_TOKENS_LIMIT of the worker

@@ -25,14 +25,12 @@ from hypothesis import strategies as st
 
 from broker_config import keys
 from broker_config.embedded import free_port
-from gateway import openai as openai_shapes
+from producer import openai_body
 from producer.client import Client
 from results import records, wait
 
 from .conftest import ROOT
 from .faults import FAST
-
-pytestmark = pytest.mark.integration
 
 MAX_MODEL_LEN = 256
 
@@ -380,7 +378,7 @@ def test_stream_survives_its_worker_sigkill(stack: Stack) -> None:
     assert rec.output_tokens == 240 and rec.worker != owner
 
 
-FIELDS = sorted(set(openai_shapes.CHAT) | set(openai_shapes.COMPLETION) | {"tools", "x"})
+FIELDS = sorted(set(openai_body.CHAT) | set(openai_body.COMPLETION) | {"tools", "x"})
 VALUES = st.recursive(
     st.none()
     | st.booleans()

@@ -17,8 +17,6 @@ from broker_config.settings import Settings
 from gateway import app, auth
 from gateway.serve import create_app
 
-pytestmark = pytest.mark.integration
-
 
 def beat(r: redis.Redis, worker: bytes, **fields) -> None:
     r.sadd(keys.WORKERS, worker)

@@ -25,8 +25,6 @@ from producer.client import Client
 from .test_bulk import Celery
 from .test_gateway import Gateway
 
-pytestmark = pytest.mark.integration
-
 CHAT = "/v1/chat/completions"
 WORDS = "river stone light north quiet letter garden winter paper machine city".split()
 

@@ -38,8 +38,6 @@ from results import tokens
 
 from .fake_stack import BIG_MAX_TOKENS, HUGE_MAX_TOKENS, FakeWorker, GatewayProcess
 
-pytestmark = pytest.mark.integration
-
 IDLE = 2000
 SLOW = 50
 HUGE = 2  # of the slow readers, on answers larger than the kernel buffers

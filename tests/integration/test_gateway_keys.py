@@ -19,8 +19,6 @@ from results import records, wait
 
 from .test_gateway import Gateway
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def served(module_redis_url, tiny_model, tmp_path_factory, workers_class) -> Iterator[dict]:

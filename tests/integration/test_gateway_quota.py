@@ -22,8 +22,6 @@ from broker_config import keys
 from broker_config.settings import Settings
 from gateway import auth, keys_cli
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
 

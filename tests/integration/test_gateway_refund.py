@@ -20,8 +20,6 @@ from gateway import auth
 
 from .fake_stack import TOKENS, FakeWorker, GatewayProcess
 
-pytestmark = pytest.mark.integration
-
 
 def _run(url: str, fn, *args):
     async def go():

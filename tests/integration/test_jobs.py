@@ -18,8 +18,6 @@ from broker_config.settings import Settings
 from gpu_workers.writer import Writer
 from results import jobs, records
 
-pytestmark = pytest.mark.integration
-
 LANE = "standard"
 
 

@@ -13,8 +13,6 @@ from gpu_workers.engine.kv_tiers import KVTiers
 from kv_store import block_format
 from kv_store.redis_tier import RedisTier
 
-pytestmark = pytest.mark.integration
-
 FP = bytes(range(32))
 SHAPE = (2, 2, 2, 4, 8)  # [K/V, layers, kv_heads, block_size, head_dim]
 HASHES = [bytes([i]) * 16 for i in range(4)]

@@ -21,7 +21,7 @@ from results import records
 from .conftest import ENGINE_ARGS
 from .faults import FAST, LANES, drained, end_entries, pending
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 POISON = 1999  # a plain token of the tiny model's 2048 (0-2 are its special tokens)
 MAX_TOKENS = 8

@@ -39,8 +39,6 @@ from broker_config.stats import serving_workers
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.integration
-
 README = ROOT / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip:\s*(.+?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")

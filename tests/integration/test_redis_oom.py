@@ -27,8 +27,6 @@ from .conftest import ROOT
 from .faults import drained, final_records, pending
 from .test_gateway import Gateway
 
-pytestmark = pytest.mark.integration
-
 FILLER = "test:filler"  # not a Plurai key: the test's own, to fill Redis with and free
 LONG = 2000  # tokens of the job that finishes while Redis is full
 SETTLE_S = 60.0  # most a step of the scenario may take (never a timing assertion)

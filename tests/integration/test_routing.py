@@ -18,8 +18,6 @@ from results import records
 
 from .conftest import Workers
 
-pytestmark = pytest.mark.integration
-
 
 def test_two_models_and_a_model_that_waits(redis_url, tiny_model, model_factory, tmp_path):
     a = Workers(redis_url, tiny_model, tmp_path / "a")

@@ -21,8 +21,6 @@ from producer.client import Client
 
 from .test_bulk import Celery
 
-pytestmark = pytest.mark.integration
-
 TASK = plan.Task("summarize", max_tokens=4)
 BS = BulkSettings(pass_s=0.5, look_s=0.1, ttl_s=1000, running_ttl_s=50_000)
 

@@ -17,8 +17,6 @@ from broker_config.embedded import EmbeddedRedis, running_url
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.integration
-
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)

@@ -10,8 +10,6 @@ import pytest
 from gpu_workers.engine.sampling_params import SamplingParams
 from kv_store.redis_tier import SECRET_ENV
 
-pytestmark = pytest.mark.integration
-
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 
 

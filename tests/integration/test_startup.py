@@ -24,8 +24,6 @@ from producer.client import Client
 
 from .conftest import ENGINE_ARGS, ROOT
 
-pytestmark = pytest.mark.integration
-
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(

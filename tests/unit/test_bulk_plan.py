@@ -106,7 +106,8 @@ def test_openai_lines_become_submit_options():
         "temperature": 0.5,
     }
     comp = parse({"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "p"}})
-    assert comp["options"] == {"prompt": "p", "max_tokens": 16}
+    # OpenAI's defaults (temperature 1, 16 tokens for a completion), as the body sent live gets
+    assert comp["options"] == {"prompt": "p", "max_tokens": 16, "temperature": 1.0}
     assert parse({"id": "d", "text": "words"}, documents=True)["kind"] == "doc"
 
 

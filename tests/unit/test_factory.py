@@ -6,11 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from gpu_workers.models.factory import make_tokenizer, model_config
 
 
+@pytest.mark.model
 def test_make_model_cli_writes_a_loadable_model(tmp_path):
     out = tmp_path / "q3"
     subprocess.run(
@@ -29,6 +31,7 @@ def test_make_model_cli_writes_a_loadable_model(tmp_path):
     assert len(got.token_ids) == 4
 
 
+@pytest.mark.model
 def test_tokenizer_is_the_same_on_every_build():
     a, b = make_tokenizer(2048, seed=0), make_tokenizer(2048, seed=0)
     text = "Stou plai tren 1999, chea!"

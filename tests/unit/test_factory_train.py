@@ -15,6 +15,8 @@ from gpu_workers.models import factory
 from gpu_workers.models.factory import FACTORY_FILE, describe, make_model
 from gpu_workers.models.train import TrainConfig, corpus_text
 
+pytestmark = pytest.mark.model  # builds and trains models
+
 # a short run keeps the suite fast; the default (TrainConfig()) trains longer
 QUICK = TrainConfig(steps=120, seconds=20)
 PROMPTS = ["Alice said", "The Queen", "Summarize: the council approved the new bridge."]

@@ -16,8 +16,8 @@ import pytest
 from starlette.datastructures import UploadFile
 
 from gateway import batches
-from gateway.openai import BadRequest
 from producer.bulk import manage
+from producer.openai_body import BadRequest
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
