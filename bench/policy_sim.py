@@ -14,8 +14,8 @@ share is over 0.5; else the engine with the smallest tree). Pulling (Plurai): on
 per lane; an engine takes the head of the highest non-empty lane when it has a free slot,
 KV room for prompt + max_tokens, and the prompts it holds with no token yet plus the new
 one fit the backlog bound B (--pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS; whole prompts,
-as the worker counts them; one alone always fits). Engines that found the
-queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
+as the worker counts them, a top-lane request the top lane's only; one alone always
+fits). Engines that found the queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
 the others pull again at the end of each step. --lookahead N lets a puller take, among
 the first N entries of the lane, the one with the most leading blocks on its device (an
 entry skipped N times is taken first). Prefix blocks on the engine's device are free;
@@ -343,6 +343,7 @@ class Engine:
     used: int = 0  # KV blocks reserved by its requests
     outstanding: int = 0  # assigned and not finished
     pending: int = 0  # prompt tokens of the requests assigned with no token yet
+    pending_top: int = 0  # the same, of the top lane's requests
     waiting: list = field(default_factory=list)  # heap (prio, arrival, n, req)
     prefilling: list = field(default_factory=list)
     decoding: int = 0
@@ -494,11 +495,13 @@ class Sim:
     def fits(self, e: Engine, r: Req) -> bool:
         """Room for r's KV and a sequence slot, and its prompt within the backlog bound
         beside the prompts with no token yet, as the product's worker counts them (whole
-        prompts, cached parts included; one alone always fits; a budget of 0: no bound)."""
+        prompts, cached parts included; a top-lane request counts the top lane's only; one
+        alone always fits; a budget of 0: no bound)."""
+        pending = e.pending_top if r.lane == LANES[0] else e.pending
         return (
             e.outstanding < MAX_SEQS
             and e.used + -(-(r.prompt + r.max_tokens) // self.block) <= self.kv_blocks
-            and (not self.budget or e.pending == 0 or e.pending + r.prompt <= self.budget)
+            and (not self.budget or pending == 0 or pending + r.prompt <= self.budget)
         )
 
     def pick(self, e: Engine, lane: deque) -> int:
@@ -545,6 +548,7 @@ class Sim:
         e.used += r.reserved
         self.load(e, 1)
         e.pending += r.prompt
+        e.pending_top += r.prompt if r.lane == LANES[0] else 0
         if pool:
             self.push(now + pool * self.k.pool_block_s, self.READY, e, r)
         else:
@@ -606,6 +610,7 @@ class Sim:
                 continue
             e.prefilling.remove(r)
             e.pending -= r.prompt
+            e.pending_top -= r.prompt if r.lane == LANES[0] else 0
             r.first_s = now
             room = self.kv_blocks - e.used
             e.cache.add(r.blocks, room)

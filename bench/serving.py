@@ -850,6 +850,9 @@ def main() -> None:
     scenarios = [s for s in a.scenarios.split(",") if s]
     if not VLLM_PY.exists():
         sys.exit("vLLM's environment is missing: run `make vllm-install peers` first")
+    routed = [s for s in stacks if not s.startswith("plurai-")]
+    if routed and not (VLLM_PY.parent / "vllm-router").exists():
+        sys.exit(f"vllm-router is missing (stacks {', '.join(routed)}): run `make peers` first")
 
     isa = cpu_isa()
     dtype = (

@@ -34,8 +34,10 @@ class Pace:
         self.top_seen_s = now
 
     def tokens(self, interval_s: float, n: int, now: float) -> None:
-        """A top-lane job made `n` tokens `interval_s` after its previous ones."""
-        if n <= 0 or interval_s < 0:
+        """A top-lane job made `n` tokens `interval_s` after its previous ones (an interval
+        of no length measures nothing: it would drag the unloaded time to zero and hold the
+        lower lanes for good)."""
+        if n <= 0 or interval_s <= 0:
             return
         x = interval_s / n
         self.tpot_s = x if not self.tpot_s else self.tpot_s + ALPHA * (x - self.tpot_s)

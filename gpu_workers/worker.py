@@ -207,36 +207,39 @@ class Worker:
         pipeline of BEGINs (`_start`). Entries that end at once (cancelled, expired,
         refused) do not count. Only as many are asked for as the prompt backlog bound
         leaves room for (`_backlog_room`), so that a worker does not hold entries it cannot
-        start while another worker could."""
+        start while another worker could; a top-lane entry waits only behind the top lane's
+        own prompts (`_top_backlog`), since the engine runs it ahead of lower lanes'."""
         added = 0
         limit = self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
+        top = self.lanes[0]
         while added < limit and not self.stopping:
-            n = min(limit - added, self._backlog_room())
+            room = self._backlog_room(self.engine.prompt_backlog)
+            n = min(limit - added, max(room, self._backlog_room(self._top_backlog())))
             if n <= 0:
                 return
             if not self.held:
                 idle = not self.engine.has_unfinished() and not self.running
-                below_top = self._room_below_top()
+                below_top = self._room_below_top() if room > 0 else 0
                 if 0 < below_top < n:  # never past the top lane's reserve
                     n = below_top
                 self.held = self.intake.take(idle, below_top > 0, count=n)
                 if not self.held:
                     return
-            elif self.held[0].lane != self.lanes[0] and not self._room_below_top():
+            elif self.held[0].lane != top and (room <= 0 or not self._room_below_top()):
                 # the lower-lane entries held must wait: a top-lane arrival need not
-                top = self.intake.take(False, False, count=n)
-                if not top:
+                arrived = self.intake.take(False, False, count=n)
+                if not arrived:
                     return
-                self.held[:0] = top
+                self.held[:0] = arrived
             batch: list[tuple[Entry, Exception | None]] = []
             while self.held and added + len(batch) < limit:
                 entry, req = self.held[0], self.held[0].req
                 if self._duplicate(entry, batch):
                     self.held.pop(0)
                     continue
-                if entry.lane != self.lanes[0] and not self._room_below_top():
+                if entry.lane != top and not self._room_below_top():
                     break  # held until the top lane's reserve and pace allow it
-                if self.engine.has_unfinished() and not self._fits(req):
+                if self.engine.has_unfinished() and not self._fits(req, entry.lane == top):
                     break
                 size = self._prompt_size or req.prompt_tokens
                 self._prompt_size = size + (req.prompt_tokens - size) / 8
@@ -247,23 +250,33 @@ class Worker:
                 continue  # every one was a second entry of a running job
             added += self._start(batch)
 
-    def _fits(self, req: protocol.Request) -> bool:
+    def _fits(self, req: protocol.Request, top: bool) -> bool:
         """Whether the engine has room for the request now, and its prompt fits in the
-        backlog bound beside the prompts not computed yet (a prompt alone always does)."""
-        bound, backlog = self.settings.prefill_backlog_tokens, self.engine.prompt_backlog
+        backlog bound beside the prompts not computed yet (a prompt alone always does):
+        all of them, or for a top-lane request the top lane's only."""
+        bound = self.settings.prefill_backlog_tokens
+        backlog = self._top_backlog() if top else self.engine.prompt_backlog
         if bound and backlog and backlog + req.prompt_tokens > bound:
             return False  # left in the queue, for whichever worker frees up first
         return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens)
 
-    def _backlog_room(self) -> int:
+    def _top_backlog(self) -> int:
+        """Prompt tokens of this worker's top-lane jobs that have no token yet."""
+        top = self.lanes[0]
+        return sum(
+            r.entry.req.prompt_tokens
+            for r in self.running.values()
+            if r.entry.lane == top and not r.token_ids
+        )
+
+    def _backlog_room(self, backlog: int) -> int:
         """How many entries to ask for now: as many prompts of the recent mean size as fit
-        in the backlog bound beside the prompts not computed yet; at least one while none
-        is pending (and one at first, with no size to go by), none while the next would
-        probably not fit."""
+        in the backlog bound beside `backlog` prompt tokens not computed yet; at least one
+        while none is pending (and one at first, with no size to go by), none while the
+        next would probably not fit."""
         bound, size = self.settings.prefill_backlog_tokens, round(self._prompt_size)
         if not bound:
             return self.engine.max_num_seqs
-        backlog = self.engine.prompt_backlog
         room = (bound - backlog) // size if size else 1
         return room if backlog else max(1, room)
 
@@ -400,6 +413,10 @@ class Worker:
         finished: list[tuple[Running, str]] = []
         errors: list[tuple[Entry, str]] = []
         now, mono, generated = time.time(), time.monotonic(), 0
+        # a top-lane job's tokens of this step, for the pace: a backend may give several
+        # outputs of one job at once (the vLLM backend collects every engine step since its
+        # last call), which are one interval, not several of zero length
+        top_made: dict[str, tuple[Running, int]] = {}
         for out in outputs:
             run = self.running.get(out.request_id)
             if run is None:
@@ -413,16 +430,18 @@ class Worker:
                 ttft = max(0.0, now - run.entry.entered_s)
                 self.metrics.ttft.labels(run.entry.lane).observe(ttft)
             if out.new_token_ids and run.entry.lane == self.lanes[0]:
-                if run.last_token_s:
-                    gap = mono - run.last_token_s
-                    self.pace.tokens(gap, len(out.new_token_ids), mono)
-                run.last_token_s = mono
+                made = top_made.get(out.request_id, (run, 0))[1]
+                top_made[out.request_id] = (run, made + len(out.new_token_ids))
             generated += len(out.new_token_ids)
             delta = run.absorb(out, mono, self.stream)
             if delta is not None:
                 items.append(delta)
             if out.finished:
                 finished.append((run, out.finish_reason or ""))
+        for run, made in top_made.values():
+            if run.last_token_s:
+                self.pace.tokens(mono - run.last_token_s, made, mono)
+            run.last_token_s = mono
         for run in self.running.values():  # tokens held too long by jobs that did not step
             if run.held_since is not None and mono - run.held_since >= self.stream.seconds:
                 delta = run.unsent()

@@ -100,6 +100,31 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
         assert client.job(big).status() == "running"
 
 
+def test_a_top_lane_entry_waits_only_behind_top_lane_prompts(redis_url):
+    """Lower-lane prompts that fill the backlog bound hold back more lower-lane entries, not
+    a top-lane arrival (the engine runs it ahead of them); top-lane prompts do hold it."""
+    settings = Settings(
+        redis_url=redis_url,
+        takes_per_step=8,
+        fair_every=0,
+        top_lane_reserve=0,
+        prefill_backlog_tokens=100,
+    )
+    engine = Prefilling()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        batch = [client.submit("x" * 320, lane="batch").id for _ in range(3)]  # 80 tokens
+        w._fill()
+        assert [rid for rid, _ in engine.added] == batch[:1]  # a second would pass 100
+        top = [client.submit("y" * 240, lane="interactive").id for _ in range(3)]  # 60
+        w._fill()
+        # the first top-lane prompt beside the batch one; a second would pass 100 with it
+        assert [rid for rid, _ in engine.added] == [batch[0], top[0]]
+        assert client.job(batch[1]).status() == "queued"
+        assert client.job(top[1]).status() == "queued"
+
+
 def test_default_takes_scale_with_the_engine(redis_url):
     engine = Recorder()
     engine.max_num_seqs = 128

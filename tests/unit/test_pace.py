@@ -44,3 +44,14 @@ def test_no_gate_without_recent_top_lane_work_or_when_off() -> None:
     off.tokens(0.03, 1, now=0.0)
     off.tokens(5.0, 1, now=1.0)
     assert off.lower_lanes_open(1.5)
+
+
+def test_an_interval_of_no_length_measures_nothing() -> None:
+    p = Pace(slowdown=3.0)
+    for i in range(5):
+        p.tokens(0.03, 1, now=float(i))
+    for i in range(20):  # outputs that came together: no time between them
+        p.tokens(0.0, 1, now=5.0 + i)
+    assert p.unloaded_s == pytest.approx(0.03) and p.tpot_s == pytest.approx(0.03)
+    p.tokens(0.08, 1, now=26.0)
+    assert p.lower_lanes_open(26.0)  # 0.03 + 0.3 * 0.05 = 45 ms: within 3x
