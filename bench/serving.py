@@ -136,17 +136,29 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) used so far by these processes and their descendants."""
-    total = 0
+def cpu_s(pids: list[int]) -> dict[int, float]:
+    """CPU seconds (user + system) used so far by each of these processes with its
+    descendants, by its pid."""
+    out = {}
     for root in pids:
+        total = 0
         for p in tree(root):
             try:
                 fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
+        out[root] = total / CLK_TCK
+    return out
+
+
+def cpu_used(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]):
+    """CPU seconds of each process kind between two readings, counting the processes alive
+    at the second (a process killed in between took its time with it: not counted)."""
+    return {
+        kind: round(sum(v - before.get(kind, {}).get(pid, 0.0) for pid, v in pids.items()), 2)
+        for kind, pids in after.items()
+    }
 
 
 def client_cpu_s() -> float:
@@ -198,11 +210,11 @@ class Stack:
         self.front: subprocess.Popen | None = None
         self.start_s = 0.0  # how long the stack's start took
 
-    def cpu(self) -> dict[str, float]:
+    def cpu(self) -> dict[str, dict[int, float]]:
         return {
             "engines": cpu_s([p.pid for p in self.engines if p.poll() is None]),
-            "front": cpu_s([self.front.pid]) if self.front else 0.0,
-            "redis": 0.0,
+            "front": cpu_s([self.front.pid]) if self.front else {},
+            "redis": {},
         }
 
     def body(self, req: ServingRequest) -> dict[str, Any]:
@@ -322,7 +334,7 @@ class PluraiStack(Stack):
     def body(self, req: ServingRequest) -> dict[str, Any]:
         return {**super().body(req), "lane": req.lane}
 
-    def cpu(self) -> dict[str, float]:
+    def cpu(self) -> dict[str, dict[int, float]]:
         out = super().cpu()
         if self.redis.proc is not None:
             out["redis"] = cpu_s([self.redis.proc.pid])
@@ -586,7 +598,7 @@ class Bench:
     ) -> tuple[Run, float]:
         before, client = stack.cpu(), client_cpu_s()
         results, t0, unsent = asyncio.run(replay(stack, reqs, self.a.drain, during))
-        cpu = {k: round(v - before.get(k, 0.0), 2) for k, v in stack.cpu().items()}
+        cpu = cpu_used(before, stack.cpu())
         cpu["load_generator"] = round(client_cpu_s() - client, 2)
         expected = {r.id: r.lane for r in reqs if r.id not in unsent}
         extra = {**stack.extra(), "client_late_ms": client_late_ms(reqs, results)}
@@ -937,6 +949,7 @@ def main() -> None:
         "work_dir": str(work),
         "wall_s": round(time.monotonic() - started, 1),
     }
+    (work / "out.json").write_text(json.dumps(out) + "\n")  # beside the runs it sums up
     print(json.dumps(out))
 
 

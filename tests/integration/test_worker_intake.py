@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from broker_config import keys, protocol
 from broker_config.connection import connect
 from broker_config.protocol import MAX_PRIORITY
 from broker_config.settings import Settings
-from gpu_workers.backend import RequestError
+from gpu_workers.backend import RequestError, StepOutput
 from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
@@ -184,3 +186,25 @@ def test_one_batch_of_begins_answers_each_job(redis_url):
         )
     # every entry but the running job's is acknowledged and deleted
     assert r.xlen(keys.request_stream("interactive")) == 1
+
+
+def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
+    """A backend may give several outputs of one job in one step (the vLLM backend collects
+    every engine step since its last call): they are one interval for the top lane's pace,
+    not several of no length, which would take its unloaded time to zero."""
+    settings = Settings(redis_url=redis_url, top_lane_reserve=0)
+    engine = Recorder()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        job = client.submit("i", lane="interactive").id
+        w._fill()
+
+        def out(token: int) -> StepOutput:
+            return StepOutput(job, [token], "a", False, None, 1, token, 0)
+
+        w._publish([out(1)])
+        time.sleep(0.06)
+        w._publish([out(2), out(3), out(4)])
+        assert w.pace.tpot_s == pytest.approx(0.02, rel=0.5)  # 60 ms over three tokens
+        assert w.pace.unloaded_s == w.pace.tpot_s

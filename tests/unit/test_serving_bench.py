@@ -415,3 +415,12 @@ def test_ratios_against_the_best_router_on_each_figure() -> None:
     # a router with no goodput at all (no rate met the SLOs) is no best
     stacks["cache_aware"]["goodput_req_s"] = None
     assert ratios(stacks)["goodput_req_s"]["best_router"] == "round_robin"
+
+
+def test_cpu_used_counts_the_processes_alive_at_the_end() -> None:
+    from bench.serving import cpu_used
+
+    before = {"engines": {1: 10.0, 2: 20.0}, "front": {3: 1.0}}
+    after = {"engines": {2: 26.5, 4: 3.0}, "front": {3: 1.5}, "redis": {}}
+    # engine 1 was killed (its time went with it), engine 4 started in between
+    assert cpu_used(before, after) == {"engines": 9.5, "front": 0.5, "redis": 0}
