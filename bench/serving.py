@@ -15,7 +15,9 @@ Stacks (each started fresh, K engines, engine i bound to core i mod cores):
   --scheduling-policy priority --enable-prefix-caching` behind `vllm-router --policy P`
   (`make peers` installs the router into vLLM's environment).
 
-Scenarios, run in this order on every stack, so each stack's caches see the same history:
+Scenarios, run in this order on every stack, so each stack's caches see the same history
+(after a burst of --warmup unmeasured requests per engine: a fresh engine's first batches
+stall while kernels are built for their shapes):
 - idle: a few requests one at a time on every stack; the SLOs are multiples of the first
   stack's medians (interactive: TTFT and TPOT 5x; batch: end to end 10x; --slo-*).
 - sweep: the mixed workload (interactive chats on shared system prompts, growing multi-turn
@@ -636,6 +638,20 @@ class Bench:
             self.slos = slos
         return []
 
+    def warm_up(self, stack: Stack) -> None:
+        """A burst of --warmup requests per engine, not measured, before anything is: a
+        fresh engine's first batches of new shapes stall for seconds (kernels built for
+        them), which would land on whichever run comes first. The same seeded burst on
+        every stack, so their caches still see the same history."""
+        n = self.a.warmup * stack.k
+        if n <= 0:
+            return
+        cfg = self.config(rate=100.0, duration_s=n / 100.0, seed=self.a.seed + 1000)
+        reqs = self.workload("warmup", cfg)
+        results = asyncio.run(replay(stack, reqs, 600))[0]
+        ok = sum(r.ok for r in results)
+        print(f"  warm-up: {ok}/{len(reqs)} ok", file=sys.stderr)
+
     def calibrate(self, stack: Stack) -> None:
         """Capacity: completed requests/s of a saturating burst of the mixed workload."""
         n = max(8, 6 * stack.k)
@@ -850,6 +866,9 @@ def main() -> None:
         "--dtype", default="auto", help="auto: bfloat16 where the CPU has bf16, else float32"
     )
     p.add_argument("--kv-gib", type=int, default=1)
+    p.add_argument(
+        "--warmup", type=int, default=6, help="unmeasured requests per engine first; 0: none"
+    )
     p.add_argument("--compile", action="store_true", help="vLLM with torch.compile (slow starts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=5.0, help="x the idle interactive TTFT")
@@ -904,6 +923,7 @@ def main() -> None:
         stack.start_s = time.monotonic() - t
         print(f"{name}: ready in {stack.start_s:.0f}s", file=sys.stderr)
         try:
+            bench.warm_up(stack)
             if "idle" in scenarios:
                 bench.run_idle(stack)
             if bench.slos is None:
