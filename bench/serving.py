@@ -644,20 +644,18 @@ class Bench:
         them), which would land on whichever run comes first. The same seeded burst on
         every stack, so their caches still see the same history."""
         n = self.a.warmup * stack.k
-        if n <= 0:
-            return
-        cfg = self.config(rate=100.0, duration_s=n / 100.0, seed=self.a.seed + 1000)
-        reqs = self.workload("warmup", cfg)
-        results = asyncio.run(replay(stack, reqs, 600))[0]
-        ok = sum(r.ok for r in results)
-        print(f"  warm-up: {ok}/{len(reqs)} ok", file=sys.stderr)
+        if n > 0:
+            results = self.burst(stack, "warmup", n, self.a.seed + 1000)
+            print(f"  warm-up: {sum(r.ok for r in results)}/{len(results)} ok", file=sys.stderr)
+
+    def burst(self, stack: Stack, name: str, n: int, seed: int) -> list[sf.Result]:
+        """n requests of the mixed workload sent at once (100 per second), unmeasured."""
+        cfg = self.config(rate=100.0, duration_s=n / 100.0, seed=seed)
+        return asyncio.run(replay(stack, self.workload(name, cfg), 600))[0]
 
     def calibrate(self, stack: Stack) -> None:
         """Capacity: completed requests/s of a saturating burst of the mixed workload."""
-        n = max(8, 6 * stack.k)
-        cfg = self.config(rate=100.0, duration_s=n / 100.0)
-        reqs = self.workload("calibrate", cfg)
-        results = asyncio.run(replay(stack, reqs, 600))[0]
+        results = self.burst(stack, "calibrate", max(8, 6 * stack.k), self.a.seed)
         ends = [r.end_s for r in results if r.ok and r.end_s is not None]
         self.capacity = round(len(ends) / max(ends), 3) if ends else 0.1
         print(f"  capacity {self.capacity} req/s ({len(ends)} requests)", file=sys.stderr)
