@@ -225,7 +225,10 @@ class Settings(_Sourced):
     gateway_max_connections: int = Field(default=4096, ge=1)
     gateway_header_timeout_s: float = Field(default=10.0, gt=0)
     gateway_body_timeout_s: float = Field(default=30.0, gt=0)
-    gateway_keepalive_s: float = Field(default=5.0, gt=0)
+    # above the idle time after which clients drop a pooled connection (5 s for httpx and
+    # Go's net/http clients, 60 s for many load balancers): a server that closes first
+    # races the client's next request on that connection, which then fails mid-send
+    gateway_keepalive_s: float = Field(default=65.0, gt=0)
     gateway_max_header_bytes: int = Field(default=64 << 10, ge=1024)  # larger heads: 431
     gateway_stream_stall_s: float = Field(default=30.0, gt=0)
     gateway_max_streams_per_key: int = Field(default=256, ge=0)

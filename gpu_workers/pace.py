@@ -3,9 +3,13 @@
 Where a step's time grows with its batch (a CPU; a GPU at large batches), every lower-lane
 sequence a worker takes slows each running top-lane request, and a batch flood can make an
 interactive request's tokens come several times slower than on an unloaded engine. So the
-worker measures the top lane's time per output token as its tokens arrive: recently (an
-average over the last few arrivals) and unloaded (the lowest that average has been; it
-rises by a tenth a minute while never reached again, so a changed engine is learnt).
+worker measures the top lane's time per output token as its tokens arrive: recently (the
+time between arrivals over the tokens they brought, summed over the last `SPAN_S`) and
+unloaded (the lowest that recent time has been over at least `MIN_TOKENS` tokens; it rises
+by a tenth a minute while never reached again, so a changed engine is learnt). Sums, not a
+per-arrival average: tokens reach the worker in uneven bunches (a backend hands over every
+step made since its last call), and an arrival that brings three tokens a moment after the
+last one is as real as the long gap before it; only their sum says how fast tokens come.
 While a top-lane job ran here within `window_s`, entries of the lanes below are taken only
 while the recent time stays within `slowdown` times the unloaded one. Nothing running is
 stopped: new lower-lane work waits in the queue, in its order, until this worker's steps
@@ -15,9 +19,11 @@ are fast again or another worker with room takes it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-ALPHA = 0.3  # weight of the newest sample in the average
+SPAN_S = 1.0  # the recent time per token sums the arrivals of the last second
+MIN_TOKENS = 8  # fewer tokens than this are too few to set the unloaded time by
 DRIFT, DRIFT_EVERY_S = 1.1, 60.0  # how the unloaded time rises while never reached again
 
 
@@ -26,26 +32,34 @@ class Pace:
     slowdown: float  # allowed ratio of recent to unloaded time per token; 0: no gate
     window_s: float = 10.0
     tpot_s: float = 0.0  # the top lane's recent time per output token; 0: none yet
-    unloaded_s: float = 0.0  # the lowest tpot_s; 0: none yet
+    unloaded_s: float = 0.0  # the lowest tpot_s over MIN_TOKENS or more; 0: none yet
     unloaded_at_s: float = 0.0  # when tpot_s was last that low (or it last rose)
     top_seen_s: float = -math.inf  # when a top-lane job last started or made a token
+    # (when, seconds since the job's previous tokens, tokens) of the last SPAN_S
+    arrivals: deque[tuple[float, float, int]] = field(default_factory=deque)
 
     def seen(self, now: float) -> None:
         self.top_seen_s = now
 
     def tokens(self, interval_s: float, n: int, now: float) -> None:
-        """A top-lane job made `n` tokens `interval_s` after its previous ones (an interval
-        of no length measures nothing: it would drag the unloaded time to zero and hold the
-        lower lanes for good)."""
-        if n <= 0 or interval_s <= 0:
+        """A top-lane job made `n` tokens `interval_s` after its previous ones."""
+        if n <= 0:
             return
-        x = interval_s / n
-        self.tpot_s = x if not self.tpot_s else self.tpot_s + ALPHA * (x - self.tpot_s)
+        self.top_seen_s = now
+        self.arrivals.append((now, max(0.0, interval_s), n))
+        while now - self.arrivals[0][0] > SPAN_S:
+            self.arrivals.popleft()
+        spent = sum(a[1] for a in self.arrivals)
+        made = sum(a[2] for a in self.arrivals)
+        if spent <= 0:
+            return  # tokens that came together: their time is in arrivals not seen yet
+        self.tpot_s = spent / made
+        if made < MIN_TOKENS:
+            return
         if not self.unloaded_s or self.tpot_s <= self.unloaded_s:
             self.unloaded_s, self.unloaded_at_s = self.tpot_s, now
         elif now - self.unloaded_at_s >= DRIFT_EVERY_S:
             self.unloaded_s, self.unloaded_at_s = self.unloaded_s * DRIFT, now
-        self.top_seen_s = now
 
     def lower_lanes_open(self, now: float) -> bool:
         if self.slowdown <= 0 or not self.unloaded_s or now - self.top_seen_s > self.window_s:

@@ -207,4 +207,4 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
         time.sleep(0.06)
         w._publish([out(2), out(3), out(4)])
         assert w.pace.tpot_s == pytest.approx(0.02, rel=0.5)  # 60 ms over three tokens
-        assert w.pace.unloaded_s == w.pace.tpot_s
+        assert w.pace.unloaded_s == 0.0  # three tokens are too few to learn it by
