@@ -15,7 +15,8 @@ per lane; an engine takes the head of the highest non-empty lane when it has a f
 KV room for prompt + max_tokens, and the prompts it holds with no token yet plus the new
 one fit the backlog bound B (--pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS; whole prompts,
 as the worker counts them, a top-lane request the top lane's only; one alone always
-fits). Engines that found the queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
+fits); no lower-lane entry while a top-lane prompt it holds has no token yet (the
+worker's rule). Engines that found the queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
 the others pull again at the end of each step. --lookahead N lets a puller take, among
 the first N entries of the lane, the one with the most leading blocks on its device (an
 entry skipped N times is taken first). Prefix blocks on the engine's device are free;
@@ -531,6 +532,8 @@ class Sim:
                     e.in_line = True
                     self.line.append(e)
                 return
+            if lane is not self.lanes[0] and e.pending_top:
+                return  # no lower-lane prompt beside a top-lane one not computed yet
             j = self.pick(e, lane)
             r = lane[j]
             if not self.fits(e, r):

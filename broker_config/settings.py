@@ -167,7 +167,8 @@ class Settings(_Sourced):
     top_lane_reserve: int = 4
     # Lower lanes yield to the top lane's speed (gpu_workers/pace.py): while a top-lane job
     # ran on a worker within the last 10 s, it takes lower-lane entries only while the top
-    # lane's time per output token stays within this many times its unloaded time. 0: off.
+    # lane's time per output token stays within this many times its unloaded time, and
+    # none while one of its top-lane prompts has no token yet. 0: both off.
     top_lane_slowdown: float = Field(default=3.0, ge=0)
     # Pull only what the engine can start soon: a worker takes a new request only while the
     # prompt tokens its engine holds not yet computed, plus the new prompt, stay within

@@ -106,9 +106,10 @@ class Intake:
         while True:
             got = self._reclaim()
             if not got:
-                scan_all = block or time.monotonic() >= self._next_scan
+                # the next scan waits only after every lane was read and found empty
+                scan_all = below_top and (block or time.monotonic() >= self._next_scan)
                 lanes, n = self.lanes[:1], count
-                if scan_all and below_top:
+                if scan_all:
                     lanes, n = self._turn_order(count)
                 got = self._read(block, lanes, n)
                 if not got:

@@ -284,10 +284,14 @@ class Worker:
         """How many entries of lanes below the top one may be taken now: only while the
         backend keeps top_lane_reserve sequence slots free beyond them, so that a top-lane
         arrival is admitted at once rather than after lower-lane work finishes, and none
-        while they would slow the top lane's tokens (gpu_workers/pace.py)."""
+        while they would slow the top lane's tokens (gpu_workers/pace.py) or while a
+        top-lane prompt is not computed yet: the engine would compute a lower-lane prompt
+        in the same step, and the top-lane job's first token would wait for both."""
         reserve = self.settings.top_lane_reserve
         if not self.engine.has_unfinished():
             return self.engine.max_num_seqs
+        if self.settings.top_lane_slowdown and self._top_backlog():
+            return 0
         open_ = self.pace.lower_lanes_open(time.monotonic())
         if open_ != self._lower_open:
             self._lower_open = open_

@@ -45,7 +45,9 @@ class Recorder:
 
 
 def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
-    settings = Settings(redis_url=redis_url, takes_per_step=3, fair_every=0, top_lane_reserve=0)
+    settings = Settings(
+        redis_url=redis_url, takes_per_step=3, fair_every=0, top_lane_reserve=0, top_lane_slowdown=0
+    )
     engine = Recorder()
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
     w.start()
@@ -139,8 +141,11 @@ def test_default_takes_scale_with_the_engine(redis_url):
 
 
 def test_several_entries_a_take_keep_the_fair_turns(redis_url):
-    """Entries read several at once still give every fair_every-th one to a lower lane."""
-    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=4, top_lane_reserve=0)
+    """Entries read several at once still give every fair_every-th one to a lower lane (the
+    lower lanes' yielding to the top lane, off here, is tested on its own)."""
+    settings = Settings(
+        redis_url=redis_url, takes_per_step=8, fair_every=4, top_lane_reserve=0, top_lane_slowdown=0
+    )
     engine = Recorder()
     engine.added.append(("busy", 0))  # a running engine: no blocking read
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
@@ -208,3 +213,23 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
         w._publish([out(2), out(3), out(4)])
         assert w.pace.tpot_s == pytest.approx(0.02, rel=0.5)  # 60 ms over three tokens
         assert w.pace.unloaded_s == 0.0  # three tokens are too few to learn it by
+
+
+def test_no_lower_lane_prompt_joins_a_top_lane_prompt_not_computed_yet(redis_url):
+    """The engine would compute both in one step and the interactive job's first token
+    would wait for the batch prompt too: lower lanes wait until the top-lane prompts have
+    their first token."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0, top_lane_reserve=0)
+    engine = Recorder()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        top = client.submit("i", lane="interactive").id
+        low = [client.submit("b", lane="batch").id for _ in range(3)]
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [top]
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [top]  # still no first token
+        w._publish([StepOutput(job, [5], "a", False, None, 1, 5, 0) for job in [top]])
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [top, *low]

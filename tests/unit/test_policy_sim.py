@@ -115,6 +115,17 @@ def test_pulling_serves_the_interactive_lane_first() -> None:
     assert done[2].first_s < done[1].first_s
 
 
+def test_no_batch_prompt_joins_the_step_of_an_interactive_one() -> None:
+    """An engine pulls no lower-lane entry while a top-lane prompt it holds has no token:
+    the interactive first token comes as soon as with no batch work queued at all."""
+    running = req(0, 0.0, prompt=64, out=200, lane="batch")  # decoding when they come
+    chat, batch = req(1, 0.5, prompt=400), req(2, 0.5, prompt=800, lane="batch")
+    alone = ps.simulate([copy.copy(running), copy.copy(chat)], 1, "pull", K, pull_budget=2048)
+    both = ps.simulate([running, chat, batch], 1, "pull", K, pull_budget=2048)
+    assert both[1].first_s == pytest.approx(alone[1].first_s)
+    assert both[2].end_s is not None
+
+
 def test_pull_budget_splits_a_burst_across_idle_engines() -> None:
     burst = [req(i, 0.0, prompt=400) for i in range(4)]
     spread = ps.simulate(burst, 4, "pull", K, pull_budget=512)
