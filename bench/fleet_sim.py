@@ -163,7 +163,13 @@ class SimBackend:
             )
         max_tokens = min(max_tokens, self.max_model_len - n)
         self._order += 1
-        self._waiting[request_id] = _Seq(request_id, n, max_tokens, priority, self._order)
+        self._waiting[request_id] = _Seq(
+            id=request_id,
+            prompt_tokens=n,
+            max_tokens=max_tokens,
+            priority=priority,
+            order=self._order,
+        )
 
     def _reserved(self) -> int:
         return sum(s.need for s in self._running.values()) + sum(
@@ -329,7 +335,14 @@ def snapshot(prims: list[redis.Redis], pids: dict[str, list[int]]) -> Snap:
             + float(cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"]))
         )
     procs = {role: sum(_proc_cpu_s(p) for p in ps) for role, ps in pids.items()}
-    return Snap(time.time(), calls, main, whole, procs, _machine_busy_s())
+    return Snap(
+        t=time.time(),
+        calls=calls,
+        redis_main_cpu_s=main,
+        redis_cpu_s=whole,
+        proc_cpu_s=procs,
+        machine_busy_s=_machine_busy_s(),
+    )
 
 
 # -- worker processes: threads of Worker + SimBackend ----------------------------------

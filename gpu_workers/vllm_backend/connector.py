@@ -353,7 +353,9 @@ class PluraiConnector(KVConnectorBase_V1):
                 return None
             fp = self.store.fingerprint
             st = _Req(
-                chain_hashes(list(tokens), self.block_size, fp, root=salt_root(request.cache_salt))
+                hashes=chain_hashes(
+                    list(tokens), self.block_size, fp, root=salt_root(request.cache_salt)
+                )
             )
             self.reqs[request.request_id] = st
         return st
@@ -387,7 +389,9 @@ class PluraiConnector(KVConnectorBase_V1):
         if n > 0:
             ids = blocks.get_block_ids()[0][st.start : st.start + n]
             hashes = st.hashes[st.start : st.start + n]
-            self.loads.append(Load(request.request_id, ids, hashes, st.found[:n]))
+            self.loads.append(
+                Load(req_id=request.request_id, block_ids=ids, hashes=hashes, blocks=st.found[:n])
+            )
         st.start, st.found, st.bad = -1, [], 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

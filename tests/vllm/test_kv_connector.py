@@ -365,7 +365,7 @@ def test_the_worker_half_reads_what_did_not_come_along_and_reports_what_failed(
     caches = [torch.zeros(8, KV_HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(LAYERS)]
     w.layers = [(kv.view(8, 1, KV_HEADS, BLOCK, 2 * HEAD_DIM), 1, perm) for kv in caches]
     w.store, w.failed = connector.Store(tier, SHAPE, torch.float32), set()
-    load = connector.Load("r", [5, 3, 7, 1], hashes, blocks)
+    load = connector.Load(req_id="r", block_ids=[5, 3, 7, 1], hashes=hashes, blocks=blocks)
     meta = pickle.loads(
         pickle.dumps(connector.Meta(loads=[load], save_ids=[6], save_hashes=[b"h" * 16]))
     )
