@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from gpu_workers.vllm_backend import connector  # noqa: E402
+from gpu_workers.vllm_backend import connector, kv_layout  # noqa: E402
 from kv_store import block_format  # noqa: E402
 from kv_store.block_hash import chain_hashes, salt_root  # noqa: E402
 from kv_store.redis_tier import SECRET_ENV, RedisTier  # noqa: E402
@@ -307,12 +307,12 @@ def test_layout_permutation_round_trips() -> None:
     g = torch.Generator().manual_seed(0)
     blocks = torch.randn(3, 2, 4, 64, 8, generator=g)
     perm = torch.randperm(2 * 4 * 16 * 8, generator=g)
-    pages = connector.to_native(blocks, perm, ratio=4)
+    pages = kv_layout.to_native(blocks, perm, ratio=4)
     assert pages.shape == (3, 4, 4, 16, 16)
     # page j of a block holds tokens 16j..16j+15, placed by perm
     sem = blocks[1, :, :, 32:48].reshape(-1)
     assert torch.equal(pages[1, 2].reshape(-1), sem[perm])
-    assert torch.equal(connector.from_native(pages, perm), blocks)
+    assert torch.equal(kv_layout.from_native(pages, perm), blocks)
 
 
 def test_rank_fingerprints() -> None:
