@@ -167,7 +167,7 @@ def shared(small_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """A computes P1-P3 (and P1 salted "x"); P2's and P3's blocks are damaged in Redis;
     a fresh B runs P1-P3, then P1 salted "x" and "y"; then Redis stops and B runs P4.
     Both hold a secret, so every block carries a MAC (the path without one is the native
-    tier's: tests/integration/test_kv_redis_tier.py and test_security_kv.py)."""
+    tier's: tests/integration/test_kv_redis_tier.py)."""
     secret = "kv-test-secret"
     tmp = tmp_path_factory.mktemp("kv")
     server = EmbeddedRedis(tmp / "redis")
