@@ -76,7 +76,7 @@ def test_corrupt_or_foreign_entries_are_recomputed(redis_url, model_factory, eng
     r = redis.Redis.from_url(redis_url)
     from gpu_workers.engine.sequence import Sequence
 
-    seq = Sequence("probe", list(p), SamplingParams())
+    seq = Sequence(request_id="probe", token_ids=list(p), params=SamplingParams())
     a.blocks._hash_full_blocks(seq)
     k = [keys.kv_block(a.model_fingerprint, h.hex()) for h in seq.block_hashes]
     flipped = bytearray(r.get(k[1]))
@@ -87,7 +87,7 @@ def test_corrupt_or_foreign_entries_are_recomputed(redis_url, model_factory, eng
     o = engine_factory(other, kv_host_bytes=0, kv_redis_url=redis_url, kv_write_through=True)
     o.generate([p], SP)
     o.close()
-    theirs = Sequence("probe", list(p), SamplingParams())
+    theirs = Sequence(request_id="probe", token_ids=list(p), params=SamplingParams())
     o.blocks._hash_full_blocks(theirs)
     r.set(k[0], r.get(keys.kv_block(o.model_fingerprint, theirs.block_hashes[0].hex())))
 
