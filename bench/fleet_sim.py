@@ -26,20 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import multiprocessing as mp
 import os
 import platform
 import queue
-import random
 import sys
 import tempfile
-import threading
 import time
-import traceback
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,211 +45,14 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
+from bench.fleet_procs import LANES, producer_proc, worker_proc  # noqa: E402
+from bench.sim_backend import STEP_BASE_MS, STEP_PER_SEQ_MS, STEP_SOURCE  # noqa: E402
 from bench.workload import cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.connection import connect, is_cluster  # noqa: E402
-from broker_config.errors import ErrorCode  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
-from gpu_workers.backend import RequestError, StepOutput  # noqa: E402
 
-WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
-LANES = (("interactive", 0.2), ("standard", 0.5), ("batch", 0.3))
 MODELS = ("sim-a", "sim-b")
-
-# Step time of the simulated engine: base + per_seq * running sequences, in ms. The shape
-# comes from `bench/step_profile.py --model models/tiny-llama --requests 32` on the 2-core
-# avx512_bf16 machine: decode steps of 1.1 ms at 1-4 sequences and 1.7 ms at 29-32, i.e.
-# about 1.05 ms + 0.021 ms per sequence (per-sequence cost ~2% of the base, as on a GPU,
-# where decode is bound by reading the weights). Its absolute size is that of a GPU decode
-# step of a mid-size model, 30 ms: one worker then does ~25 steps/s, so 64 of them make
-# ~1,600 worker-loop turns/s, which 2 cores carry; the tiny model's own 1-2 ms steps would
-# make this bench measure Python, not the queue.
-STEP_BASE_MS = 30.0
-STEP_PER_SEQ_MS = 0.6
-STEP_SOURCE = (
-    "shape from bench/step_profile.py on models/tiny-llama (2-core avx512_bf16): "
-    "1.05 ms + 0.021 ms/seq; scaled to a 30 ms base (a GPU decode step)"
-)
-
-
-# -- the simulated engine ------------------------------------------------------------
-
-
-@dataclass
-class _Seq:
-    id: str
-    prompt_tokens: int
-    max_tokens: int
-    priority: int
-    order: int
-    output: int = 0
-
-    @property
-    def need(self) -> int:
-        return self.prompt_tokens + self.max_tokens
-
-
-def estimate_tokens(
-    prompt: str | None, token_ids: list[int] | None, messages: list[dict] | None
-) -> int:
-    """A cheap prompt length: exact for token ids, ~4 characters a token for text, plus 4
-    per chat message for its template."""
-    if token_ids is not None:
-        return len(token_ids)
-    if messages is not None:
-        return sum(4 + len(str(m.get("content", ""))) // 4 for m in messages)
-    return max(1, len(prompt or "") // 4)
-
-
-class SimBackend:
-    """A Backend whose step sleeps the simulated step time: continuous batching over
-    `max_num_seqs` slots and `kv_tokens` of KV (each request reserves prompt + max_tokens
-    when admitted), one token per running request per step, finish 'length' at
-    max_tokens. Lower `priority` runs first."""
-
-    def __init__(
-        self,
-        *,
-        max_num_seqs: int = 16,
-        kv_tokens: int = 4096,
-        max_model_len: int = 2048,
-        step_base_ms: float = STEP_BASE_MS,
-        step_per_seq_ms: float = STEP_PER_SEQ_MS,
-        model_fingerprint: str = "sim",
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        if kv_tokens < max_model_len:
-            raise ValueError("kv_tokens must hold at least one request of max_model_len")
-        self.model_fingerprint = model_fingerprint
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.kv_tokens = kv_tokens
-        self.step_base_ms = step_base_ms
-        self.step_per_seq_ms = step_per_seq_ms
-        self._sleep = sleep
-        self._running: dict[str, _Seq] = {}
-        self._waiting: dict[str, _Seq] = {}
-        self._order = 0
-        self.steps = 0
-        # per wall-clock second: [steps, sequences stepped, seconds inside steps]
-        self.per_second: dict[int, list[float]] = {}
-
-    def add(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
-        params: dict[str, Any] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        special_tokens: bool = False,
-    ) -> None:
-        if request_id in self._running or request_id in self._waiting:
-            raise RequestError(ErrorCode.DUPLICATE_ID, f"{request_id} is already here")
-        max_tokens = (params or {}).get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise RequestError(ErrorCode.INVALID_PARAMS, "max_tokens must be an integer >= 1")
-        n = estimate_tokens(prompt, token_ids, messages)
-        if n + 1 > self.max_model_len:
-            raise RequestError(
-                ErrorCode.PROMPT_TOO_LONG, f"{n} prompt tokens; at most {self.max_model_len - 1}"
-            )
-        max_tokens = min(max_tokens, self.max_model_len - n)
-        self._order += 1
-        self._waiting[request_id] = _Seq(request_id, n, max_tokens, priority, self._order)
-
-    def _reserved(self) -> int:
-        return sum(s.need for s in self._running.values()) + sum(
-            s.need for s in self._waiting.values()
-        )
-
-    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
-        if len(self._running) + len(self._waiting) >= self.max_num_seqs:
-            return False
-        need = prompt_tokens + min(max_tokens, self.max_model_len)
-        return self._reserved() + need <= self.kv_tokens
-
-    def _admit(self) -> None:
-        used = sum(s.need for s in self._running.values())
-        for seq in sorted(self._waiting.values(), key=lambda s: (s.priority, s.order)):
-            if len(self._running) >= self.max_num_seqs or used + seq.need > self.kv_tokens:
-                break
-            del self._waiting[seq.id]
-            self._running[seq.id] = seq
-            used += seq.need
-
-    def step(self) -> list[StepOutput]:
-        self._admit()
-        if not self._running:
-            return []
-        batch = len(self._running)
-        seconds = (self.step_base_ms + self.step_per_seq_ms * batch) / 1000
-        start = time.time()
-        self._sleep(seconds)
-        self.steps += 1
-        bucket = self.per_second.setdefault(int(start), [0, 0, 0.0])
-        bucket[0] += 1
-        bucket[1] += batch
-        bucket[2] += seconds
-        outs = []
-        for seq in list(self._running.values()):
-            token = 16 + (seq.output * 7 + seq.order) % 1000
-            seq.output += 1
-            done = seq.output >= seq.max_tokens
-            if done:
-                del self._running[seq.id]
-            outs.append(
-                StepOutput(
-                    request_id=seq.id,
-                    new_token_ids=[token],
-                    text_delta=" " + WORDS[token % len(WORDS)],
-                    finished=done,
-                    finish_reason="length" if done else None,
-                    num_prompt_tokens=seq.prompt_tokens,
-                    num_output_tokens=seq.output,
-                    num_cached_tokens=0,
-                )
-            )
-        return outs
-
-    def abort(self, request_id: str) -> bool:
-        return (
-            self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
-        ) is not None
-
-    def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def prompt_backlog(self) -> int:
-        return sum(s.prompt_tokens for s in self._waiting.values())
-
-    def stats(self) -> dict[str, Any]:
-        used = self._reserved()
-        return {
-            "running": len(self._running),
-            "waiting": len(self._waiting),
-            "steps": self.steps,
-            "kv_tokens_used": used,
-            "kv_tokens_total": self.kv_tokens,
-            "blocks_total": self.kv_tokens // 16,  # as the heartbeat shows KV, in 16s
-            "blocks_used": -(-used // 16),
-            "blocks_free": (self.kv_tokens - used) // 16,
-        }
-
-    def close(self) -> None:
-        self._running.clear()
-        self._waiting.clear()
 
 
 # -- Redis: embedded, given, or a local cluster ---------------------------------------
@@ -329,146 +127,14 @@ def snapshot(prims: list[redis.Redis], pids: dict[str, list[int]]) -> Snap:
             + float(cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"]))
         )
     procs = {role: sum(_proc_cpu_s(p) for p in ps) for role, ps in pids.items()}
-    return Snap(time.time(), calls, main, whole, procs, _machine_busy_s())
-
-
-# -- worker processes: threads of Worker + SimBackend ----------------------------------
-
-
-def worker_proc(cfg: dict[str, Any], stop: Any, out: Any) -> None:
-    """Run cfg['ids'] workers as threads until `stop`; put a JSON line of their figures."""
-    logging.basicConfig(level=logging.WARNING)
-    from gpu_workers.worker import Worker
-
-    workers: list[tuple[Worker, SimBackend]] = []
-    for wid, model in cfg["ids"]:
-        overrides: dict[str, Any] = {"redis_url": cfg["url"]}
-        if model:
-            overrides["served_model"] = model
-        if cfg["shards"] > 1:
-            overrides["shards"] = cfg["shards"]
-        backend = SimBackend(
-            max_num_seqs=cfg["max_num_seqs"],
-            kv_tokens=cfg["kv_tokens"],
-            max_model_len=cfg["max_model_len"],
-            step_base_ms=cfg["step_base_ms"],
-            step_per_seq_ms=cfg["step_per_seq_ms"],
-            model_fingerprint=f"sim-{model or 'default'}",
-        )
-        names = {model} if model else {"sim"}
-        w = Worker(backend, connect(cfg["url"]), Settings(**overrides), wid, model_names=names)
-        workers.append((w, backend))
-    errors: list[str] = []
-
-    def run(w: Worker) -> None:
-        try:
-            w.run()
-        except BaseException:
-            errors.append(f"{w.id}: {traceback.format_exc(limit=6)}")
-
-    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w, _ in workers]
-    for t in threads:
-        t.start()
-    stop.wait()
-    for w, _ in workers:
-        w.request_stop(cfg["grace_s"])
-    for t in threads:
-        t.join(cfg["grace_s"] + 10)
-    per_second: dict[int, list[float]] = {}
-    for _, b in workers:
-        for sec, v in b.per_second.items():
-            acc = per_second.setdefault(sec, [0, 0, 0.0])
-            for i in range(3):
-                acc[i] += v[i]
-    result = {
-        "jobs_done": sum(w.jobs_done for w, _ in workers),
-        "alive": sum(t.is_alive() for t in threads),
-        "errors": errors,
-        "per_second": {str(k): v for k, v in per_second.items()},
-    }
-    out.put(json.dumps(result))
-
-
-# -- the producer: a closed loop of submit_many / wait_all ----------------------------
-
-
-def producer_proc(cfg: dict[str, Any], out: Any) -> None:
-    """Threads that each keep `depth` batches of `batch` jobs in flight (submit_many, then
-    wait_all on the oldest) until cfg['end'], then wait for the rest; puts one JSON line:
-    per job [created_ms, started_ms, finished_ms, ok, lane index], and counts."""
-    logging.basicConfig(level=logging.WARNING)
-    from producer.client import Client
-
-    rows: list[list[int]] = []
-    lanes = [n for n, _ in LANES]
-    counts = {"submitted": 0, "final": 0, "ok": 0}
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def one(seed: int) -> None:
-        rng = random.Random(seed)
-        client = Client(cfg["url"])
-        want: dict[str, tuple[int, str]] = {}  # job id: max_tokens, model
-        inflight: deque[list[str]] = deque()
-
-        def submit() -> None:
-            reqs = []
-            for _ in range(cfg["batch"]):
-                req: dict[str, Any] = {
-                    "prompt": " ".join(rng.choices(WORDS, k=rng.randint(4, 64))),
-                    "max_tokens": rng.randint(*cfg["max_tokens"]),
-                    "temperature": 0.0,
-                    "lane": rng.choices([n for n, _ in LANES], [w for _, w in LANES])[0],
-                }
-                if cfg["models"]:
-                    req["model"] = rng.choice(cfg["models"])
-                reqs.append(req)
-            jobs = client.submit_many(reqs)
-            for j, r in zip(jobs, reqs, strict=True):
-                want[j.id] = (r["max_tokens"], r.get("model", "default"))
-            inflight.append([j.id for j in jobs])
-
-        def settle() -> None:
-            ids = inflight.popleft()
-            recs = client.wait_all(ids, timeout=cfg["wait_s"])
-            got = []
-            for rec in recs:
-                max_tokens, model = want.pop(rec.id)
-                ok = (
-                    rec.final
-                    and rec.state == "completed"
-                    and rec.finish_reason == "length"
-                    and rec.output_tokens == max_tokens
-                    and (rec.worker or "").endswith("-" + model)  # a worker of its model
-                )
-                lane = lanes.index(rec.lane) if rec.lane in lanes else -1
-                got.append(
-                    [rec.created_ms or 0, rec.started_ms or 0, rec.finished_ms or 0, ok, lane]
-                )
-            with lock:
-                rows.extend(got)
-                counts["submitted"] += len(ids)
-                counts["final"] += sum(r.final for r in recs)
-                counts["ok"] += sum(int(g[3]) for g in got)
-
-        try:
-            while time.time() < cfg["end"]:
-                while len(inflight) < cfg["depth"]:
-                    submit()
-                settle()
-            while inflight:
-                settle()
-        except BaseException:
-            errors.append(traceback.format_exc(limit=6))
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=one, args=(cfg["seed"] + i,)) for i in range(cfg["threads"])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out.put(json.dumps({**counts, "errors": errors, "rows": rows}))
+    return Snap(
+        t=time.time(),
+        calls=calls,
+        redis_main_cpu_s=main,
+        redis_cpu_s=whole,
+        proc_cpu_s=procs,
+        machine_busy_s=_machine_busy_s(),
+    )
 
 
 # -- one fleet size -------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Error codes of a refused request, defined once for every layer.
 
 The engine (gpu_workers/engine/errors.py) raises `RequestError` with these codes; the
-wire parser (broker_config/protocol.py) refuses entries with the same strings
-(`protocol.Code` takes them from here); the worker turns either into a terminal error
-result carrying the code (docs/protocol.md lists them). This module sits at the bottom of
+wire parser (broker_config/protocol.py, broker_config/body.py) refuses entries with the
+same strings as `WireError`s (`Code` holds every code a job can end with); the worker
+turns either into a terminal error result carrying the code (docs/protocol.md lists
+them). This module sits at the bottom of
 the import layering, so both sides import it and it imports nothing of theirs.
 """
 
@@ -28,6 +29,40 @@ class CodedError(ValueError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class Code:
+    """Stable error codes of a failed job (`error_code` in the job record)."""
+
+    # Wire level: the entry itself.
+    BAD_BODY = "bad_body"  # body is not valid JSON / msgpack, or not an object
+    BAD_FIELD = "bad_field"  # a flat field or body field is missing, unknown or mistyped
+    TOO_LARGE = "too_large"  # a size over one of the Limits
+    UNSUPPORTED_VERSION = "unsupported_version"
+    INVALID_UTF8 = "invalid_utf8"
+    UNKNOWN_MODEL = "unknown_model"
+    MAX_TOKENS_OVER_LIMIT = "max_tokens_over_limit"
+    # Engine level: the engine's own codes (ErrorCode above, defined once).
+    INVALID_PROMPT = ErrorCode.INVALID_PROMPT
+    PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG
+    INVALID_PARAMS = ErrorCode.INVALID_PARAMS
+    TOKEN_OUT_OF_VOCAB = ErrorCode.TOKEN_OUT_OF_VOCAB
+    # Lifecycle.
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    TOO_MANY_DELIVERIES = "too_many_deliveries"  # its processing failed max_deliveries times
+    BAD_RECORD = "bad_record"  # the job's record or token stream in Redis has the wrong type
+    INTERNAL = "internal"
+    # Refusals of a submit (nothing queued, no record): the SDK's exceptions' `code`.
+    QUEUE_FULL = "queue_full"  # the lane holds PLURAI_MAX_QUEUED_PER_LANE waiting jobs
+    REDIS_OOM = "redis_oom"  # Redis is at maxmemory (noeviction): it refuses new writes
+
+
+class WireError(CodedError):
+    """An entry the wire parser refuses; `code` is one of `Code`."""
+
+
+class NoJobId(WireError):
+    """The entry has no usable job id, so no result can be written for it."""
 
 
 def valid_messages(messages: object) -> bool:

@@ -2,6 +2,8 @@
 
 docs/protocol.md is the human description; this module is the executable one. It has no
 engine dependency so clients import it cheaply; the worker adds the engine's own checks.
+The body field's decoding (JSON or msgpack, plain JSON values only) is broker_config/body.py;
+the error codes an entry is refused with are broker_config/errors.py's `Code`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,13 @@ from typing import Any
 
 import msgpack
 
-from broker_config.errors import CodedError, ErrorCode, valid_messages
-from broker_config.text import text, valid_text
+from broker_config.body import CONTENT_TYPES, INT64, JSON, MSGPACK, decode
+from broker_config.errors import Code, NoJobId, WireError, valid_messages
+from broker_config.text import text
 
 VERSION = "2"  # what clients send; workers also take "1" entries (the same fields)
 VERSIONS = ("1", "2")
 MAX_PRIORITY = 1_000_000  # |priority| of a job; lower runs first within its lane
-JSON = "application/json"
-MSGPACK = "application/msgpack"
-CONTENT_TYPES = (JSON, MSGPACK)
 
 # Sampling fields accepted in the body: exactly SamplingParams' fields
 # (gpu_workers/engine/sampling_params.py; a unit test keeps the two equal).
@@ -57,8 +57,6 @@ BODY_FIELDS = frozenset(
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 _MODEL = re.compile(r"[A-Za-z0-9._/-]{1,128}")  # no ':', '{', '}': a key's hash tag holds it
 _INT = re.compile(rb"-?[0-9]{1,19}")  # ASCII digits only: no '1_000', ' 5', '١٢'
-INT64 = 2**63
-_LONG_INT = re.compile(rb"[0-9]{20}")  # a JSON integer that may exceed 64 bits
 MAX_FIELDS = 32  # flat fields of one entry (v1 defines 11)
 
 
@@ -82,40 +80,6 @@ class Limits:
     # Tokens a prompt may have: the engine's max_model_len less one (the worker sets it);
     # a `prompt_tokens` claim or `token_ids` list over it is refused at once.
     prompt_tokens: int | None = None
-
-
-class Code:
-    """Stable error codes of a failed job (`error_code` in the job record)."""
-
-    # Wire level: the entry itself.
-    BAD_BODY = "bad_body"  # body is not valid JSON / msgpack, or not an object
-    BAD_FIELD = "bad_field"  # a flat field or body field is missing, unknown or mistyped
-    TOO_LARGE = "too_large"  # a size over one of the Limits
-    UNSUPPORTED_VERSION = "unsupported_version"
-    INVALID_UTF8 = "invalid_utf8"
-    UNKNOWN_MODEL = "unknown_model"
-    MAX_TOKENS_OVER_LIMIT = "max_tokens_over_limit"
-    # Engine level: the engine's own codes (broker_config.errors.ErrorCode, defined once).
-    INVALID_PROMPT = ErrorCode.INVALID_PROMPT
-    PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG
-    INVALID_PARAMS = ErrorCode.INVALID_PARAMS
-    TOKEN_OUT_OF_VOCAB = ErrorCode.TOKEN_OUT_OF_VOCAB
-    # Lifecycle.
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    TOO_MANY_DELIVERIES = "too_many_deliveries"  # its processing failed max_deliveries times
-    BAD_RECORD = "bad_record"  # the job's record or token stream in Redis has the wrong type
-    INTERNAL = "internal"
-    # Refusals of a submit (nothing queued, no record): the SDK's exceptions' `code`.
-    QUEUE_FULL = "queue_full"  # the lane holds PLURAI_MAX_QUEUED_PER_LANE waiting jobs
-    REDIS_OOM = "redis_oom"  # Redis is at maxmemory (noeviction): it refuses new writes
-
-
-class WireError(CodedError):
-    """An entry the wire parser refuses; `code` is one of `Code`."""
-
-
-class NoJobId(WireError):
-    """The entry has no usable job id, so no result can be written for it."""
 
 
 def tenant_salt(tenant: str, cache_salt: str | None) -> str:
@@ -349,95 +313,6 @@ def engine_priority(lane_rank: int, priority: int) -> int:
     return lane_rank * (2 * MAX_PRIORITY + 1) + priority
 
 
-def _no_constant(name: str) -> Any:
-    raise WireError(Code.BAD_FIELD, f"the body holds {name}; numbers must be finite")
-
-
-def _json_int(text: str) -> int:
-    if len(text.lstrip("-")) > 19:  # also spares int() its quadratic cost on huge literals
-        raise WireError(Code.BAD_FIELD, f"integer {text[:24]}... is out of the 64-bit range")
-    return int(text)
-
-
-def decode_body(env: Envelope, depth: int = Limits.depth) -> dict[str, Any]:
-    """The body as plain JSON values: maps with string keys, lists, valid strings, finite
-    floats, 64-bit integers, booleans and null, nested at most `depth` deep."""
-    try:
-        if env.content_type == MSGPACK:
-            # Any key type is decoded so that check_json_value names the bad one.
-            body = msgpack.unpackb(env.body, raw=False, strict_map_key=False)
-        else:  # UTF-8 only: json.loads would also take UTF-16 and UTF-32 bytes
-            hooks = {"parse_int": _json_int} if _LONG_INT.search(env.body) else {}
-            body = json.loads(env.body.decode("utf-8"), parse_constant=_no_constant, **hooks)
-    except UnicodeDecodeError:
-        raise WireError(
-            Code.INVALID_UTF8, "the body contains a string that is not valid UTF-8"
-        ) from None
-    except (RecursionError, msgpack.exceptions.StackError):
-        raise WireError(Code.BAD_FIELD, f"the body is nested more than {depth} deep") from None
-    except TypeError:  # msgpack: a list or map as a map key
-        raise WireError(Code.BAD_FIELD, "body: map keys must be strings") from None
-    except (ValueError, msgpack.UnpackException) as e:
-        if isinstance(e, WireError):
-            raise
-        kind = "msgpack" if env.content_type == MSGPACK else "JSON"
-        raise WireError(
-            Code.BAD_BODY, f"body is not valid {kind} ({type(e).__name__}: {str(e)[:120]})"
-        ) from None
-    if not isinstance(body, dict):
-        raise WireError(Code.BAD_BODY, f"body must be an object (map), got {type(body).__name__}")
-    check_json_value(body, depth, "body")
-    return body
-
-
-def check_json_value(value: Any, depth: int, where: str) -> None:
-    """Raise WireError unless `value` is made of JSON values only (see decode_body). Errors
-    name the top-level field they were found under; no path is built on the way, since a
-    4 MiB body can hold two million values."""
-    stack: list[tuple[Any, int, str]] = [(value, 0, where)]
-    while stack:
-        v, d, field = stack.pop()
-        t = type(v)
-        if t is str:
-            if not valid_text(v):
-                raise WireError(
-                    Code.INVALID_UTF8, f"{field} holds a lone surrogate (not valid Unicode text)"
-                )
-        elif t is int:
-            if not -INT64 <= v < INT64:
-                raise WireError(Code.BAD_FIELD, f"{field}: an integer is out of the 64-bit range")
-        elif t is float:
-            if not math.isfinite(v):
-                raise WireError(Code.BAD_FIELD, f"{field}: numbers must be finite, got {v}")
-        elif t is list or t is dict:
-            if d >= depth:
-                raise WireError(Code.BAD_FIELD, f"{field}: nested more than {depth} deep")
-            if t is list:
-                for x in v:  # integers checked in place: token id lists are long
-                    if type(x) is int:
-                        if not -INT64 <= x < INT64:
-                            raise WireError(
-                                Code.BAD_FIELD, f"{field}: an integer is out of the 64-bit range"
-                            )
-                    elif x is not None and type(x) is not bool:
-                        stack.append((x, d + 1, field))
-                continue
-            for k, x in v.items():
-                if type(k) is not str:
-                    raise WireError(
-                        Code.BAD_FIELD, f"{field}: map keys must be strings, got {type(k).__name__}"
-                    )
-                sub = f"body field {k[:40]!r}" if d == 0 else field
-                stack.append((k, d + 1, sub))
-                stack.append((x, d + 1, sub))
-        elif v is not None and t is not bool:  # msgpack bin, ext, timestamp
-            raise WireError(
-                Code.BAD_FIELD,
-                f"{field}: {t.__name__} values are not allowed; use JSON types "
-                "(string, number, boolean, null, list, map)",
-            )
-
-
 def _too_large(what: str, n: int, limit: int, setting: str) -> WireError:
     where = f" (PLURAI_{setting})" if setting else ""
     return WireError(Code.TOO_LARGE, f"{what} has {n}; the limit is {limit}{where}; send less")
@@ -446,7 +321,7 @@ def _too_large(what: str, n: int, limit: int, setting: str) -> WireError:
 def parse_request(fields: dict[bytes, bytes], limits: Limits) -> Request:
     """Envelope plus body; every wire-level error is raised here as WireError."""
     env = parse_envelope(fields, limits)
-    body = decode_body(env, limits.depth)
+    body = decode(env.content_type, env.body, limits.depth)
     unknown = sorted(str(k) for k in set(body) - BODY_FIELDS)
     if unknown:
         raise WireError(

@@ -76,7 +76,7 @@ def _ms_of(entry_id: Any) -> int:
 
 def lane(r: redis.Redis, name: str, now_ms: int, model: str, shards: int = 1) -> Lane:
     """One lane of a model's queue, its shards summed."""
-    out = Lane(name, model)
+    out = Lane(name=name, model=model)
     for shard in range(shards):
         part = _stream(r, keys.request_stream(name, model, shard), name, now_ms)
         out.waiting += part.waiting
@@ -90,7 +90,7 @@ def lane(r: redis.Redis, name: str, now_ms: int, model: str, shards: int = 1) ->
 
 
 def _stream(r: redis.Redis, stream: str, name: str, now_ms: int) -> Lane:
-    out = Lane(name)
+    out = Lane(name=name)
     try:
         groups = r.xinfo_groups(stream)
     except redis.ResponseError:  # no such stream yet

@@ -4,6 +4,10 @@ Each runs as one step in Redis, so a job is never half-finished: the final resul
 entry of its token stream, the completion message and the XACK of its request entry
 happen together. Scripts take every key in KEYS (named by broker_config.keys).
 
+Each script opens by naming its KEYS and ARGV in locals, so that its body reads by name;
+a variadic tail (an entry's field/value pairs, entry ids) is named by the index it starts
+at.
+
 Each script's KEYS and ARGV are built in one place only, results/jobs.py, which has one typed
 function per script: call those, never a script with positional arguments.
 """
@@ -43,14 +47,16 @@ end
 # calls may arrive in either order, and a worker that took the entry first has written
 # the record as running (its TTL too). Returns 1 when the record was new, else 0.
 QUEUED = """
-local fields = {'lane', ARGV[2], 'priority', ARGV[3], 'created_ms', ARGV[4], 'model', ARGV[6]}
-if ARGV[5] ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = ARGV[5] end
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'state', 'queued', unpack(fields))
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
+local record = KEYS[1]
+local ttl, lane, priority, created_ms, metadata, model = unpack(ARGV, 1, 6)
+local fields = {'lane', lane, 'priority', priority, 'created_ms', created_ms, 'model', model}
+if metadata ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = metadata end
+if redis.call('EXISTS', record) == 0 then
+  redis.call('HSET', record, 'state', 'queued', unpack(fields))
+  redis.call('EXPIRE', record, ttl)
   return 1
 end
-for i = 1, #fields, 2 do redis.call('HSETNX', KEYS[1], fields[i], fields[i + 1]) end
+for i = 1, #fields, 2 do redis.call('HSETNX', record, fields[i], fields[i + 1]) end
 return 0
 """
 
@@ -64,15 +70,18 @@ return 0
 SUBMIT = (
     _LANE
     + """
-if #KEYS == 2 then
-  local owner = redis.call('GET', KEYS[2])
+local stream, idem = KEYS[1], KEYS[2]
+local maxlen, idem_ttl, job_id, max_queued, group = unpack(ARGV, 1, 5)
+local ENTRY = 6  -- ARGV[6..]: the entry's field/value pairs
+if idem then
+  local owner = redis.call('GET', idem)
   if owner then return owner end
 end
-local queued = queued_over(KEYS[1], tonumber(ARGV[4]), ARGV[5])
+local queued = queued_over(stream, tonumber(max_queued), group)
 if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
-if #KEYS == 2 then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2]) end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 6))
-return ARGV[3]
+if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
+redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
+return job_id
 """
 )
 
@@ -90,21 +99,25 @@ return ARGV[3]
 ENQUEUE = (
     _LANE
     + """
-if #KEYS == 3 then
-  local owner = redis.call('GET', KEYS[3])
+local record, stream, idem = KEYS[1], KEYS[2], KEYS[3]
+local ttl, lane, priority, created_ms, metadata, model = unpack(ARGV, 1, 6)
+local maxlen, idem_ttl, job_id, max_queued, group = unpack(ARGV, 7, 11)
+local ENTRY = 12  -- ARGV[12..]: the entry's field/value pairs
+if idem then
+  local owner = redis.call('GET', idem)
   if owner then return owner end
 end
-local queued = queued_over(KEYS[2], tonumber(ARGV[10]), ARGV[11])
+local queued = queued_over(stream, tonumber(max_queued), group)
 if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 12))
-if #KEYS == 3 then redis.call('SET', KEYS[3], ARGV[9], 'EX', ARGV[8]) end
-local rec = redis.pcall('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'priority', ARGV[3],
-                        'created_ms', ARGV[4], 'model', ARGV[6])
+redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
+if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
+local rec = redis.pcall('HSET', record, 'state', 'queued', 'lane', lane, 'priority', priority,
+                        'created_ms', created_ms, 'model', model)
 if type(rec) == 'number' then
-  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'metadata', ARGV[5]) end
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
+  if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
+  redis.call('EXPIRE', record, ttl)
 end
-return ARGV[9]
+return job_id
 """
 )
 
@@ -114,12 +127,13 @@ return ARGV[9]
 # from the first stream while it has some, then from the next. One call instead of a read
 # per lane. Returns {stream index (1-based), entry id, fields} for each entry, in order.
 TAKE = """
+local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local out = {}
-for i = 1, #KEYS do
-  local left = tonumber(ARGV[3]) - #out
+for i, stream in ipairs(KEYS) do
+  local left = count - #out
   if left <= 0 then break end
-  local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
-                         'STREAMS', KEYS[i], '>')
+  local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', left,
+                         'STREAMS', stream, '>')
   if got then
     for _, e in ipairs(got[1][2]) do out[#out + 1] = {i, e[1], e[2]} end
   end
@@ -140,25 +154,27 @@ return out
 BEGIN = (
     _OOM
     + """
-local rt = redis.call('TYPE', KEYS[1]).ok
-local st = redis.call('TYPE', KEYS[2]).ok
+local record, stream = KEYS[1], KEYS[2]
+local worker, now_ms, ttl, deadline_ms, lane, priority, metadata = unpack(ARGV, 1, 7)
+local rt = redis.call('TYPE', record).ok
+local st = redis.call('TYPE', stream).ok
 if (rt ~= 'hash' and rt ~= 'none') or (st ~= 'stream' and st ~= 'none') then
   return 'badkey'
 end
-if redis.call('HEXISTS', KEYS[1], 'final') == 1 then return 'done' end
-if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then return 'cancelled' end
-if ARGV[4] ~= '' and tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 'expired' end
+if redis.call('HEXISTS', record, 'final') == 1 then return 'done' end
+if redis.call('HEXISTS', record, 'cancel') == 1 then return 'cancelled' end
+if deadline_ms ~= '' and tonumber(now_ms) > tonumber(deadline_ms) then return 'expired' end
 if st == 'stream' then
-  redis.pcall('XADD', KEYS[2], '*', 'type', 'reset')
+  redis.pcall('XADD', stream, '*', 'type', 'reset')
 end
-local added = redis.pcall('XADD', KEYS[2], '*', 'type', 'start', 'worker', ARGV[1])
+local added = redis.pcall('XADD', stream, '*', 'type', 'start', 'worker', worker)
 if full(added) then return redis.error_reply(OOM) end
 if type(added) == 'table' and added.err then return 'badkey' end
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'started_ms', ARGV[2],
-           'lane', ARGV[5], 'priority', ARGV[6])
-if ARGV[7] ~= '' then redis.call('HSETNX', KEYS[1], 'metadata', ARGV[7]) end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', stream, ttl)
+redis.call('HSET', record, 'state', 'running', 'worker', worker, 'started_ms', now_ms,
+           'lane', lane, 'priority', priority)
+if metadata ~= '' then redis.call('HSETNX', record, 'metadata', metadata) end
+redis.call('EXPIRE', record, ttl)
 return 'run'
 """
 )
@@ -175,21 +191,25 @@ return 'run'
 DELTAS = (
     _OOM
     + """
+local worker, maxlen = ARGV[1], ARGV[2]
+local JOBS = 3  -- ARGV[3..]: mode, text, token_ids of each job in turn
 local n = 0
 for i = 1, #KEYS, 2 do
-  local a = 3 * (i - 1) / 2 + 3
-  local rec = redis.pcall('HMGET', KEYS[i], 'worker', 'final')
-  if type(rec) == 'table' and rec.err == nil and rec[1] == ARGV[1] and not rec[2] then
+  local record, stream = KEYS[i], KEYS[i + 1]
+  local a = JOBS + 3 * (i - 1) / 2
+  local mode, text, ids = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local rec = redis.pcall('HMGET', record, 'worker', 'final')
+  if type(rec) == 'table' and rec.err == nil and rec[1] == worker and not rec[2] then
     -- a key of another type refuses the XADD (pcall: an error table, not an entry id)
     local ok = true
-    if ARGV[a] == 'r' then
-      local x = redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type', 'reset')
+    if mode == 'r' then
+      local x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'reset')
       if full(x) then return redis.error_reply(OOM) end
       ok = type(x) == 'string'
     end
     if ok then
-      local x = redis.pcall('XADD', KEYS[i + 1], 'MAXLEN', '~', ARGV[2], '*', 'type',
-                            'delta', 'text', ARGV[a + 1], 'token_ids', ARGV[a + 2])
+      local x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type',
+                            'delta', 'text', text, 'token_ids', ids)
       if full(x) then return redis.error_reply(OOM) end
       if type(x) == 'string' then n = n + 1 end
     end
@@ -214,36 +234,41 @@ return n
 # Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: no result can
 # be written, nothing is acked; the worker dead-letters the job).
 FINALIZE = """
-local rt = redis.call('TYPE', KEYS[1]).ok
+local record, stream, requests = KEYS[1], KEYS[2], KEYS[3]
+local ttl, channel, state, finish_reason, stream_ttl, maxlen, resync, group, entry_id =
+  unpack(ARGV, 1, 9)
+local FIELDS = 10  -- ARGV[10..]: the record's field/value pairs
+local rt = redis.call('TYPE', record).ok
 if rt ~= 'hash' and rt ~= 'none' then return -1 end
-local stored = redis.call('HSETNX', KEYS[1], 'final', '1')
+local stored = redis.call('HSETNX', record, 'final', '1')
 if stored == 1 then
-  local owner = redis.call('HGET', KEYS[1], 'worker')
+  local owner = redis.call('HGET', record, 'worker')
   local text, ids, worker = '', '[]', ''
-  for i = 10, #ARGV - 1, 2 do
+  for i = FIELDS, #ARGV - 1, 2 do
     if ARGV[i] == 'text' then text = ARGV[i + 1] end
     if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
     if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
   end
-  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finish_reason', ARGV[4], unpack(ARGV, 10))
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
-  local st = redis.call('TYPE', KEYS[2]).ok
+  redis.call('HSET', record, 'state', state, 'finish_reason', finish_reason,
+             unpack(ARGV, FIELDS))
+  redis.call('EXPIRE', record, ttl)
+  local st = redis.call('TYPE', stream).ok
   if st == 'stream' or st == 'none' then
     local stale = st == 'stream' and text == ''
-    if ARGV[7] == '1' or (ARGV[7] == '' and ((text ~= '' and owner ~= worker) or stale)) then
-      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'reset')
-      redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'delta',
+    if resync == '1' or (resync == '' and ((text ~= '' and owner ~= worker) or stale)) then
+      redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'reset')
+      redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'delta',
                   'text', text, 'token_ids', ids)
     end
-    redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'type', 'end',
-                'state', ARGV[3], 'finish_reason', ARGV[4])
-    redis.call('EXPIRE', KEYS[2], ARGV[5])
+    redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'end',
+                'state', state, 'finish_reason', finish_reason)
+    redis.call('EXPIRE', stream, stream_ttl)
   end
-  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  redis.call('PUBLISH', channel, state)
 end
-if #KEYS == 3 then  -- pcall: a request stream of another type must not fail a stored result
-  redis.pcall('XACK', KEYS[3], ARGV[8], ARGV[9])
-  redis.pcall('XDEL', KEYS[3], ARGV[9])
+if requests then  -- pcall: a request stream of another type must not fail a stored result
+  redis.pcall('XACK', requests, group, entry_id)
+  redis.pcall('XDEL', requests, entry_id)
 end
 return stored
 """
@@ -256,23 +281,25 @@ return stored
 # with its record.
 # Returns the state after the call: 'cancelled', 'cancelling', or the final state it had.
 CANCEL = """
-if redis.call('HEXISTS', KEYS[1], 'final') == 1 then
-  return redis.call('HGET', KEYS[1], 'state')
+local record, stream = KEYS[1], KEYS[2]
+local ttl, done_channel, cancel_channel, job_id, now_ms, stream_ttl = unpack(ARGV, 1, 6)
+if redis.call('HEXISTS', record, 'final') == 1 then
+  return redis.call('HGET', record, 'state')
 end
-redis.call('HSET', KEYS[1], 'cancel', '1')
-if redis.call('HGET', KEYS[1], 'state') == 'running' then
-  redis.call('PUBLISH', ARGV[3], ARGV[4])
+redis.call('HSET', record, 'cancel', '1')
+if redis.call('HGET', record, 'state') == 'running' then
+  redis.call('PUBLISH', cancel_channel, job_id)
   return 'cancelling'
 end
-redis.call('HSET', KEYS[1], 'final', '1', 'state', 'cancelled', 'finish_reason', 'abort',
-           'finished_ms', ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if redis.call('TYPE', KEYS[2]).ok == 'stream' then  -- deltas of a run handed back: void
-  redis.pcall('XADD', KEYS[2], '*', 'type', 'reset')
+redis.call('HSET', record, 'final', '1', 'state', 'cancelled', 'finish_reason', 'abort',
+           'finished_ms', now_ms)
+redis.call('EXPIRE', record, ttl)
+if redis.call('TYPE', stream).ok == 'stream' then  -- deltas of a run handed back: void
+  redis.pcall('XADD', stream, '*', 'type', 'reset')
 end
-redis.pcall('XADD', KEYS[2], '*', 'type', 'end', 'state', 'cancelled', 'finish_reason', 'abort')
-redis.call('EXPIRE', KEYS[2], ARGV[6])
-redis.call('PUBLISH', ARGV[2], 'cancelled')
+redis.pcall('XADD', stream, '*', 'type', 'end', 'state', 'cancelled', 'finish_reason', 'abort')
+redis.call('EXPIRE', stream, stream_ttl)
+redis.call('PUBLISH', done_channel, 'cancelled')
 return 'cancelled'
 """
 
@@ -283,11 +310,12 @@ return 'cancelled'
 # be re-added (a record of another type too: the next worker to take it reports
 # bad_record), 0 when it has a result (its entry is only acked).
 RELEASE = """
-local rt = redis.call('TYPE', KEYS[1]).ok
+local record = KEYS[1]
+local rt = redis.call('TYPE', record).ok
 if rt ~= 'hash' and rt ~= 'none' then return 1 end
-if redis.call('HEXISTS', KEYS[1], 'final') == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'queued')
-redis.call('HDEL', KEYS[1], 'worker', 'started_ms')
+if redis.call('HEXISTS', record, 'final') == 1 then return 0 end
+redis.call('HSET', record, 'state', 'queued')
+redis.call('HDEL', record, 'worker', 'started_ms')
 return 1
 """
 
@@ -300,13 +328,16 @@ return 1
 # script before the ack: the entry stays pending (reclaimed later), never lost.
 # Returns 1 when the entry was re-added, else 0.
 REQUEUE = """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
-if ARGV[4] == '1' then
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 5))
+local stream = KEYS[1]
+local group, entry_id, maxlen, again = unpack(ARGV, 1, 4)
+local ENTRY = 5  -- ARGV[5..]: the entry's field/value pairs
+if #redis.call('XPENDING', stream, group, entry_id, entry_id, 1) == 0 then return 0 end
+if again == '1' then
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-return ARGV[4] == '1' and 1 or 0
+redis.call('XACK', stream, group, entry_id)
+redis.call('XDEL', stream, entry_id)
+return again == '1' and 1 or 0
 """
 
 # KEYS: request stream
@@ -316,13 +347,17 @@ return ARGV[4] == '1' and 1 or 0
 # reclaimed them while this one stalled. Entries pending to nobody (deleted or trimmed by
 # hand) are left alone: their job runs on and its result is stored as usual.
 RENEW = """
+local stream = KEYS[1]
+local group, consumer = ARGV[1], ARGV[2]
+local IDS = 3  -- ARGV[3..]: the entry ids
 local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+for i = IDS, #ARGV do
+  local id = ARGV[i]
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  if #p == 1 and p[1][2] == consumer then
+    redis.call('XCLAIM', stream, group, consumer, 0, id, 'JUSTID')
   elseif #p == 1 then
-    lost[#lost + 1] = ARGV[i]
+    lost[#lost + 1] = id
   end
 end
 return lost
@@ -353,13 +388,15 @@ return out
 # Stores a line's one result; the counts move only when it was new. Returns 1, or 0 when
 # the line had a result already.
 BATCH_LINE = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'completed' or 'failed', 1)
-redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[2], 'output_tokens', ARGV[5])
-redis.call('HSET', KEYS[2], 'beat_ms', ARGV[6])
-redis.call('EXPIRE', KEYS[1], ARGV[7])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
+local lines, batch = KEYS[1], KEYS[2]
+local index, line, ok, prompt_tokens, output_tokens, now_ms, ttl = unpack(ARGV, 1, 7)
+if redis.call('HSETNX', lines, index, line) == 0 then return 0 end
+redis.call('HINCRBY', batch, ok == '1' and 'completed' or 'failed', 1)
+redis.call('HINCRBY', batch, 'prompt_tokens', prompt_tokens)
+redis.call('HINCRBY', batch, 'output_tokens', output_tokens)
+redis.call('HSET', batch, 'beat_ms', now_ms)
+redis.call('EXPIRE', lines, ttl)
+redis.call('EXPIRE', batch, ttl)
 return 1
 """
 
@@ -367,18 +404,22 @@ return 1
 # Returns the new generation, or false if there is no record (HINCRBY alone would create
 # one, without a TTL).
 BATCH_GEN = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-return redis.call('HINCRBY', KEYS[1], 'gen', 1)
+local batch = KEYS[1]
+if redis.call('EXISTS', batch) == 0 then return false end
+return redis.call('HINCRBY', batch, 'gen', 1)
 """
 
 # KEYS: batch record
 # ARGV: new status, then the statuses it may replace
 # Returns the status after the call, or false if there is no record.
 BATCH_MOVE = """
-local cur = redis.call('HGET', KEYS[1], 'status')
+local batch = KEYS[1]
+local status = ARGV[1]
+local FROM = 2  -- ARGV[2..]: the statuses it may replace
+local cur = redis.call('HGET', batch, 'status')
 if not cur then return false end
-for i = 2, #ARGV do
-  if cur == ARGV[i] then redis.call('HSET', KEYS[1], 'status', ARGV[1]) return ARGV[1] end
+for i = FROM, #ARGV do
+  if cur == ARGV[i] then redis.call('HSET', batch, 'status', status) return status end
 end
 return cur
 """

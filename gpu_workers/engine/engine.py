@@ -156,7 +156,13 @@ class Engine:
         check_options(priority, cache_salt, special_tokens)
         ids = self.tokenize(prompt, token_ids, messages, special_tokens)
         matcher = self.grammars.matcher(params)  # compiled (or cached) before any KV block
-        seq = Sequence(request_id, ids, params, priority, cache_salt=cache_salt)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=ids,
+            params=params,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         seq.matcher = matcher
         seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.seqs[request_id] = seq
@@ -294,14 +300,14 @@ class Engine:
         self.scheduler.finish(seq)
         del self.seqs[seq.request_id]
         return StepOutput(
-            seq.request_id,
-            [],
-            "",
-            True,
-            "error",
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            seq.num_cached_tokens,
+            request_id=seq.request_id,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             error=_describe(error),
         )
 
@@ -345,15 +351,15 @@ class Engine:
             self.scheduler.finish(seq)
             del self.seqs[seq.request_id]
         return StepOutput(
-            seq.request_id,
-            [token],
-            delta,
-            reason is not None,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            seq.num_cached_tokens,
-            [logprob] if logprob is not None else None,
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text_delta=delta,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=[logprob] if logprob is not None else None,
         )
 
     # -- offline ------------------------------------------------------------------
@@ -385,13 +391,13 @@ class Engine:
             assert s.detok is not None and s.finish_reason is not None
             out.append(
                 Completion(
-                    rid,
-                    s.token_ids[: s.num_prompt_tokens],
-                    s.output_token_ids,
-                    s.detok.text,
-                    s.finish_reason,
-                    s.num_cached_tokens,
-                    s.logprobs or None,
+                    request_id=rid,
+                    prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
+                    token_ids=s.output_token_ids,
+                    text=s.detok.text,
+                    finish_reason=s.finish_reason,
+                    num_cached_tokens=s.num_cached_tokens,
+                    logprobs=s.logprobs or None,
                 )
             )
         return out

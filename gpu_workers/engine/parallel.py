@@ -68,7 +68,14 @@ def decode_step(data: list[int]) -> list[StepSeq]:
         tokens = [0] * length
         tokens[start : start + n] = data[i : i + n]
         i += n
-        seqs.append(StepSeq(tokens, start, n, data[i : i + nb]))
+        seqs.append(
+            StepSeq(
+                token_ids=tokens,
+                num_computed_tokens=start,
+                num_scheduled=n,
+                block_table=data[i : i + nb],
+            )
+        )
         i += nb
     return seqs
 

@@ -84,4 +84,7 @@ def placement(config: EngineConfig, rank: int, num_layers: int) -> tuple[TP, Sta
             if s == stage:
                 group = g
     ranges = split_layers(num_layers, pp, config.pipeline_layers)
-    return TP(rank % tp, tp, group), Stage(stage, pp, ranges[stage])
+    return (
+        TP(rank=rank % tp, size=tp, group=group),
+        Stage(index=stage, count=pp, layers=ranges[stage]),
+    )

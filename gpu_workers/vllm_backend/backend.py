@@ -220,7 +220,9 @@ class VllmBackend:
         except (ValueError, TypeError, VLLMClientError) as e:  # beyond the shared checks
             raise RequestError(ErrorCode.INVALID_PARAMS, f"vLLM refused the request: {e}") from e
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
-        self.reqs[request_id] = _Request(len(ids), max_len, params.logprobs)
+        self.reqs[request_id] = _Request(
+            num_prompt=len(ids), max_len=max_len, top_logprobs=params.logprobs
+        )
         self.added += 1
 
     def abort(self, request_id: str) -> bool:
@@ -269,18 +271,18 @@ class VllmBackend:
                     error = f"vLLM ended the request: {c.finish_reason} ({c.stop_reason})"
             out.append(
                 StepOutput(
-                    o.request_id,
-                    new,
-                    c.text,
-                    o.finished,
-                    reason,
-                    req.num_prompt,
-                    req.num_output,
-                    o.num_cached_tokens or 0,
-                    logprob_entries(new, c.logprobs, req.top_logprobs or 0)
+                    request_id=o.request_id,
+                    new_token_ids=new,
+                    text_delta=c.text,
+                    finished=o.finished,
+                    finish_reason=reason,
+                    num_prompt_tokens=req.num_prompt,
+                    num_output_tokens=req.num_output,
+                    num_cached_tokens=o.num_cached_tokens or 0,
+                    logprobs=logprob_entries(new, c.logprobs, req.top_logprobs or 0)
                     if req.top_logprobs is not None
                     else None,
-                    error,
+                    error=error,
                 )
             )
         self._settle()

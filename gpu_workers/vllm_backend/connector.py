@@ -38,17 +38,8 @@ queues it on RedisTier's writer (dropped, never waited on, when the writer is be
 Redis is down). So a damaged entry is written again whole by the next worker that
 recomputes it. Generated-token blocks are not saved.
 
-Layouts: vLLM hands connectors each layer's cache as [blocks, kv_heads, tokens, 2 *
-head_dim], but where K and V sit inside a block is the attention backend's business:
-FLASH_ATTN puts K and V side by side per token; CPU_ATTN (vLLM 0.32, its "vec" kernel)
-puts per head all of K transposed, [head_dim, tokens], then all of V, and its other
-kernels (AMX, NEON) may pack otherwise. So nothing is assumed: at registration the
-connector has the backend's own cache write fill a scratch block with numbered values
-and learns the permutation from [2, kv_heads, tokens, head_dim] to the block's layout,
-which any backend whose write is a plain permutation gets right (CPU and GPU alike,
-kernel blocks smaller than vLLM's block included). A backend without a separate cache
-write, a write that is no permutation (quantized, fp8 caches), MLA, sliding-window and
-hybrid models are refused with an error at start-up rather than stored wrongly.
+Layouts: where K and V sit inside a vLLM cache page is learned at registration
+(gpu_workers/vllm_backend/kv_layout.py); caches it cannot store are refused at start-up.
 
 Requests with images (mm_features), LoRA adapters or prompt embeddings are neither
 looked up nor saved: their KV is not a function of the token ids alone.
@@ -70,9 +61,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from broker_config.connection import connect
+from gpu_workers.vllm_backend.kv_layout import block_spec, from_native, layer_pages, to_native
 from kv_store import block_format
 from kv_store.block_hash import chain_hashes, salt_root
 from kv_store.redis_tier import RedisTier
@@ -89,11 +80,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 URL_ENV = "PLURAI_KV_REDIS_URL"
-
-
-class UnsupportedCache(ValueError):
-    """A vLLM KV cache this connector refuses to store (raised at start-up, never while
-    serving): a layout it cannot invert, a quantized dtype, MLA, sliding-window or hybrid."""
 
 
 @dataclass
@@ -122,83 +108,6 @@ def rank_fingerprint(fingerprint: str, rank: tuple[int, int], world: tuple[int, 
     h = hashlib.blake2b(digest_size=len(fingerprint) // 2, person=b"plurai-rank")
     h.update(f"{fingerprint}|tp{rank[0]}/{world[0]}|pp{rank[1]}/{world[1]}".encode())
     return h.hexdigest()
-
-
-def probe(layer: Any, kv: torch.Tensor) -> torch.Tensor:
-    """Where the attention backend puts each K and V value in a page of `kv` (a layer's
-    [pages, heads, page tokens, 2 * head_dim] cache): page element i (in logical order)
-    holds element perm[i] of the page's [2, heads, page tokens, head_dim] K/V. Learned by
-    having the backend's own cache write fill a scratch page with numbered values (base-256
-    digits, exact in every float dtype); raises unless that write is a permutation."""
-    _, heads, rows, content = kv.shape
-    size = 2 * heads * rows * (content // 2)
-    strides = kv.stride()[1:]
-    extent = 1 + sum((n - 1) * st for n, st in zip(kv.shape[1:], strides, strict=True))
-    scratch = torch.empty_strided(
-        (1, heads, rows, content), (extent, *strides), dtype=kv.dtype, device=kv.device
-    )
-    slots = torch.arange(rows, device=kv.device)
-    ids = torch.arange(size, device=kv.device)
-    perm = torch.zeros(size, dtype=torch.long, device=kv.device)
-    scale = 1
-    while scale < size:
-        digits = ((ids // scale) % 256).to(kv.dtype).view(2, heads, rows, content // 2)
-        key, value = (d.transpose(0, 1).contiguous() for d in digits)  # [tokens, heads, dim]
-        scratch.fill_(-1)
-        layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
-        page = scratch[0].flatten()
-        if bool((page < 0).any()):
-            raise UnsupportedCache("the backend's cache write leaves part of a page unwritten")
-        perm += page.long() * scale
-        scale *= 256
-    if not torch.equal(perm.sort().values, ids):
-        raise UnsupportedCache("the backend's cache write is not a permutation of K and V")
-    return perm
-
-
-def to_native(blocks: torch.Tensor, perm: torch.Tensor, ratio: int) -> torch.Tensor:
-    """[n, 2, heads, tokens, head_dim] blocks of one layer as the backend's pages, [n,
-    ratio, heads, tokens // ratio, 2 * head_dim] (a vLLM block is `ratio` kernel pages)."""
-    n, _, heads, tokens, dim = blocks.shape
-    rows = tokens // ratio
-    x = blocks.reshape(n, 2, heads, ratio, rows, dim).permute(0, 3, 1, 2, 4, 5)
-    flat = x.reshape(n, ratio, -1)[:, :, perm.to(blocks.device)]
-    return flat.view(n, ratio, heads, rows, 2 * dim)
-
-
-def from_native(pages: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """The inverse of to_native."""
-    n, ratio, heads, rows, content = pages.shape
-    flat = torch.empty(n, ratio, perm.numel(), dtype=pages.dtype, device=pages.device)
-    flat[:, :, perm.to(pages.device)] = pages.reshape(n, ratio, -1)
-    x = flat.view(n, ratio, 2, heads, rows, content // 2).permute(0, 2, 3, 1, 4, 5)
-    return x.reshape(n, 2, heads, ratio * rows, content // 2)
-
-
-def block_spec(kv_cache_config: KVCacheConfig) -> tuple[tuple[int, ...], torch.dtype]:
-    """The block_format shape and dtype of a rank's blocks; raises for caches this
-    connector cannot store."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedCache(
-            f"PluraiConnector supports one KV cache group, not {len(groups)} "
-            "(hybrid or sliding-window models)"
-        )
-    spec = groups[0].kv_cache_spec
-    if (
-        type(spec) is not FullAttentionSpec
-        or spec.head_size_v != spec.head_size
-        or spec.num_head_slots is not None
-        or spec.state_content_bytes is not None
-        or spec.tokens_per_state != 1
-        or spec.sliding_window is not None
-        or spec.attention_chunk_size is not None
-    ):
-        raise UnsupportedCache(f"PluraiConnector cannot store {spec!r}")
-    if spec.dtype not in block_format.DTYPES:
-        raise UnsupportedCache(f"PluraiConnector cannot store a {spec.dtype} KV cache")
-    layers = len(groups[0].layer_names)
-    return (2, layers, spec.num_kv_heads, spec.block_size, spec.head_size), spec.dtype
 
 
 class Store:
@@ -353,7 +262,9 @@ class PluraiConnector(KVConnectorBase_V1):
                 return None
             fp = self.store.fingerprint
             st = _Req(
-                chain_hashes(list(tokens), self.block_size, fp, root=salt_root(request.cache_salt))
+                hashes=chain_hashes(
+                    list(tokens), self.block_size, fp, root=salt_root(request.cache_salt)
+                )
             )
             self.reqs[request.request_id] = st
         return st
@@ -387,7 +298,9 @@ class PluraiConnector(KVConnectorBase_V1):
         if n > 0:
             ids = blocks.get_block_ids()[0][st.start : st.start + n]
             hashes = st.hashes[st.start : st.start + n]
-            self.loads.append(Load(request.request_id, ids, hashes, st.found[:n]))
+            self.loads.append(
+                Load(req_id=request.request_id, block_ids=ids, hashes=hashes, blocks=st.found[:n])
+            )
         st.start, st.found, st.bad = -1, [], 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -427,51 +340,10 @@ class PluraiConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-        from vllm.model_executor.models.utils import extract_layer_index
 
         layers = self._vllm_config.compilation_config.static_forward_context
-        _, num_layers, heads, tokens, dim = self.shape
         num_blocks = self._kv_cache_config.num_blocks
-        seen: set[tuple[int, int]] = set()
-        perms: dict[tuple[Any, ...], torch.Tensor] = {}
-        views: list[tuple[int, str, torch.Tensor, int, torch.Tensor]] = []
-        for name, kv in kv_caches.items():
-            where = (kv.untyped_storage().data_ptr(), kv.storage_offset())
-            if where in seen:  # a layer that shares another's cache
-                continue
-            seen.add(where)
-            layer = layers.get(name)
-            backend = getattr(layer, "attn_backend", None)
-            if backend is None or backend.forward_includes_kv_cache_update:
-                raise UnsupportedCache(
-                    f"PluraiConnector needs an attention backend with a separate KV cache "
-                    f"write; {name} has {backend.get_name() if backend else 'none'}"
-                )
-            ratio = kv.shape[0] // num_blocks if kv.dim() == 4 else 0
-            if (
-                kv.dim() != 4
-                or kv.dtype != self.dtype
-                or ratio * num_blocks != kv.shape[0]
-                or ratio * kv.shape[2] != tokens
-                or tuple(kv.shape[1:]) != (heads, kv.shape[2], 2 * dim)
-            ):
-                raise UnsupportedCache(
-                    f"PluraiConnector cannot read {name}'s KV cache: {kv.dtype} "
-                    f"{tuple(kv.shape)}, expected {self.dtype} pages of [{heads}, "
-                    f"{tokens} / n, {2 * dim}] for {num_blocks} blocks"
-                )
-            key = (backend.get_name(), getattr(layer, "isa", None), kv.shape[1:], kv.stride()[1:])
-            if key not in perms:
-                perms[key] = probe(layer, kv).cpu()
-            pages = kv.view(num_blocks, ratio, heads, tokens // ratio, 2 * dim)
-            views.append((extract_layer_index(name), name, pages, ratio, perms[key]))
-        if len(views) != num_layers:
-            raise UnsupportedCache(
-                f"PluraiConnector expected {num_layers} KV caches, got {len(views)}"
-            )
-        self.layers = [
-            (pages, ratio, perm) for _, _, pages, ratio, perm in sorted(views, key=lambda v: v[:2])
-        ]
+        self.layers = layer_pages(kv_caches, layers, self.shape, self.dtype, num_blocks)
         rank = (get_tp_group().rank_in_group, get_pp_group().rank_in_group)
         fp = rank_fingerprint(self.fingerprint, rank, self.world)
         self.store = open_store(fp, self.ttl_s, self.shape, self.dtype)

@@ -206,7 +206,16 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
         w._fill()
 
         def out(token: int) -> StepOutput:
-            return StepOutput(job, [token], "a", False, None, 1, token, 0)
+            return StepOutput(
+                request_id=job,
+                new_token_ids=[token],
+                text_delta="a",
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=1,
+                num_output_tokens=token,
+                num_cached_tokens=0,
+            )
 
         w._publish([out(1)])
         time.sleep(0.06)

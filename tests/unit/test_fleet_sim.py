@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fleet_sim import SimBackend, estimate_tokens
+from bench.sim_backend import SimBackend, estimate_tokens
 from gpu_workers.backend import RequestError
 
 

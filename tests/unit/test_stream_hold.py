@@ -17,18 +17,25 @@ def running(stream: bool = True) -> Running:
     env = protocol.Envelope(job_id="job-12345678", max_tokens=64, prompt_tokens=3)
     return Running(
         Entry(
-            "standard",
-            "plurai:{default}:req:standard",
-            b"1-0",
-            {},
-            protocol.Request(env, prompt="x", stream=stream),
+            lane="standard",
+            stream="plurai:{default}:req:standard",
+            entry_id=b"1-0",
+            fields={},
+            req=protocol.Request(envelope=env, prompt="x", stream=stream),
         )
     )
 
 
 def out(tok: int, text: str, finished: bool = False) -> StepOutput:
     return StepOutput(
-        "job-12345678", [tok], text, finished, "length" if finished else None, 3, 0, 0
+        request_id="job-12345678",
+        new_token_ids=[tok],
+        text_delta=text,
+        finished=finished,
+        finish_reason="length" if finished else None,
+        num_prompt_tokens=3,
+        num_output_tokens=0,
+        num_cached_tokens=0,
     )
 
 
@@ -54,7 +61,11 @@ def test_held_tokens_go_when_the_oldest_is_old_enough_or_the_job_ends() -> None:
 
 
 def test_the_stream_spells_the_result_whatever_the_holding() -> None:
-    for every in (Stream(1, 0.0), Stream(3, 10.0), Stream(1000, 1000.0)):
+    for every in (
+        Stream(tokens=1, seconds=0.0),
+        Stream(tokens=3, seconds=10.0),
+        Stream(tokens=1000, seconds=1000.0),
+    ):
         run, written = running(), []
         for t in range(20):
             d = run.absorb(out(t, f"<{t}>", finished=t == 19), t * 0.03, every)

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from gpu_workers.vllm_backend import connector  # noqa: E402
+from gpu_workers.vllm_backend import connector, kv_layout  # noqa: E402
 from kv_store import block_format  # noqa: E402
 from kv_store.block_hash import chain_hashes, salt_root  # noqa: E402
 from kv_store.redis_tier import SECRET_ENV, RedisTier  # noqa: E402
@@ -167,7 +167,7 @@ def shared(small_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """A computes P1-P3 (and P1 salted "x"); P2's and P3's blocks are damaged in Redis;
     a fresh B runs P1-P3, then P1 salted "x" and "y"; then Redis stops and B runs P4.
     Both hold a secret, so every block carries a MAC (the path without one is the native
-    tier's: tests/integration/test_kv_redis_tier.py and test_security_kv.py)."""
+    tier's: tests/integration/test_kv_redis_tier.py)."""
     secret = "kv-test-secret"
     tmp = tmp_path_factory.mktemp("kv")
     server = EmbeddedRedis(tmp / "redis")
@@ -307,12 +307,12 @@ def test_layout_permutation_round_trips() -> None:
     g = torch.Generator().manual_seed(0)
     blocks = torch.randn(3, 2, 4, 64, 8, generator=g)
     perm = torch.randperm(2 * 4 * 16 * 8, generator=g)
-    pages = connector.to_native(blocks, perm, ratio=4)
+    pages = kv_layout.to_native(blocks, perm, ratio=4)
     assert pages.shape == (3, 4, 4, 16, 16)
     # page j of a block holds tokens 16j..16j+15, placed by perm
     sem = blocks[1, :, :, 32:48].reshape(-1)
     assert torch.equal(pages[1, 2].reshape(-1), sem[perm])
-    assert torch.equal(connector.from_native(pages, perm), blocks)
+    assert torch.equal(kv_layout.from_native(pages, perm), blocks)
 
 
 def test_rank_fingerprints() -> None:
@@ -365,7 +365,7 @@ def test_the_worker_half_reads_what_did_not_come_along_and_reports_what_failed(
     caches = [torch.zeros(8, KV_HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(LAYERS)]
     w.layers = [(kv.view(8, 1, KV_HEADS, BLOCK, 2 * HEAD_DIM), 1, perm) for kv in caches]
     w.store, w.failed = connector.Store(tier, SHAPE, torch.float32), set()
-    load = connector.Load("r", [5, 3, 7, 1], hashes, blocks)
+    load = connector.Load(req_id="r", block_ids=[5, 3, 7, 1], hashes=hashes, blocks=blocks)
     meta = pickle.loads(
         pickle.dumps(connector.Meta(loads=[load], save_ids=[6], save_hashes=[b"h" * 16]))
     )
