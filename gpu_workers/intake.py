@@ -253,7 +253,7 @@ class Intake:
                     f"model {req.model!r} is not served here; this queue serves "
                     f"{sorted(self.model_names)} (or leave 'model' out)",
                 )
-            return Entry(lane, stream, entry_id, fields, req)
+            return Entry(lane=lane, stream=stream, entry_id=entry_id, fields=fields, req=req)
         except protocol.NoJobId as e:
             self._dead_letter(lane, stream, entry_id, fields, str(e), "no_job_id")
         except WireError as e:

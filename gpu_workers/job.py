@@ -83,9 +83,9 @@ class Running:
         self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
         self.held_since = None
         return jobs.Delta(
-            self.entry.job_id,
-            "".join(self.text[start_piece:]),
-            self.token_ids[start_token:],
+            job_id=self.entry.job_id,
+            text="".join(self.text[start_piece:]),
+            token_ids=self.token_ids[start_token:],
             reset=reset,
         )
 

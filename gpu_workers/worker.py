@@ -63,7 +63,9 @@ class Worker:
         self.metrics = Metrics(self.id, self.lanes)
         self.metrics_port = 0  # where /metrics is served (serve.py sets it), 0: nowhere
         self.writer = Writer(r, settings, self.id)
-        self.stream = Stream(settings.stream_flush_tokens, settings.stream_flush_ms / 1000)
+        self.stream = Stream(
+            tokens=settings.stream_flush_tokens, seconds=settings.stream_flush_ms / 1000
+        )
         self.pace = Pace(settings.top_lane_slowdown)
         self._lower_open = True  # the pace gate's state, logged when it changes
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)

@@ -194,7 +194,9 @@ def submit(
         k.append(keys.idempotency(idempotency_key, model, shard))
     record = [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model]
     queue = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, *fields]
-    return Submission(job_id, lane, model, k, record, queue)
+    return Submission(
+        job_id=job_id, lane=lane, model=model, keys=k, record_args=record, queue_args=queue
+    )
 
 
 def take(*, streams: list[str], consumer: str, count: int) -> Call:
