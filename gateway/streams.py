@@ -39,8 +39,6 @@ OUTAGE_S = 10.0  # transient read errors retried this long before the followers 
 WAKE_TTL_S = 60
 MAX_QUEUED = 4  # batches (of up to 256 entries) read ahead of a stream's client
 MAX_QUEUED_CHARS = 64 << 10  # and their text
-# what parsing a damaged entry or record raises (token_ids nested too deep: RecursionError)
-DAMAGED = (ValueError, TypeError, RecursionError)
 
 
 class Follow:
@@ -215,7 +213,7 @@ class Streams:
             try:
                 batch.extend(f.reader.feed([(stream, entries)]))
                 f.done = f.reader.ended
-            except DAMAGED as e:  # a damaged entry fails its own stream
+            except records.BadRecord as e:  # a damaged entry fails its own stream
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
                 f.done = True
                 if batch:

@@ -32,7 +32,7 @@ import redis.asyncio
 from broker_config import keys
 from broker_config.embedded import EmbeddedRedis
 from broker_config.settings import Settings
-from gateway import auth
+from gateway import apikeys
 from gateway.streams import MAX_QUEUED, MAX_QUEUED_CHARS, Streams
 from results import tokens
 
@@ -83,7 +83,7 @@ def _stack(tmp_path_factory, env: dict[str, str], n_keys: int = 0) -> Iterator[S
     worker = FakeWorker(url).start()
     secrets = []
     for i in range(n_keys):
-        secret, _ = auth.create_key(redis.Redis.from_url(url), f"tenant{i}")
+        secret, _ = apikeys.create_key(redis.Redis.from_url(url), f"tenant{i}")
         secrets.append(secret)
     gw = GatewayProcess(url, d / "gateway.log", env)
     try:

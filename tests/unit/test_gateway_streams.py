@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 
 from broker_config import keys
-from gateway import app, streams
+from gateway import sse, streams
 from results import records, tokens
 
 
@@ -161,7 +161,7 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
             await asyncio.sleep(0)
 
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-        await app._EventStream(body(), close)(scope, receive, send)
+        await sse.EventStream(body(), close)(scope, receive, send)
         assert closed == [False] and not began
 
         sent = []
@@ -172,7 +172,7 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
         async def record(message):
             sent.append(message)
 
-        await app._EventStream(body(), close)(scope, receive_nothing, record)
+        await sse.EventStream(body(), close)(scope, receive_nothing, record)
         assert closed == [False, True] and sent[-1]["more_body"] is False
 
     run(go())
@@ -202,9 +202,9 @@ def test_a_client_that_leaves_while_a_read_holds_its_cancel_is_still_let_go() ->
                 return {"type": "http.disconnect"}
 
         gen = batches()
-        with pytest.raises(app._Gone):
-            await app._unless_gone(Left(), app._head(gen, tokens.TextFollower()))  # type: ignore[arg-type]
-        await app._close(gen)
+        with pytest.raises(sse.Gone):
+            await sse.unless_gone(Left(), sse.head(gen, tokens.TextFollower()))  # type: ignore[arg-type]
+        await sse.close_reader(gen)
         assert not cleaned  # still in the read
         await asyncio.sleep(1)
         assert cleaned
