@@ -182,11 +182,8 @@ class Gateway:
     async def generate(self, request: Request, chat: bool) -> Response:
         key = await self.authorize(request)
         body = await self.body(request)
-        job = (
-            chat_job(body, self.settings.gateway_default_max_tokens)
-            if chat
-            else completion_job(body)
-        )
+        default_max = self.settings.gateway_default_max_tokens
+        job = chat_job(body, default_max) if chat else completion_job(body)
         models = await self.models()
         if not models.served():
             raise no_workers()

@@ -61,6 +61,8 @@ class Follow:
 
 
 class Streams:
+    """The shared reader, on the gateway's connection (`r` decodes replies)."""
+
     def __init__(self, r: redis.asyncio.Redis) -> None:
         self.r = r
         self.wake_key = keys.gateway_wake(secrets.token_hex(8))
@@ -202,7 +204,7 @@ class Streams:
 
     def _deliver(self, reply: Any) -> None:
         for stream, entries in tokens.stream_items(reply):
-            key = stream.decode() if isinstance(stream, bytes) else str(stream)
+            key = stream  # the gateway's connection decodes
             if key == self.wake_key:
                 self.wake_id = entries[-1][0]
                 continue

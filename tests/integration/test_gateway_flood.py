@@ -412,7 +412,7 @@ def test_the_reader_leaves_a_stream_whose_client_is_behind_in_redis(redis_url: s
         pipe.execute()
 
     async def go() -> None:
-        ar = redis.asyncio.Redis.from_url(redis_url)
+        ar = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         streams = Streams(ar)
         slow = streams.batches("slow-job-1")
         first = await anext(slow)  # following it; then its client takes nothing

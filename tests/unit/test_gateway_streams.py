@@ -34,7 +34,7 @@ async def started(s: streams.Streams, job_id: str):
 
 def test_a_stream_followed_before_the_first_xread_lands_is_picked_up(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         xread = r.xread
 
@@ -61,7 +61,7 @@ def test_a_stream_followed_before_the_first_xread_lands_is_picked_up(redis_url) 
 
 def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         try:
             bad, bad_first = await started(s, "job-damaged")
@@ -82,7 +82,7 @@ def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> N
 
 def test_a_deeply_nested_entry_fails_only_its_own_stream(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         try:
             bad, bad_first = await started(s, "job-nested")
@@ -109,7 +109,7 @@ def test_a_reader_error_reaches_every_follower_and_nothing_spins_after(
     caplog.set_level(logging.CRITICAL, logger="plurai.gateway")
 
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         xread = r.xread
         calls = []
@@ -216,7 +216,7 @@ def test_redis_errors_reach_followers_after_the_outage_window(redis_url, monkeyp
     monkeypatch.setattr(streams, "OUTAGE_S", 0.6)
 
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
 
         async def broken(*a, **kw):
@@ -241,7 +241,7 @@ def test_a_redis_blip_loses_no_token(redis_url) -> None:
     every event once, in order, and no error."""
 
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         xread, failures = r.xread, [2]
 
@@ -272,7 +272,7 @@ def test_a_redis_blip_loses_no_token(redis_url) -> None:
 
 def test_entries_read_together_come_as_one_batch(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         try:
             it, first = await started(s, "job-batched")
