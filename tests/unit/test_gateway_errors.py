@@ -275,3 +275,27 @@ def test_directory_entries_that_are_not_utf8_are_skipped(api, r) -> None:
     assert [m["id"] for m in resp.json()["data"]] == ["m"]
     body = {"model": "m3", "prompt": "hi", "max_tokens": 2}
     openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
+
+
+def test_a_model_is_queued_on_its_workers_stream_by_any_of_its_names(api, r) -> None:
+    """The directory routes a request naming a model by its folder's name or an alias to
+    the queue its workers read."""
+    now = int(time.time() * 1000)
+    r.hset(keys.MODELS, "q", registry_value(1, now, model_id="tiny", names={"alias"}))
+    worker(r, record={"state": "completed", "final": "1", "text": "a", "finish_reason": "stop"})
+    body = {"model": "alias", "prompt": "hi", "max_tokens": 2}
+    assert api.post("/v1/completions", json=body).status_code == 200
+    assert r.xlen(keys.request_stream(Settings().default_lane, "q")) == 1
+    assert {m["id"] for m in api.get("/v1/models").json()["data"]} == {"m", "tiny"}
+
+
+def test_one_middleware_counts_each_request_once(api, r) -> None:
+    body = {"model": "nope", "prompt": "hi", "max_tokens": 2}
+    openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
+    assert api.get("/v1/files/file-nope").status_code == 404
+    page = api.get("/metrics").text
+    counted = [x for x in page.splitlines() if x.startswith("plurai_gateway_requests_total")]
+    assert sorted(counted) == [
+        'plurai_gateway_requests_total{route="completions",status="404"} 1.0',
+        'plurai_gateway_requests_total{route="files",status="404"} 1.0',
+    ]
