@@ -63,7 +63,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
 
 async def close_reader(gen: AsyncGenerator[Any, None] | AsyncIterator[Any]) -> None:
     """Close a stream's reader, unless a read that holds its cancel still runs it
-    (`_unless_gone` waits a second for that): then the cancel ends it, and its own
+    (`unless_gone` waits a second for that): then the cancel ends it, and its own
     `finally` runs, once the read returns."""
     try:
         await gen.aclose()  # type: ignore[union-attr]

@@ -180,7 +180,7 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
 
 def test_a_client_that_leaves_while_a_read_holds_its_cancel_is_still_let_go() -> None:
     """The client leaves while the read of its first token holds the cancel for longer
-    than `_unless_gone` waits (redis-py finishing a command): closing the reader must not
+    than `unless_gone` waits (redis-py finishing a command): closing the reader must not
     fail the request ("asynchronous generator is already running": a 500, and the job not
     cancelled); the reader's own cleanup runs once the read returns."""
 
