@@ -51,8 +51,9 @@ from broker_config.memory import is_oom
 from broker_config.settings import BulkSettings
 from broker_config.text import text, valid_text
 from gateway import auth
-from gateway.app import Gateway, error, unavailable
+from gateway.app import Gateway
 from gateway.auth import Key, Unauthorized
+from gateway.errors import error, unavailable
 from producer.bulk import drive, inputs, manage, store
 from producer.client import Client
 from producer.openai_body import BadRequest
@@ -321,7 +322,6 @@ def _endpoint(route: str) -> Callable[[Handler], Handler]:
     def wrap(fn: Handler) -> Handler:
         @functools.wraps(fn)
         async def handler(self: Batches, request: Request) -> Response:
-            start = time.perf_counter()
             try:
                 response = await fn(self, request)
             except BadRequest as e:
@@ -337,7 +337,6 @@ def _endpoint(route: str) -> Callable[[Handler], Handler]:
                     response = error(500, "the stored record is damaged", "internal")
             except (redis.RedisError, OperationalError):
                 response = unavailable()
-            self.gw.metrics.done(route, response.status_code, time.perf_counter() - start)
             return response
 
         return handler

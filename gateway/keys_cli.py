@@ -18,7 +18,7 @@ import redis
 
 from broker_config.connection import connect, redact, resolve_url
 from broker_config.settings import Settings
-from gateway import auth
+from gateway import apikeys
 
 URL_HELP = "Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
 
@@ -28,7 +28,7 @@ def _count(text: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if not 0 <= value <= auth.MAX_LIMIT:
+    if not 0 <= value <= apikeys.MAX_LIMIT:
         raise argparse.ArgumentTypeError(
             f"expected a whole number >= 0 (0: no limit), got {text!r}"
         )
@@ -60,7 +60,7 @@ def _created(ms: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ms / 1000))
 
 
-def _as_dict(key: auth.Key) -> dict[str, object]:
+def _as_dict(key: apikeys.Key) -> dict[str, object]:
     return {
         "id": key.id,
         "tenant": key.tenant,
@@ -76,7 +76,7 @@ def _as_dict(key: auth.Key) -> dict[str, object]:
 def _create(r: redis.Redis, args: argparse.Namespace) -> int:
     # an empty --lanes is refused (no lanes), never read as "every lane"
     lanes = None if args.lanes is None else [x.strip() for x in args.lanes.split(",") if x.strip()]
-    secret, key = auth.create_key(
+    secret, key = apikeys.create_key(
         r,
         args.tenant,
         lanes=lanes,
@@ -98,7 +98,7 @@ def _create(r: redis.Redis, args: argparse.Namespace) -> int:
 
 
 def _list(r: redis.Redis, args: argparse.Namespace) -> int:
-    found, broken = auth.list_keys(r)
+    found, broken = apikeys.list_keys(r)
     if args.json:
         print(json.dumps([_as_dict(k) for k in found], indent=2))
     else:
@@ -128,7 +128,7 @@ def _list(r: redis.Redis, args: argparse.Namespace) -> int:
 
 
 def _revoke(r: redis.Redis, args: argparse.Namespace) -> int:
-    if not auth.revoke(r, args.key_id):
+    if not apikeys.revoke(r, args.key_id):
         print(f"plurai keys: no key {args.key_id!r}", file=sys.stderr)
         return 1
     print(f"revoked key {args.key_id}", file=sys.stderr)

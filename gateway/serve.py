@@ -22,12 +22,14 @@ log = logging.getLogger("plurai.gateway")
 
 def create_app(settings: Settings, url: str) -> Starlette:
     """The gateway's ASGI app: the completions endpoints (app.py) and files and batches
-    (batches.py) on one Gateway."""
+    (batches.py) on one Gateway; errors.py's handlers and the metrics middleware."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
     from starlette.routing import Route
 
-    from gateway import batches
+    from gateway import batches, errors
     from gateway.app import Gateway
+    from gateway.metrics import MetricsMiddleware
 
     gw = Gateway(settings, url)
     app = Starlette(
@@ -39,6 +41,8 @@ def create_app(settings: Settings, url: str) -> Starlette:
             Route("/metrics", gw.metrics_page, methods=["GET"]),
             *batches.routes(gw),
         ],
+        middleware=[Middleware(MetricsMiddleware, metrics=gw.metrics)],
+        exception_handlers=errors.handlers(),
         lifespan=gw.lifespan,
     )
     app.state.gateway = gw
@@ -77,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"plurai gateway: {e}") from e
     from broker_config import memory
     from broker_config.connection import connect
-    from gateway import auth, server
+    from gateway import apikeys, auth, server
 
     try:
         r = connect(url)
-        keyed = auth.any_keys(r)
+        keyed = apikeys.any_keys(r)
         memory.check_policy(r)  # an evicting Redis would drop jobs and results
     except memory.EvictingRedis as e:
         raise SystemExit(f"plurai gateway: {e}") from e

@@ -16,7 +16,7 @@ the time a response may wait for its client to read it. `Guarded` adds them:
   and its connection is closed (one that sends no request in `OVER_CAP_S` is closed);
 - a response its client does not read for `stream_stall_s` once it has been written:
   the connection is dropped. Streams stop on their own after the same time
-  (app.py's `_EventStream`, through the scope's `plurai.close` extension).
+  (sse.py's `EventStream`, through the scope's `plurai.close` extension).
 """
 
 from __future__ import annotations

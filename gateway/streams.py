@@ -39,8 +39,6 @@ OUTAGE_S = 10.0  # transient read errors retried this long before the followers 
 WAKE_TTL_S = 60
 MAX_QUEUED = 4  # batches (of up to 256 entries) read ahead of a stream's client
 MAX_QUEUED_CHARS = 64 << 10  # and their text
-# what parsing a damaged entry or record raises (token_ids nested too deep: RecursionError)
-DAMAGED = (ValueError, TypeError, RecursionError)
 
 
 class Follow:
@@ -63,6 +61,8 @@ class Follow:
 
 
 class Streams:
+    """The shared reader, on the gateway's connection (`r` decodes replies)."""
+
     def __init__(self, r: redis.asyncio.Redis) -> None:
         self.r = r
         self.wake_key = keys.gateway_wake(secrets.token_hex(8))
@@ -204,7 +204,7 @@ class Streams:
 
     def _deliver(self, reply: Any) -> None:
         for stream, entries in tokens.stream_items(reply):
-            key = stream.decode() if isinstance(stream, bytes) else str(stream)
+            key = stream  # the gateway's connection decodes
             if key == self.wake_key:
                 self.wake_id = entries[-1][0]
                 continue
@@ -215,7 +215,7 @@ class Streams:
             try:
                 batch.extend(f.reader.feed([(stream, entries)]))
                 f.done = f.reader.ended
-            except DAMAGED as e:  # a damaged entry fails its own stream
+            except records.BadRecord as e:  # a damaged entry fails its own stream
                 log.warning("token stream %s: a damaged entry (%s)", key, e)
                 f.done = True
                 if batch:

@@ -62,7 +62,13 @@ class Heartbeat:
             pipe.expire(keys.worker(self.id), ttl)
             pipe.sadd(keys.WORKERS, self.id)
             if beat["state"] == "serving":
-                value = registry_value(self.settings.shards, beat["beat_ms"])
+                value = registry_value(
+                    self.settings.shards,
+                    beat["beat_ms"],
+                    model_id=beat.get("model_id", ""),
+                    names=self.model_names,
+                    max_model_len=beat.get("max_model_len", 0),
+                )
                 pipe.hset(keys.MODELS, self.settings.model, value)
             replies = pipe.execute(raise_on_error=False)
             names = (keys.worker(self.id), "", keys.WORKERS, keys.MODELS)

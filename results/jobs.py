@@ -77,10 +77,23 @@ def _digest(name: str) -> str:
     return hashlib.sha1(_text(name).encode()).hexdigest()
 
 
+# scripts kept beside their callers (the gateway's quota scripts), by name: see `register`
+_KEPT: dict[str, str] = {}
+
+
+def register(**named: str) -> None:
+    """Make scripts kept beside their callers callable by name through `run`, `run_async`
+    and `Call.command`, like those of results/scripts.py. A name is taken once."""
+    for name, body in named.items():
+        if not name.isupper() or hasattr(scripts, name) or _KEPT.get(name, body) != body:
+            raise ValueError(f"script name {name!r} is taken, or not upper case")
+        _KEPT[name] = body
+
+
 def _text(name: str) -> str:
-    body = getattr(scripts, name, None)
+    body = _KEPT.get(name) or getattr(scripts, name, None)
     if not isinstance(body, str) or not name.isupper():
-        raise KeyError(f"no script {name!r} in results/scripts.py")
+        raise KeyError(f"no script {name!r} in results/scripts.py, nor registered")
     return body
 
 

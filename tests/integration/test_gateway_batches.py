@@ -345,11 +345,11 @@ def test_oversized_upload_is_413(stack: Stack) -> None:
 
 
 def test_tenants_see_only_their_own(redis_url: str, tmp_path: Path) -> None:
-    from gateway import auth
+    from gateway import apikeys
 
     r = redis.Redis.from_url(redis_url)
-    secrets = {t: auth.create_key(r, t)[0] for t in ("acme", "globex")}
-    secrets["live"] = auth.create_key(r, "live", lanes=["interactive"])[0]
+    secrets = {t: apikeys.create_key(r, t)[0] for t in ("acme", "globex")}
+    secrets["live"] = apikeys.create_key(r, "live", lanes=["interactive"])[0]
     gw = Gateway(redis_url, tmp_path / "gateway.log")
     try:
         acme, globex, live = (

@@ -32,7 +32,7 @@ import redis.asyncio
 from broker_config import keys
 from broker_config.embedded import EmbeddedRedis
 from broker_config.settings import Settings
-from gateway import auth
+from gateway import apikeys
 from gateway.streams import MAX_QUEUED, MAX_QUEUED_CHARS, Streams
 from results import tokens
 
@@ -83,7 +83,7 @@ def _stack(tmp_path_factory, env: dict[str, str], n_keys: int = 0) -> Iterator[S
     worker = FakeWorker(url).start()
     secrets = []
     for i in range(n_keys):
-        secret, _ = auth.create_key(redis.Redis.from_url(url), f"tenant{i}")
+        secret, _ = apikeys.create_key(redis.Redis.from_url(url), f"tenant{i}")
         secrets.append(secret)
     gw = GatewayProcess(url, d / "gateway.log", env)
     try:
@@ -412,7 +412,7 @@ def test_the_reader_leaves_a_stream_whose_client_is_behind_in_redis(redis_url: s
         pipe.execute()
 
     async def go() -> None:
-        ar = redis.asyncio.Redis.from_url(redis_url)
+        ar = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         streams = Streams(ar)
         slow = streams.batches("slow-job-1")
         first = await anext(slow)  # following it; then its client takes nothing

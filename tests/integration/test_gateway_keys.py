@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from broker_config import keys
-from gateway import auth
+from broker_config.routes import registry_value
+from gateway import apikeys
 from results import records, wait
 
 from .test_gateway import Gateway
@@ -24,8 +25,8 @@ from .test_gateway import Gateway
 def served(module_redis_url, tiny_model, tmp_path_factory, workers_class) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("logs")
     r = redis.Redis.from_url(module_redis_url)
-    limited, _ = auth.create_key(r, "acme", rpm=10)
-    batch_only, _ = auth.create_key(r, "bulkco", lanes=["batch"], default_lane="batch")
+    limited, _ = apikeys.create_key(r, "acme", rpm=10)
+    batch_only, _ = apikeys.create_key(r, "bulkco", lanes=["batch"], default_lane="batch")
     w = workers_class(module_redis_url, tiny_model, logs)
     w.start(1)
     gateways = [Gateway(module_redis_url, logs / f"gateway-{i}.log") for i in range(2)]
@@ -80,7 +81,7 @@ def test_lanes_of_a_key(served) -> None:
 def test_revoked_key_gets_401_at_once(served) -> None:
     g, model, key = served["gateways"][0], served["model"], served["batch_only"]
     assert ask(g, model, key).status_code == 200
-    assert auth.revoke(served["r"], auth.key_id(auth.hash_secret(key)))
+    assert apikeys.revoke(served["r"], apikeys.key_id(apikeys.hash_secret(key)))
     for other in served["gateways"]:
         assert ask(other, model, key).status_code == 401
 
@@ -104,6 +105,12 @@ def slot_freed(r: redis.Redis, running: str) -> None:
         time.sleep(0.05)
 
 
+def serve_idle(r: redis.Redis) -> None:
+    """The model directory's entry of a worker that heartbeats but takes nothing (its beat
+    a minute ahead: live for the whole test)."""
+    r.hset(keys.MODELS, "idle", registry_value(1, int(time.time() * 1000) + 60_000))
+
+
 def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
     redis_url, tmp_path
 ) -> None:
@@ -111,11 +118,8 @@ def test_leaving_before_the_first_token_cancels_the_job_and_frees_its_slot(
     heartbeats but takes nothing): the job is cancelled and the key's concurrency slot
     freed at once, and a first token that comes later changes nothing."""
     r = redis.Redis.from_url(redis_url)
-    r.sadd(keys.WORKERS, "w-idle")
-    r.hset(
-        keys.worker("w-idle"), mapping={"model": "idle", "served_model": "idle", "state": "serving"}
-    )
-    secret, key = auth.create_key(r, "acme", concurrent=1)
+    serve_idle(r)
+    secret, key = apikeys.create_key(r, "acme", concurrent=1)
     g = Gateway(redis_url, tmp_path / "gateway.log")
     try:
         body = json.dumps({"model": "idle", "prompt": "hi", "max_tokens": 2, "stream": True})
@@ -149,11 +153,8 @@ def test_a_background_job_whose_client_left_keeps_its_slot_until_it_ends(
     still counts against the key's concurrent limit, so leaving is no way around it; the
     slot comes back once the job has ended. Streamed and not."""
     r = redis.Redis.from_url(redis_url)
-    r.sadd(keys.WORKERS, "w-idle")
-    r.hset(
-        keys.worker("w-idle"), mapping={"model": "idle", "served_model": "idle", "state": "serving"}
-    )
-    secret, key = auth.create_key(r, "acme", concurrent=1)
+    serve_idle(r)
+    secret, key = apikeys.create_key(r, "acme", concurrent=1)
     running = keys.quota_running(key.id)
     g = Gateway(redis_url, tmp_path / "gateway.log")
     try:

@@ -1,4 +1,4 @@
-"""Gateway quotas in a real redis-server (the ADMIT script): exact counts under concurrent
+"""Gateway quotas in a real redis-server (the QUOTA_ADMIT script): exact counts under concurrent
 callers in two processes, a sliding minute, tokens, concurrent jobs and their leases,
 revocation at once, damaged records, and no secret in Redis or in logs."""
 
@@ -20,7 +20,7 @@ import redis.asyncio
 
 from broker_config import keys
 from broker_config.settings import Settings
-from gateway import auth, keys_cli
+from gateway import apikeys, keys_cli, lease, quota
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
@@ -48,9 +48,9 @@ def run(url: str, fn, *args, decode: bool = False, **kw):
     return asyncio.run(go())
 
 
-def new_key(url: str, **limits) -> tuple[str, auth.Key]:
+def new_key(url: str, **limits) -> tuple[str, apikeys.Key]:
     with redis.Redis.from_url(url) as r:
-        return auth.create_key(r, "acme", settings=SETTINGS, **limits)
+        return apikeys.create_key(r, "acme", settings=SETTINGS, **limits)
 
 
 def job(i: int | str) -> str:
@@ -62,17 +62,17 @@ def job(i: int | str) -> str:
 CHILD = r"""
 import asyncio, json, sys
 import redis.asyncio
-from gateway import auth
+from gateway import apikeys, quota
 
 url, secret, tag = sys.argv[1:4]
 
 async def main():
     r = redis.asyncio.Redis.from_url(url)
-    key = await auth.authenticate(r, secret)
+    key = await apikeys.authenticate(r, secret)
     assert key is not None
     await r.rpush("test:ready", tag)
     assert await r.blpop(["test:go"], timeout=60)
-    got = await asyncio.gather(*(auth.admit(r, key, 7, f"{tag}-job-{i:04d}") for i in range(10)))
+    got = await asyncio.gather(*(quota.admit(r, key, 7, f"{tag}-job-{i:04d}") for i in range(10)))
     print(json.dumps([[v.admitted, v.limit, v.retry_after_s] for v in got]))
     await r.aclose()
 
@@ -110,7 +110,7 @@ def test_rpm_is_exact_across_two_processes(url):
     assert r.zcard(keys.quota_window(key.id)) == 10
     assert int(r.get(keys.quota_tokens(key.id))) == 70
     # the 11th from a third client, within the minute: refused too
-    eleventh = run(url, auth.admit, key, 1, job("p3"))
+    eleventh = run(url, quota.admit, key, 1, job("p3"))
     assert not eleventh.admitted and eleventh.limit == "rpm" and eleventh.retry_after >= 1
     r.close()
 
@@ -120,21 +120,21 @@ def test_refusals_count_nothing_and_retries_count_once(url):
     r = redis.Redis.from_url(url)
 
     async def go(ar):
-        v1 = await auth.admit(ar, key, 30, job(1))
+        v1 = await quota.admit(ar, key, 30, job(1))
         assert v1.admitted and v1.remaining_requests == 2 and v1.remaining_tokens == 70
-        again = await auth.admit(ar, key, 30, job(1))  # the same admission, retried
+        again = await quota.admit(ar, key, 30, job(1))  # the same admission, retried
         assert again.admitted and again.remaining_requests == 2
-        assert (await auth.admit(ar, key, 80, job(2))).limit == "tpm"
-        assert (await auth.admit(ar, key, 80, job(2))).limit == "tpm"
-        assert (await auth.admit(ar, key, 70, job(3))).admitted
-        assert (await auth.admit(ar, key, 0, job(4))).admitted
-        refused = await auth.admit(ar, key, 0, job(5))
+        assert (await quota.admit(ar, key, 80, job(2))).limit == "tpm"
+        assert (await quota.admit(ar, key, 80, job(2))).limit == "tpm"
+        assert (await quota.admit(ar, key, 70, job(3))).admitted
+        assert (await quota.admit(ar, key, 0, job(4))).admitted
+        refused = await quota.admit(ar, key, 0, job(5))
         assert refused.limit == "rpm" and refused.remaining_requests == 0
 
     run(url, go)
     assert r.zcard(keys.quota_window(key.id)) == 3
     assert int(r.get(keys.quota_tokens(key.id))) == 100
-    assert 0 < r.pttl(keys.quota_window(key.id)) <= auth.WINDOW_MS
+    assert 0 < r.pttl(keys.quota_window(key.id)) <= quota.WINDOW_MS
     r.close()
 
 
@@ -142,38 +142,38 @@ def test_tokens_per_minute(url):
     _, key = new_key(url, tpm=100)
 
     async def go(ar):
-        first = await auth.admit(ar, key, 60, job(1))
+        first = await quota.admit(ar, key, 60, job(1))
         assert first.admitted and first.remaining_tokens == 40 and first.remaining_requests is None
-        over = await auth.admit(ar, key, 50, job(2))
+        over = await quota.admit(ar, key, 50, job(2))
         assert not over.admitted and over.limit == "tpm" and 0 < over.retry_after_s <= 60
         assert over.remaining_tokens == 40
-        assert (await auth.admit(ar, key, 40, job(3))).remaining_tokens == 0
-        assert (await auth.admit(ar, key, 1, job(4))).limit == "tpm"
-        huge = await auth.admit(ar, key, 101, job(5))  # can never fit
+        assert (await quota.admit(ar, key, 40, job(3))).remaining_tokens == 0
+        assert (await quota.admit(ar, key, 1, job(4))).limit == "tpm"
+        huge = await quota.admit(ar, key, 101, job(5))  # can never fit
         assert huge.limit == "tpm" and "more than the key's 100 tokens" in huge.message
 
     run(url, go)
 
 
 def test_the_minute_slides(url, monkeypatch):
-    monkeypatch.setattr(auth, "WINDOW_MS", 1000)
+    monkeypatch.setattr(quota, "WINDOW_MS", 1000)
     _, key = new_key(url, rpm=2, tpm=10)
 
     async def go(ar):
-        assert (await auth.admit(ar, key, 4, job(1))).admitted
+        assert (await quota.admit(ar, key, 4, job(1))).admitted
         await asyncio.sleep(0.5)
-        assert (await auth.admit(ar, key, 4, job(2))).admitted
-        refused = await auth.admit(ar, key, 1, job(3))
+        assert (await quota.admit(ar, key, 4, job(2))).admitted
+        refused = await quota.admit(ar, key, 1, job(3))
         # the first admission leaves the window in about 0.5 s: that is the wait
         assert refused.limit == "rpm" and 0 < refused.retry_after_s <= 0.5
         await asyncio.sleep(refused.retry_after_s + 0.05)
-        assert (await auth.admit(ar, key, 4, job(4))).admitted  # job 1 left the window
-        assert (await auth.admit(ar, key, 1, job(5))).limit == "rpm"  # job 2 has not yet
+        assert (await quota.admit(ar, key, 4, job(4))).admitted  # job 1 left the window
+        assert (await quota.admit(ar, key, 1, job(5))).limit == "rpm"  # job 2 has not yet
         await asyncio.sleep(0.55)
         # only job 4 (4 tokens) is left: 7 more are too many until it leaves as well
-        tpm = await auth.admit(ar, key, 7, job(6))
+        tpm = await quota.admit(ar, key, 7, job(6))
         assert tpm.limit == "tpm" and 0 < tpm.retry_after_s <= 0.46
-        assert (await auth.admit(ar, key, 6, job(7))).admitted
+        assert (await quota.admit(ar, key, 6, job(7))).admitted
 
     run(url, go)
 
@@ -183,16 +183,16 @@ def test_concurrent_jobs_release_and_renew(url):
     r = redis.Redis.from_url(url)
 
     async def go(ar):
-        assert (await auth.admit(ar, key, 10, job("a"))).admitted
-        assert (await auth.admit(ar, key, 10, job("b"))).admitted
-        full = await auth.admit(ar, key, 10, job("c"))
+        assert (await quota.admit(ar, key, 10, job("a"))).admitted
+        assert (await quota.admit(ar, key, 10, job("b"))).admitted
+        full = await quota.admit(ar, key, 10, job("c"))
         assert full.limit == "concurrent" and 0 < full.retry_after_s <= 1
         assert r.zcard(keys.quota_running(key.id)) == 2  # the refusal took no slot
-        assert await auth.release(ar, key, job("a"))
-        assert not await auth.release(ar, key, job("a"))
-        assert (await auth.admit(ar, key, 10, job("c"))).admitted
-        assert await auth.renew(ar, key, job("b"), 120)
-        assert not await auth.renew(ar, key, job("a"), 120)  # released: no slot to renew
+        assert await quota.release(ar, key, job("a"))
+        assert not await quota.release(ar, key, job("a"))
+        assert (await quota.admit(ar, key, 10, job("c"))).admitted
+        assert await quota.renew(ar, key, job("b"), 120)
+        assert not await quota.renew(ar, key, job("a"), 120)  # released: no slot to renew
         assert r.zscore(keys.quota_running(key.id), job("a")) is None
         assert r.pttl(keys.quota_running(key.id)) > 60_000  # the longest lease keeps the set
 
@@ -204,16 +204,16 @@ def test_leases_expire_unless_renewed(url):
     _, key = new_key(url, concurrent=1)
 
     async def go(ar):
-        assert (await auth.admit(ar, key, 1, job("crashed"), lease_s=0.6)).admitted
-        assert (await auth.admit(ar, key, 1, job("next"), lease_s=0.6)).limit == "concurrent"
+        assert (await quota.admit(ar, key, 1, job("crashed"), lease_s=0.6)).admitted
+        assert (await quota.admit(ar, key, 1, job("next"), lease_s=0.6)).limit == "concurrent"
         await asyncio.sleep(0.7)  # its gateway died: the lease ends, the slot is free again
-        assert (await auth.admit(ar, key, 1, job("next"), lease_s=0.6)).admitted
-        assert not await auth.renew(ar, key, job("crashed"), 10)
-        assert await auth.renew(ar, key, job("next"), 10)
+        assert (await quota.admit(ar, key, 1, job("next"), lease_s=0.6)).admitted
+        assert not await quota.renew(ar, key, job("crashed"), 10)
+        assert await quota.renew(ar, key, job("next"), 10)
         await asyncio.sleep(0.4)
-        assert (await auth.admit(ar, key, 1, job("third"))).limit == "concurrent"  # renewed
-        assert await auth.release(ar, key, job("next"))
-        assert (await auth.admit(ar, key, 1, job("third"))).admitted
+        assert (await quota.admit(ar, key, 1, job("third"))).limit == "concurrent"  # renewed
+        assert await quota.release(ar, key, job("next"))
+        assert (await quota.admit(ar, key, 1, job("third"))).admitted
 
     run(url, go)
 
@@ -223,42 +223,42 @@ def test_revoked_key_is_refused_at_once(url):
     r = redis.Redis.from_url(url)
 
     async def use(ar):
-        assert await auth.authenticate(ar, secret) == key
-        assert (await auth.admit(ar, key, 1, job(1))).admitted
+        assert await apikeys.authenticate(ar, secret) == key
+        assert (await quota.admit(ar, key, 1, job(1))).admitted
 
     run(url, use)
-    assert auth.revoke(r, key.id)
-    assert run(url, auth.authenticate, secret) is None
-    assert run(url, auth.authenticate, secret, decode=True) is None
+    assert apikeys.revoke(r, key.id)
+    assert run(url, apikeys.authenticate, secret) is None
+    assert run(url, apikeys.authenticate, secret, decode=True) is None
     assert r.keys("*") == []  # record, index entry and counters all gone
-    assert not auth.any_keys(r)
+    assert not apikeys.any_keys(r)
     r.close()
 
 
 def test_damaged_records_and_counters(url, caplog):
     secret, key = new_key(url, rpm=2, tpm=50, concurrent=1)
-    h = auth.hash_secret(secret)
+    h = apikeys.hash_secret(secret)
     r = redis.Redis.from_url(url)
     with caplog.at_level(logging.DEBUG):
         r.hset(keys.api_key(h), "lanes", "")
-        assert run(url, auth.authenticate, secret) is None
+        assert run(url, apikeys.authenticate, secret) is None
         r.hset(keys.api_key(h), mapping={"lanes": "standard", "tpm": b"\xff"})
-        assert run(url, auth.authenticate, secret) is None
-        assert run(url, auth.authenticate, secret, decode=True) is None
+        assert run(url, apikeys.authenticate, secret) is None
+        assert run(url, apikeys.authenticate, secret, decode=True) is None
         r.delete(keys.api_key(h))
         r.rpush(keys.api_key(h), "x")
-        assert run(url, auth.authenticate, secret) is None
+        assert run(url, apikeys.authenticate, secret) is None
         r.delete(keys.api_key(h))
-        assert run(url, auth.authenticate, secret) is None  # unknown: nothing logged
+        assert run(url, apikeys.authenticate, secret) is None  # unknown: nothing logged
         # counters of the wrong type, or a wrong total, are reset, not fatal
         r.set(keys.quota_window(key.id), "x")
         r.hset(keys.quota_running(key.id), "a", "b")
         r.set(keys.quota_tokens(key.id), "many")
-        assert run(url, auth.admit, key, 10, job(1)).admitted
+        assert run(url, quota.admit, key, 10, job(1)).admitted
         assert int(r.get(keys.quota_tokens(key.id))) == 10
-        assert run(url, auth.release, key, job(1))
+        assert run(url, quota.release, key, job(1))
         r.set(keys.quota_tokens(key.id), "-5")  # recounted from the window
-        assert run(url, auth.admit, key, 10, job(2)).remaining_tokens == 30
+        assert run(url, quota.admit, key, 10, job(2)).remaining_tokens == 30
     assert caplog.text.count("treated as unknown") == 4
     assert secret not in caplog.text and h not in caplog.text
     r.close()
@@ -267,11 +267,11 @@ def test_damaged_records_and_counters(url, caplog):
 def test_scripts_reload_after_a_flush(url):
     _, key = new_key(url, rpm=5, concurrent=1)
     r = redis.Redis.from_url(url)
-    assert run(url, auth.admit, key, 1, job(1)).admitted
+    assert run(url, quota.admit, key, 1, job(1)).admitted
     r.script_flush()  # e.g. a restarted or failed-over Redis
-    assert run(url, auth.renew, key, job(1), 5)
+    assert run(url, quota.renew, key, job(1), 5)
     r.script_flush()
-    assert not run(url, auth.admit, key, 1, job(2)).admitted
+    assert not run(url, quota.admit, key, 1, job(2)).admitted
     r.close()
 
 
@@ -300,8 +300,8 @@ def test_cli_and_no_secret_anywhere(url, capsys, caplog):
     )
     assert code == 0
     secret = out.strip()
-    assert auth._SECRET.fullmatch(secret) and secret not in err
-    h = auth.hash_secret(secret)
+    assert apikeys._SECRET.fullmatch(secret) and secret not in err
+    h = apikeys.hash_secret(secret)
     kid = h[:12]
     assert f"created key {kid} for tenant acme" in err
 
@@ -310,14 +310,14 @@ def test_cli_and_no_secret_anywhere(url, capsys, caplog):
     code, out, err = cli(url, "create", "--tenant", "bad:name", capsys=capsys)
     assert code == 2 and "tenant" in err
 
-    key = run(url, auth.authenticate, secret)
+    key = run(url, apikeys.authenticate, secret)
     assert key.lanes == ("interactive", "standard") and key.rpm == 3 and key.concurrent == 2
 
     async def use(ar):
-        assert (await auth.admit(ar, key, 12, job(1))).admitted
-        assert await auth.renew(ar, key, job(1), 30)
-        assert (await auth.admit(ar, key, 12, job(2))).admitted
-        assert await auth.release(ar, key, job(2))
+        assert (await quota.admit(ar, key, 12, job(1))).admitted
+        assert await quota.renew(ar, key, job(1), 30)
+        assert (await quota.admit(ar, key, 12, job(2))).admitted
+        assert await quota.release(ar, key, job(2))
 
     run(url, use)
 
@@ -357,7 +357,7 @@ def test_cli_and_no_secret_anywhere(url, capsys, caplog):
 
     code, out, err = cli(url, "revoke", kid, capsys=capsys)
     assert code == 0 and f"revoked key {kid}" in err
-    assert run(url, auth.authenticate, secret) is None
+    assert run(url, apikeys.authenticate, secret) is None
     code, out, err = cli(url, "revoke", kid, capsys=capsys)
     assert code == 1 and "no key" in err
     code, out, err = cli(url, "list", "--json", capsys=capsys)
@@ -376,4 +376,33 @@ def test_cli_empty_lanes_are_refused_not_all_lanes(url, capsys):
         code, out, err = cli(url, "create", "--tenant", "acme", "--lanes", lanes, capsys=capsys)
         assert code == 2 and "lanes" in err and out == ""
     with redis.Redis.from_url(url) as r:
-        assert not auth.any_keys(r)
+        assert not apikeys.any_keys(r)
+
+
+def test_a_slot_whose_admission_reply_was_lost_is_given_back(url) -> None:
+    """QUOTA_ADMIT ran, but its reply was lost to a Redis error: the request ends (503),
+    and its close gives the slot back rather than locking a concurrent=1 key out for a
+    lease."""
+    _, key = new_key(url, concurrent=1)
+    running = keys.quota_running(key.id)
+
+    async def go():
+        ar = redis.asyncio.Redis.from_url(url, decode_responses=True)
+        evalsha = ar.evalsha
+
+        async def lost(*a, **kw):
+            await evalsha(*a, **kw)
+            raise redis.ConnectionError("connection reset")
+
+        ar.evalsha = lost
+        try:
+            held = lease.Lease(ar, key, "job-reply-lost")
+            with pytest.raises(redis.ConnectionError):
+                await held.admit(10)
+            assert await ar.zcard(running) == 1  # the script ran
+            await held.close()
+            assert await ar.zcard(running) == 0
+        finally:
+            await ar.aclose()
+
+    asyncio.run(go())

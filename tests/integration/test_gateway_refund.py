@@ -16,7 +16,7 @@ import redis.asyncio
 
 from broker_config import keys
 from broker_config.embedded import EmbeddedRedis
-from gateway import auth
+from gateway import apikeys, quota
 
 from .fake_stack import TOKENS, FakeWorker, GatewayProcess
 
@@ -32,39 +32,39 @@ def _run(url: str, fn, *args):
     return asyncio.run(go())
 
 
-def _key(url: str, **limits) -> tuple[str, auth.Key]:
+def _key(url: str, **limits) -> tuple[str, apikeys.Key]:
     with redis.Redis.from_url(url) as r:
-        return auth.create_key(r, "acme", **limits)
+        return apikeys.create_key(r, "acme", **limits)
 
 
 def test_refund_gives_back_once_within_the_window(redis_url: str) -> None:
     _, key = _key(redis_url, tpm=150)
 
     async def go(r):
-        assert (await auth.admit(r, key, 100, "job-aaaaaaaa")).admitted
-        refused = await auth.admit(r, key, 100, "job-bbbbbbbb")
+        assert (await quota.admit(r, key, 100, "job-aaaaaaaa")).admitted
+        refused = await quota.admit(r, key, 100, "job-bbbbbbbb")
         assert not refused.admitted and refused.limit == "tpm"
-        assert await auth.refund(r, key, "job-aaaaaaaa", 100, 60) == 60
-        assert await auth.refund(r, key, "job-aaaaaaaa", 100, 60) == 0  # once only
-        assert await auth.refund(r, key, "job-unknown1", 100, 60) == 0
-        took = await auth.admit(r, key, 100, "job-bbbbbbbb")  # 40 + 100 fit in 150
+        assert await quota.refund(r, key, "job-aaaaaaaa", 100, 60) == 60
+        assert await quota.refund(r, key, "job-aaaaaaaa", 100, 60) == 0  # once only
+        assert await quota.refund(r, key, "job-unknown1", 100, 60) == 0
+        took = await quota.admit(r, key, 100, "job-bbbbbbbb")  # 40 + 100 fit in 150
         assert took.admitted and took.remaining_tokens == 10
         assert int(await r.get(keys.quota_tokens(key.id))) == 140
         # the window's own count agrees: after the counter is lost, it is summed again
         await r.delete(keys.quota_tokens(key.id))
-        assert (await auth.admit(r, key, 10, "job-cccccccc")).remaining_tokens == 0
+        assert (await quota.admit(r, key, 10, "job-cccccccc")).remaining_tokens == 0
 
     _run(redis_url, go)
 
 
 def test_refund_is_nothing_once_the_admission_left_the_window(redis_url, monkeypatch) -> None:
     _, key = _key(redis_url, tpm=150)
-    monkeypatch.setattr(auth, "WINDOW_MS", 300)
+    monkeypatch.setattr(quota, "WINDOW_MS", 300)
 
     async def go(r):
-        assert (await auth.admit(r, key, 100, "job-aaaaaaaa")).admitted
+        assert (await quota.admit(r, key, 100, "job-aaaaaaaa")).admitted
         await asyncio.sleep(0.4)
-        assert await auth.refund(r, key, "job-aaaaaaaa", 100, 60) == 0
+        assert await quota.refund(r, key, "job-aaaaaaaa", 100, 60) == 0
 
     _run(redis_url, go)
 
@@ -73,8 +73,8 @@ def test_refund_never_gives_back_more_than_was_counted(redis_url: str) -> None:
     _, key = _key(redis_url, tpm=150)
 
     async def go(r):
-        assert (await auth.admit(r, key, 50, "job-aaaaaaaa")).admitted
-        assert await auth.refund(r, key, "job-aaaaaaaa", 50, 500) == 50
+        assert (await quota.admit(r, key, 50, "job-aaaaaaaa")).admitted
+        assert await quota.refund(r, key, "job-aaaaaaaa", 50, 500) == 50
         assert int(await r.get(keys.quota_tokens(key.id))) == 0
 
     _run(redis_url, go)

@@ -14,6 +14,7 @@ import redis
 from starlette.testclient import TestClient
 
 from broker_config import keys
+from broker_config.routes import registry_value
 from broker_config.settings import Settings
 from gateway import app as gateway_app
 from gateway.serve import create_app
@@ -66,9 +67,7 @@ def api(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TestC
     """The gateway, stopped at the point where it would queue a job: what it would queue
     is appended to the list, and the request answered 400."""
     r = redis.Redis.from_url(redis_url)
-    r.sadd(keys.WORKERS, "w1")
-    fields = {"model": MODEL, "served_model": MODEL, "max_model_len": 8192, "state": "serving"}
-    r.hset(keys.worker("w1"), mapping={**fields, "beat_ms": int(time.time() * 1000)})
+    r.hset(keys.MODELS, MODEL, registry_value(1, int(time.time() * 1000), max_model_len=8192))
     queued: list[dict[str, Any]] = []
 
     def capture(settings: Settings, routes: Any, **options: Any) -> Any:

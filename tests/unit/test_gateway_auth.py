@@ -14,21 +14,21 @@ import pytest
 from broker_config import keys
 from broker_config.protocol import Limits
 from broker_config.settings import Settings
-from gateway import auth
+from gateway import apikeys, auth, quota
 
 SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
 
 
-def make_key(**kw) -> auth.Key:
+def make_key(**kw) -> apikeys.Key:
     fields = dict(id="0123456789ab", tenant="acme", lanes=("standard",), default_lane="standard")
-    return auth.Key(**{**fields, **kw})
+    return apikeys.Key(**{**fields, **kw})
 
 
 def authenticate(server: fakeredis.FakeServer, secret, decode: bool = False):
     async def go():
         r = fakeredis.FakeAsyncRedis(server=server, decode_responses=decode)
         try:
-            return await auth.authenticate(r, secret)
+            return await apikeys.authenticate(r, secret)
         finally:
             await r.aclose()
 
@@ -46,25 +46,25 @@ def r(server):
 
 
 def test_secret_shape_and_hash():
-    a, b = auth.new_secret(), auth.new_secret()
+    a, b = apikeys.new_secret(), apikeys.new_secret()
     assert a != b and a.startswith("pk-") and len(a) == 46
-    assert auth._SECRET.fullmatch(a)
-    h = auth.hash_secret(a)
+    assert apikeys._SECRET.fullmatch(a)
+    h = apikeys.hash_secret(a)
     assert h == hashlib.sha256(a.encode()).hexdigest()
-    assert auth.key_id(h) == h[:12]
+    assert apikeys.key_id(h) == h[:12]
 
 
 def test_bearer():
-    assert auth.bearer("Bearer pk-abc") == "pk-abc"
-    assert auth.bearer("bearer   pk-abc ") == "pk-abc"
-    assert auth.bearer("Basic dXNlcg==") is None
-    assert auth.bearer("Bearer ") is None
-    assert auth.bearer(None) is None and auth.bearer("") is None
+    assert apikeys.bearer("Bearer pk-abc") == "pk-abc"
+    assert apikeys.bearer("bearer   pk-abc ") == "pk-abc"
+    assert apikeys.bearer("Basic dXNlcg==") is None
+    assert apikeys.bearer("Bearer ") is None
+    assert apikeys.bearer(None) is None and apikeys.bearer("") is None
 
 
 def test_create_stores_only_the_hash(r, server):
-    secret, key = auth.create_key(r, "acme", rpm=10, tpm=1000, concurrent=2, settings=SETTINGS)
-    h = auth.hash_secret(secret)
+    secret, key = apikeys.create_key(r, "acme", rpm=10, tpm=1000, concurrent=2, settings=SETTINGS)
+    h = apikeys.hash_secret(secret)
     assert key.id == h[:12] and key.tenant == "acme"
     assert key.lanes == ("interactive", "standard", "batch") and key.default_lane == "standard"
     assert r.hget(keys.API_KEYS, key.id) == h.encode()
@@ -74,27 +74,27 @@ def test_create_stores_only_the_hash(r, server):
         assert secret.encode() not in blob and secret[3:].encode() not in blob
     for decode in (False, True):
         assert authenticate(server, secret, decode) == key
-    assert authenticate(server, auth.new_secret()) is None
-    assert auth.any_keys(r)
+    assert authenticate(server, apikeys.new_secret()) is None
+    assert apikeys.any_keys(r)
 
 
 def test_create_checks_its_arguments(r):
     with pytest.raises(ValueError, match="tenant"):
-        auth.create_key(r, "a:b", settings=SETTINGS)
+        apikeys.create_key(r, "a:b", settings=SETTINGS)
     with pytest.raises(ValueError, match="tenant"):
-        auth.create_key(r, "x" * 65, settings=SETTINGS)
+        apikeys.create_key(r, "x" * 65, settings=SETTINGS)
     with pytest.raises(ValueError, match="tenant"):
-        auth.create_key(r, "", settings=SETTINGS)
+        apikeys.create_key(r, "", settings=SETTINGS)
     with pytest.raises(ValueError, match="unknown lane"):
-        auth.create_key(r, "acme", lanes=["gold"], settings=SETTINGS)
+        apikeys.create_key(r, "acme", lanes=["gold"], settings=SETTINGS)
     with pytest.raises(ValueError, match="default lane"):
-        auth.create_key(r, "acme", lanes=["batch"], default_lane="standard", settings=SETTINGS)
+        apikeys.create_key(r, "acme", lanes=["batch"], default_lane="standard", settings=SETTINGS)
     with pytest.raises(ValueError, match="rpm"):
-        auth.create_key(r, "acme", rpm=-1, settings=SETTINGS)
+        apikeys.create_key(r, "acme", rpm=-1, settings=SETTINGS)
     with pytest.raises(ValueError, match="concurrent"):
-        auth.create_key(r, "acme", concurrent=True, settings=SETTINGS)
-    assert not auth.any_keys(r)
-    _, key = auth.create_key(r, "acme.eu_1-x", lanes=["batch", "interactive"], settings=SETTINGS)
+        apikeys.create_key(r, "acme", concurrent=True, settings=SETTINGS)
+    assert not apikeys.any_keys(r)
+    _, key = apikeys.create_key(r, "acme.eu_1-x", lanes=["batch", "interactive"], settings=SETTINGS)
     assert key.default_lane == "batch"  # the configured default is not allowed: the first
 
 
@@ -104,7 +104,7 @@ def test_malformed_secrets_never_reach_redis():
             raise AssertionError("no Redis call for a malformed secret")
 
     for bad in (None, "", "pk-", "pk-short", "sk-" + "a" * 43, "pk-" + "a" * 200, "pk-a b" * 8, 42):
-        assert asyncio.run(auth.authenticate(NoRedis(), bad)) is None
+        assert asyncio.run(apikeys.authenticate(NoRedis(), bad)) is None
 
 
 def record(key_hash: str, **over) -> dict[str, str]:
@@ -142,9 +142,10 @@ DAMAGED = [
 
 @pytest.mark.parametrize("over", DAMAGED)
 def test_damaged_records_are_unknown_keys(server, r, caplog, over):
-    secret = auth.new_secret()
-    h = auth.hash_secret(secret)
-    assert auth.parse_record(h, record(h)).rpm == 10
+    secret = apikeys.new_secret()
+    h = apikeys.hash_secret(secret)
+    raw = {k.encode(): v.encode() for k, v in record(h).items()}  # records are read undecoded
+    assert apikeys.parse_record(h, raw).rpm == 10
     r.hset(keys.api_key(h), mapping=record(h, **over))
     with caplog.at_level(logging.DEBUG):
         for decode in (False, True):
@@ -154,8 +155,8 @@ def test_damaged_records_are_unknown_keys(server, r, caplog, over):
 
 
 def test_records_not_utf8_or_not_a_hash(server, r, caplog):
-    secret = auth.new_secret()
-    h = auth.hash_secret(secret)
+    secret = apikeys.new_secret()
+    h = apikeys.hash_secret(secret)
     r.hset(keys.api_key(h), mapping={**record(h), "tenant": b"\xff\xfe"})
     with caplog.at_level(logging.DEBUG):
         assert authenticate(server, secret, decode=False) is None
@@ -167,32 +168,32 @@ def test_records_not_utf8_or_not_a_hash(server, r, caplog):
 
 
 def test_list_and_revoke(r, server, capsys):
-    s1, k1 = auth.create_key(r, "acme", rpm=5, settings=SETTINGS)
-    s2, k2 = auth.create_key(r, "globex", lanes=["batch"], settings=SETTINGS)
+    s1, k1 = apikeys.create_key(r, "acme", rpm=5, settings=SETTINGS)
+    s2, k2 = apikeys.create_key(r, "globex", lanes=["batch"], settings=SETTINGS)
     r.hset(keys.API_KEYS, "00000000dead", "not-a-hash")  # damaged index entry
     r.hset(keys.API_KEYS, "../../x", "y")  # not an id: ignored
-    found, broken = auth.list_keys(r)
+    found, broken = apikeys.list_keys(r)
     assert {k.id for k in found} == {k1.id, k2.id} and broken == ["00000000dead"]
-    r.hset(keys.api_key(auth.hash_secret(s2)), "rpm", "lots")
-    found, broken = auth.list_keys(r)
+    r.hset(keys.api_key(apikeys.hash_secret(s2)), "rpm", "lots")
+    found, broken = apikeys.list_keys(r)
     assert [k.id for k in found] == [k1.id] and broken == sorted(["00000000dead", k2.id])
 
-    assert auth.revoke(r, k1.id)
+    assert apikeys.revoke(r, k1.id)
     assert authenticate(server, s1) is None
-    assert not auth.revoke(r, k1.id) and not auth.revoke(r, "nonsense")
-    assert auth.revoke(r, "00000000dead") and auth.revoke(r, k2.id)
+    assert not apikeys.revoke(r, k1.id) and not apikeys.revoke(r, "nonsense")
+    assert apikeys.revoke(r, "00000000dead") and apikeys.revoke(r, k2.id)
     r.hdel(keys.API_KEYS, "../../x")
-    assert not auth.any_keys(r)
+    assert not apikeys.any_keys(r)
 
 
 def test_any_keys_fails_closed(r, server):
     r.set(keys.API_KEYS, "garbage")  # damaged index: still "keys configured"
-    assert auth.any_keys(r)
+    assert apikeys.any_keys(r)
 
     async def go():
         ar = fakeredis.FakeAsyncRedis(server=server)
         try:
-            return await auth.any_keys_async(ar)
+            return await apikeys.any_keys_async(ar)
         finally:
             await ar.aclose()
 
@@ -218,7 +219,7 @@ def test_tenant_salts():
     assert auth.tenant_salt(a, "s") != auth.tenant_salt(b, "s")
     assert auth.tenant_salt(a, "globex") != auth.tenant_salt(b, None)
     assert auth.tenant_salt(None, "s") == "s" and auth.tenant_salt(None, None) is None
-    longest = make_key(tenant="t" * auth.TENANT_CHARS)
+    longest = make_key(tenant="t" * apikeys.TENANT_CHARS)
     for salt in ("x" * Limits.cache_salt_chars, "y" * (Limits.cache_salt_chars - 10)):
         got = auth.tenant_salt(longest, salt)
         assert len(got) <= Limits.cache_salt_chars and got.startswith("t" * 64 + ":")
@@ -245,10 +246,10 @@ def test_admit_checks_arguments_and_skips_redis_without_limits():
             raise AssertionError("no Redis call for a key without limits")
 
     free = make_key()
-    verdict = asyncio.run(auth.admit(NoRedis(), free, 100, "job-0001"))
+    verdict = asyncio.run(quota.admit(NoRedis(), free, 100, "job-0001"))
     assert verdict.admitted and verdict.limit is None
-    assert asyncio.run(auth.renew(NoRedis(), free, "job-0001"))
-    assert not asyncio.run(auth.release(NoRedis(), free, "job-0001"))
+    assert asyncio.run(quota.renew(NoRedis(), free, "job-0001"))
+    assert not asyncio.run(quota.release(NoRedis(), free, "job-0001"))
     limited = make_key(rpm=1)
     for tokens, job, lease in (
         (-1, "job-0001", 1),
@@ -257,26 +258,26 @@ def test_admit_checks_arguments_and_skips_redis_without_limits():
         (1, "job-0001", 0),
     ):
         with pytest.raises(ValueError):
-            asyncio.run(auth.admit(NoRedis(), limited, tokens, job, lease_s=lease))
+            asyncio.run(quota.admit(NoRedis(), limited, tokens, job, lease_s=lease))
 
 
 def test_verdict_retry_after_header():
-    assert auth.Verdict(False, "rpm", 0.001).retry_after == 1
-    assert auth.Verdict(False, "rpm", 5.2).retry_after == 6
+    assert quota.Verdict(False, "rpm", 0.001).retry_after == 1
+    assert quota.Verdict(False, "rpm", 5.2).retry_after == 6
 
 
 def test_a_key_not_in_the_index_is_refused(r, server):
     """The index is what `plurai keys list` shows and `revoke` removes: a record whose
     index entry is damaged or gone is no key (listed as refused, revoked for good)."""
-    s1, k1 = auth.create_key(r, "acme", settings=SETTINGS)
-    s2, k2 = auth.create_key(r, "globex", settings=SETTINGS)
+    s1, k1 = apikeys.create_key(r, "acme", settings=SETTINGS)
+    s2, k2 = apikeys.create_key(r, "globex", settings=SETTINGS)
     r.hset(keys.API_KEYS, k1.id, "not-a-hash")
-    assert auth.list_keys(r)[1] == [k1.id]
+    assert apikeys.list_keys(r)[1] == [k1.id]
     r.hdel(keys.API_KEYS, k2.id)  # unlisted: no one can see or revoke it
     for decode in (False, True):
         assert authenticate(server, s1, decode) is None
         assert authenticate(server, s2, decode) is None
-    assert auth.revoke(r, k1.id)
+    assert apikeys.revoke(r, k1.id)
     assert authenticate(server, s1) is None
-    r.hset(keys.API_KEYS, k2.id, auth.hash_secret(s2))
+    r.hset(keys.API_KEYS, k2.id, apikeys.hash_secret(s2))
     assert authenticate(server, s2) == k2

@@ -14,8 +14,9 @@ import redis
 from starlette.testclient import TestClient
 
 from broker_config import keys, protocol
+from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
-from gateway.models import Models
+from gateway import openai
 from gateway.serve import create_app
 from results import tokens
 
@@ -25,12 +26,15 @@ JOB = "gwerrors0123456789abcd"  # the id every job of a test gets
 @pytest.fixture
 def r(redis_url: str) -> Iterator[redis.Redis]:
     r = redis.Redis.from_url(redis_url)
-    r.sadd(keys.WORKERS, "w1")
-    beat = int(time.time() * 1000)
-    fields = {"model": "m", "max_model_len": 256, "state": "serving", "beat_ms": beat}
-    r.hset(keys.worker("w1"), mapping={**fields, "served_model": "m"})
+    serve(r, "m")
     yield r
     r.close()
+
+
+def serve(r: redis.Redis, model: str, beat_ms: int | None = None) -> None:
+    """A worker's entry in the model directory (plurai:models), as its heartbeat writes it."""
+    beat = int(time.time() * 1000) if beat_ms is None else beat_ms
+    r.hset(keys.MODELS, model, registry_value(1, beat, max_model_len=256))
 
 
 def client(url: str, **settings) -> TestClient:
@@ -159,23 +163,48 @@ def test_a_client_gone_while_its_body_is_read_is_no_server_error(api) -> None:
     assert sent[0]["status"] == 499
 
 
-def test_redis_lost_while_the_model_is_routed_is_a_503(api, monkeypatch) -> None:
-    # names() read the models a moment ago; route() finds them stale and reads again
-    async def route(self, name: str) -> str | None:
+def test_redis_lost_while_the_model_directory_is_read_is_a_503(api, monkeypatch) -> None:
+    async def read_async(self, r) -> dict:
         raise redis.ConnectionError("gone")
 
-    monkeypatch.setattr(Models, "route", route)
+    monkeypatch.setattr(Routes, "read_async", read_async)
     body = {"model": "m", "prompt": "hi", "max_tokens": 2}
     openai_error(api.post("/v1/completions", json=body), 503, "unavailable")
 
 
-def test_a_model_the_routes_refuse_is_a_404(redis_url, r) -> None:
-    # PLURAI_UNSERVED=refuse, and plurai:models has no beat of the model yet (its worker's
-    # heartbeat was read first: the two are read at different times)
-    with client(redis_url, unserved="refuse") as api:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+@pytest.mark.parametrize("unserved", ["refuse", "wait"])
+def test_one_directory_answers_404_for_a_model_no_live_worker_serves(
+    redis_url, r, unserved
+) -> None:
+    """A model whose entry in plurai:models is stale is not served (404 model_not_found),
+    whatever PLURAI_UNSERVED says, while another is; with none live, 503 no_workers."""
+    serve(r, "old", beat_ms=int(time.time() * 1000) - 3_600_000)
+    with client(redis_url, unserved=unserved) as api:
+        body = {"model": "old", "prompt": "hi", "max_tokens": 2}
         err = openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
-    assert err["param"] == "model"
+        assert err["param"] == "model"
+        assert [m["id"] for m in api.get("/v1/models").json()["data"]] == ["m"]
+    r.delete(keys.MODELS)
+    serve(r, "old", beat_ms=1)
+    with client(redis_url, unserved=unserved) as api:
+        resp = api.post("/v1/completions", json=body)
+        openai_error(resp, 503, "no_workers")
+        assert resp.headers["retry-after"] == "5"
+    assert not r.exists(keys.job(JOB))
+
+
+def test_a_bug_is_a_500_internal_and_cancels_nothing(api, r, monkeypatch) -> None:
+    """A TypeError in the gateway's own code is an internal error, not a damaged record:
+    the job is not cancelled for it."""
+
+    def broken(job, rec):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(openai, "completion", broken)
+    worker(r, record={"state": "completed", "final": "1", "text": "a"})
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    openai_error(api.post("/v1/completions", json=body), 500, "internal")
+    assert r.hget(keys.job(JOB), "state") == b"completed"
 
 
 def test_an_idempotency_key_held_by_no_job_is_a_409(api, r) -> None:
@@ -232,3 +261,41 @@ def test_n_other_than_the_integer_1_is_refused(api, r, n) -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 2, "n": n}
     err = openai_error(api.post("/v1/completions", json=body), 400, "bad_field")
     assert err["param"] == "n" and not r.exists(keys.job(JOB))
+
+
+def test_directory_entries_that_are_not_utf8_are_skipped(api, r) -> None:
+    """An entry of plurai:models holding bytes that are not UTF-8 (its name or its value)
+    is no worker's: the others' models are listed and served, never a 500 for every
+    request."""
+    now = int(time.time() * 1000)
+    r.hset(keys.MODELS, b"m2\xff", registry_value(1, now))
+    r.hset(keys.MODELS, "m3", registry_value(1, now).encode()[:-1] + b"\xff}")
+    resp = api.get("/v1/models")
+    assert resp.status_code == 200, resp.text
+    assert [m["id"] for m in resp.json()["data"]] == ["m"]
+    body = {"model": "m3", "prompt": "hi", "max_tokens": 2}
+    openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
+
+
+def test_a_model_is_queued_on_its_workers_stream_by_any_of_its_names(api, r) -> None:
+    """The directory routes a request naming a model by its folder's name or an alias to
+    the queue its workers read."""
+    now = int(time.time() * 1000)
+    r.hset(keys.MODELS, "q", registry_value(1, now, model_id="tiny", names={"alias"}))
+    worker(r, record={"state": "completed", "final": "1", "text": "a", "finish_reason": "stop"})
+    body = {"model": "alias", "prompt": "hi", "max_tokens": 2}
+    assert api.post("/v1/completions", json=body).status_code == 200
+    assert r.xlen(keys.request_stream(Settings().default_lane, "q")) == 1
+    assert {m["id"] for m in api.get("/v1/models").json()["data"]} == {"m", "tiny"}
+
+
+def test_one_middleware_counts_each_request_once(api, r) -> None:
+    body = {"model": "nope", "prompt": "hi", "max_tokens": 2}
+    openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
+    assert api.get("/v1/files/file-nope").status_code == 404
+    page = api.get("/metrics").text
+    counted = [x for x in page.splitlines() if x.startswith("plurai_gateway_requests_total")]
+    assert sorted(counted) == [
+        'plurai_gateway_requests_total{route="completions",status="404"} 1.0',
+        'plurai_gateway_requests_total{route="files",status="404"} 1.0',
+    ]

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 
 from broker_config import keys
-from gateway import app, streams
+from gateway import sse, streams
 from results import records, tokens
 
 
@@ -34,7 +34,7 @@ async def started(s: streams.Streams, job_id: str):
 
 def test_a_stream_followed_before_the_first_xread_lands_is_picked_up(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         xread = r.xread
 
@@ -61,7 +61,7 @@ def test_a_stream_followed_before_the_first_xread_lands_is_picked_up(redis_url) 
 
 def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         try:
             bad, bad_first = await started(s, "job-damaged")
@@ -82,7 +82,7 @@ def test_a_damaged_entry_fails_its_stream_and_the_reader_goes_on(redis_url) -> N
 
 def test_a_deeply_nested_entry_fails_only_its_own_stream(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         try:
             bad, bad_first = await started(s, "job-nested")
@@ -109,7 +109,7 @@ def test_a_reader_error_reaches_every_follower_and_nothing_spins_after(
     caplog.set_level(logging.CRITICAL, logger="plurai.gateway")
 
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         xread = r.xread
         calls = []
@@ -161,7 +161,7 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
             await asyncio.sleep(0)
 
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-        await app._EventStream(body(), close)(scope, receive, send)
+        await sse.EventStream(body(), close)(scope, receive, send)
         assert closed == [False] and not began
 
         sent = []
@@ -172,7 +172,7 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
         async def record(message):
             sent.append(message)
 
-        await app._EventStream(body(), close)(scope, receive_nothing, record)
+        await sse.EventStream(body(), close)(scope, receive_nothing, record)
         assert closed == [False, True] and sent[-1]["more_body"] is False
 
     run(go())
@@ -180,7 +180,7 @@ def test_an_event_stream_whose_client_left_before_it_started_still_closes() -> N
 
 def test_a_client_that_leaves_while_a_read_holds_its_cancel_is_still_let_go() -> None:
     """The client leaves while the read of its first token holds the cancel for longer
-    than `_unless_gone` waits (redis-py finishing a command): closing the reader must not
+    than `unless_gone` waits (redis-py finishing a command): closing the reader must not
     fail the request ("asynchronous generator is already running": a 500, and the job not
     cancelled); the reader's own cleanup runs once the read returns."""
 
@@ -202,9 +202,9 @@ def test_a_client_that_leaves_while_a_read_holds_its_cancel_is_still_let_go() ->
                 return {"type": "http.disconnect"}
 
         gen = batches()
-        with pytest.raises(app._Gone):
-            await app._unless_gone(Left(), app._head(gen, tokens.TextFollower()))  # type: ignore[arg-type]
-        await app._close(gen)
+        with pytest.raises(sse.Gone):
+            await sse.unless_gone(Left(), sse.head(gen, tokens.TextFollower()))  # type: ignore[arg-type]
+        await sse.close_reader(gen)
         assert not cleaned  # still in the read
         await asyncio.sleep(1)
         assert cleaned
@@ -216,7 +216,7 @@ def test_redis_errors_reach_followers_after_the_outage_window(redis_url, monkeyp
     monkeypatch.setattr(streams, "OUTAGE_S", 0.6)
 
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
 
         async def broken(*a, **kw):
@@ -241,7 +241,7 @@ def test_a_redis_blip_loses_no_token(redis_url) -> None:
     every event once, in order, and no error."""
 
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         xread, failures = r.xread, [2]
 
@@ -272,7 +272,7 @@ def test_a_redis_blip_loses_no_token(redis_url) -> None:
 
 def test_entries_read_together_come_as_one_batch(redis_url) -> None:
     async def go():
-        r = redis.asyncio.Redis.from_url(redis_url)
+        r = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)  # as the gateway's
         s = streams.Streams(r)
         try:
             it, first = await started(s, "job-batched")

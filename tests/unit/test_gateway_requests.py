@@ -14,6 +14,7 @@ import redis
 from starlette.testclient import TestClient
 
 from broker_config import keys, protocol
+from broker_config.routes import registry_value
 from broker_config.settings import Settings
 from gateway.serve import create_app
 from results import tokens
@@ -25,9 +26,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 @pytest.fixture
 def r(redis_url: str) -> Iterator[redis.Redis]:
     r = redis.Redis.from_url(redis_url)
-    r.sadd(keys.WORKERS, "w1")
-    fields = {"model": "m", "max_model_len": 256, "state": "serving", "served_model": "m"}
-    r.hset(keys.worker("w1"), mapping={**fields, "beat_ms": int(time.time() * 1000)})
+    r.hset(keys.MODELS, "m", registry_value(1, int(time.time() * 1000), max_model_len=256))
     yield r
     r.close()
 

@@ -1,0 +1,121 @@
+"""The gateway's errors as OpenAI error responses: a request raises a typed error (its own,
+or one of the SDK's, Redis' or Starlette's) and the exception handlers registered here
+turn it into its status, code and Retry-After. Anything else is a Plurai bug: a 500
+`internal` (the server logs its traceback)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from broker_config.memory import is_oom
+from gateway.auth import LaneError, Unauthorized
+from gateway.openai import error_body
+from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, RedisFull, UnknownModel
+from producer.openai_body import BadRequest
+
+
+class ApiError(Exception):
+    """An error response: `status`, OpenAI's `code`, and `error`'s other arguments (`param`,
+    `retry_after`, `kind`)."""
+
+    def __init__(self, status: int, message: str, code: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.extra = status, message, code, extra
+
+    def response(self) -> JSONResponse:
+        return error(self.status, self.message, self.code, **self.extra)
+
+
+def error(
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    retry_after: float | None = None,
+    kind: str | None = None,
+) -> JSONResponse:
+    """An OpenAI error response (its type by default: the client's fault below 500)."""
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse(error_body(message, code, param, kind), status, headers=headers)
+
+
+def unavailable(e: Exception | None = None) -> JSONResponse:
+    """503: Redis cannot be reached, or (`e` an OOM refusal) is out of memory."""
+    if e is not None and is_oom(e):
+        return redis_full(RedisFull("", 1.0))
+    return error(503, "the queue's Redis is unavailable", "unavailable", retry_after=1)
+
+
+def redis_full(e: RedisFull) -> JSONResponse:
+    """503: Redis is at its maxmemory and queues nothing until memory frees."""
+    return error(503, str(e), e.code, retry_after=e.retry_after)
+
+
+def no_workers() -> ApiError:
+    return ApiError(503, "no worker is serving any model now", "no_workers", retry_after=5)
+
+
+def model_not_found(model: str) -> ApiError:
+    message = f"the model {model!r} is not served; see GET /v1/models"
+    return ApiError(404, message, "model_not_found", param="model")
+
+
+def _response(e: Exception) -> Response:
+    """The response of an error the handlers know."""
+    if isinstance(e, ApiError):
+        return e.response()
+    if isinstance(e, BadRequest):
+        kind = "authentication_error" if e.status == 401 else None
+        return error(e.status, e.message, e.code, e.param, kind=kind)
+    if isinstance(e, Unauthorized):
+        return error(401, str(e), "invalid_api_key", kind="authentication_error")
+    if isinstance(e, LaneError):
+        return error(400, str(e), "lane_not_allowed", "lane")
+    if isinstance(e, UnknownModel):  # plurai:models has no live beat of it (yet)
+        return error(404, str(e), "model_not_found", "model")
+    if isinstance(e, RedisFull):  # before QueueFull, of which it is one
+        return redis_full(e)
+    if isinstance(e, QueueFull):
+        return error(429, str(e), "queue_full", retry_after=e.retry_after)
+    if isinstance(e, BadIdempotencyKey):
+        message = "the Idempotency-Key is held by something other than a job; use another"
+        return error(409, message, "idempotency_key_conflict")
+    if isinstance(e, NotReplicated):  # queued on the primary only (a failover loses it); a
+        # retry with the same Idempotency-Key queues nothing twice
+        return error(503, str(e), "not_replicated", retry_after=1)
+    if isinstance(e, ClientDisconnect):
+        return Response(status_code=499)  # nobody reads it
+    if isinstance(e, redis.RedisError):  # an OOM: a write (the key's limits) was refused
+        return unavailable(e)
+    # a bug: Starlette raises it on for the server to log, after this response
+    return error(500, "internal error: a bug in Plurai (see the gateway's log)", "internal")
+
+
+async def handle(_request: Request, e: Exception) -> Response:
+    return _response(e)
+
+
+# every error the handler knows; Exception last, for Starlette's outermost handler
+HANDLED: tuple[type[Exception], ...] = (
+    ApiError,
+    BadRequest,
+    Unauthorized,
+    LaneError,
+    UnknownModel,
+    QueueFull,
+    BadIdempotencyKey,
+    NotReplicated,
+    ClientDisconnect,
+    redis.RedisError,
+    Exception,
+)
+
+
+def handlers() -> dict[Any, Any]:
+    """Starlette's `exception_handlers`."""
+    return dict.fromkeys(HANDLED, handle)
