@@ -338,6 +338,13 @@ def test_a_kept_alive_connection_closes_when_idle(short: Stack) -> None:
     assert time.monotonic() - t < 6
 
 
+def test_by_default_a_kept_alive_connection_outlives_the_clients_pools() -> None:
+    """Clients drop a pooled connection idle for 5 s (httpx, Go's net/http), load balancers
+    after 60 s: a gateway that closed first would race their next request, which fails
+    mid-send on the closing connection."""
+    assert Settings().gateway_keepalive_s > max(httpx.Limits().keepalive_expiry or 0, 60)
+
+
 def test_connections_over_the_cap_get_503(short: Stack) -> None:
     held = [_connect(short) for _ in range(40)]
     try:
