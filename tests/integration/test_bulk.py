@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from broker_config import keys
+from broker_config.settings import BulkSettings
 from producer.bulk import manage, plan, store
 from producer.bulk.drive import tokenizer
 from producer.client import Client
@@ -145,7 +146,9 @@ def submit_docs(client: Client, tmp_path: Path, texts: list[str], model: Path) -
         "".join(json.dumps({"id": f"doc-{i}", "text": t}) + "\n" for i, t in enumerate(texts))
     )
     task = plan.Task("summarize", max_tokens=MAX_TOKENS)
-    return manage.create(client, path, task=task, model_dir=str(model), max_model_len=CONTEXT)
+    return manage.create(
+        client, BulkSettings(), path, task=task, model_dir=str(model), max_model_len=CONTEXT
+    )
 
 
 def wait_done(client: Client, batch_id: str, timeout: float = 150) -> dict:
@@ -242,7 +245,7 @@ def test_malformed_lines_go_to_the_error_file(celery, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(rows) + "\n")
     with Client(celery.url) as client:
-        batch_id = manage.create(client, path)
+        batch_id = manage.create(client, BulkSettings(), path)
         b = wait_done(client, batch_id)
         out, err = manage.results(client, batch_id)
     ok = lines(out)

@@ -15,6 +15,7 @@ from broker_config import keys
 from broker_config.settings import BulkSettings
 from producer.bulk import drive, manage, plan, store
 from producer.client import Client
+from results.records import BadRecord
 
 from .test_security_bulk import BS, run_steps
 
@@ -40,7 +41,7 @@ def errors(client: Client, batch_id: str) -> list[tuple[str | None, str]]:
 
 def test_deeply_nested_lines_are_error_lines(client):
     rows = [line("a"), "[" * 5000, '{"custom_id": "b", "x": ' + "[" * 5000, line("c")]
-    batch_id = manage.create(client, rows)
+    batch_id = manage.create(client, BS, rows)
     assert run_steps(client, batch_id, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
     manage.cancel(client, batch_id)
     assert run_steps(client, batch_id, store.TERMINAL) == store.CANCELLED
@@ -54,7 +55,7 @@ def test_deeply_nested_lines_are_error_lines(client):
 
 def test_a_value_msgpack_cannot_hold_is_an_error_line(client):
     big = {"custom_id": "big", "url": "/v1/completions", "body": {"prompt": "x", "seed": 10**30}}
-    batch_id = manage.create(client, [line("a"), json.dumps(big), line("c")])
+    batch_id = manage.create(client, BS, [line("a"), json.dumps(big), line("c")])
     assert run_steps(client, batch_id, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
     assert drive.step(client, batch_id, BS) == store.IN_PROGRESS  # the others are queued
     assert client.redis.hlen(keys.batch_state(batch_id)) == 2
@@ -68,7 +69,7 @@ def test_a_value_msgpack_cannot_hold_is_an_error_line(client):
 
 
 def test_validation_repeated_after_its_driver_died_keeps_the_lines(client):
-    batch_id = manage.create(client, [line("a"), "{oops", line("c")])
+    batch_id = manage.create(client, BS, [line("a"), "{oops", line("c")])
     assert drive.step(client, batch_id, BS) == store.IN_PROGRESS
     # the driver died after the validation's transaction, before it moved the status on
     client.redis.hset(keys.batch(batch_id), "status", store.VALIDATING)
@@ -93,7 +94,7 @@ def test_validation_repeated_after_its_driver_died_keeps_the_lines(client):
     ids=["status", "end_status"],
 )
 def test_a_record_with_an_unknown_status_ends(client, damage):
-    batch_id = manage.create(client, [line("a"), "{oops"])
+    batch_id = manage.create(client, BS, [line("a"), "{oops"])
     assert drive.step(client, batch_id, BS) == store.IN_PROGRESS
     client.redis.hset(keys.batch(batch_id), mapping=damage)
     # the Celery task queues the next step until the batch is terminal
@@ -109,7 +110,7 @@ def test_a_reduce_template_too_long_for_the_context_is_an_error_line(
     client, workers, tiny_model, monkeypatch
 ):
     # the map prompts fit, the reduce template alone leaves no room: level 1 cannot be split
-    monkeypatch.setenv("PLURAI_MODEL_DIR", str(tiny_model))
+    monkeypatch.setattr(client.settings, "model_dir", str(tiny_model))  # the driver's
     workers.start(1, "--engine", "max_model_len=128")
     task = plan.Task(
         "custom", max_tokens=4, template="{text}", reduce_template="merge " * 110 + "{text}"
@@ -118,7 +119,9 @@ def test_a_reduce_template_too_long_for_the_context_is_an_error_line(
         json.dumps({"id": "long", "text": "the river stone light " * 60}),
         json.dumps({"id": "short", "text": "the river"}),
     ]
-    batch_id = manage.create(client, rows, task=task, model_dir=str(tiny_model), max_model_len=128)
+    batch_id = manage.create(
+        client, BS, rows, task=task, model_dir=str(tiny_model), max_model_len=128
+    )
     assert run_steps(client, batch_id, store.TERMINAL, n=400) == store.COMPLETED
     assert errors(client, batch_id) == [("long", "context_too_small")]
     out, _ = manage.results(client, batch_id)
@@ -130,8 +133,8 @@ def test_a_damaged_batch_record_does_not_stop_maintenance(client, damage):
     from producer.bulk import tasks
 
     r = client.redis
-    bad = manage.create(client, [line("a")])
-    good = manage.create(client, [line("b")])
+    bad = manage.create(client, BS, [line("a")])
+    good = manage.create(client, BS, [line("b")])
     for b in (bad, good):
         r.hset(keys.batch(b), "created_ms", 1)  # long past its completion window
     if damage == "wrong_type":
@@ -150,7 +153,7 @@ def test_a_damaged_batch_record_does_not_stop_maintenance(client, damage):
 def test_damaged_saved_requests_and_progress_are_error_lines_not_crashes(client):
     r = client.redis
     bs = BulkSettings(pass_s=0.5, look_s=0.1, window=3)
-    batch_id = manage.create(client, [line(c) for c in "abcde"])
+    batch_id = manage.create(client, BS, [line(c) for c in "abcde"])
     assert run_steps(client, batch_id, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
     assert drive.step(client, batch_id, bs) == store.IN_PROGRESS
     assert r.smembers(keys.batch_active(batch_id)) == {"0", "1", "2"}  # the window
@@ -181,7 +184,7 @@ def test_a_full_lane_ends_the_pass_and_no_line_is_lost(redis_url, client, monkey
     lines to the next pass, and a cancel then gives every line its error line."""
     monkeypatch.setenv("PLURAI_MAX_QUEUED_PER_LANE", "2")
     with Client(redis_url) as small:
-        batch_id = manage.create(small, [line(c) for c in "abcde"])
+        batch_id = manage.create(small, BS, [line(c) for c in "abcde"])
         for _ in range(3):  # validation, then passes that find the lane full
             assert drive.step(small, batch_id, BS) == store.IN_PROGRESS
         active = {int(x) for x in small.redis.smembers(keys.batch_active(batch_id))}
@@ -197,12 +200,12 @@ def test_a_full_lane_ends_the_pass_and_no_line_is_lost(redis_url, client, monkey
 
 
 def test_a_batch_whose_steps_keep_failing_fails_with_driver_failed(client):
-    """A record damaged where no check looks (here `total`): each step raises, and after
+    """A record damaged (here `total`): each step raises BadRecord, and after
     max_step_failures in a row the batch fails with the reason, instead of maintenance
     kicking a step that fails every minute for ever. A step that passes resets the count."""
     from producer.bulk import tasks
 
-    batch_id = manage.create(client, [line("a"), line("b")])
+    batch_id = manage.create(client, BS, [line("a"), line("b")])
     assert drive.step(client, batch_id, BS) == store.IN_PROGRESS
     r = client.redis
     gen = int(r.hget(keys.batch(batch_id), "gen"))
@@ -218,7 +221,8 @@ def test_a_batch_whose_steps_keep_failing_fails_with_driver_failed(client):
         with pytest.raises(ValueError):
             tasks.step(batch_id, gen)
     assert tasks.step(batch_id, gen) == store.FAILED
-    info = manage.info(client, batch_id)
-    assert info["status"] == store.FAILED
-    (error,) = info["errors"]["data"]
-    assert error["code"] == "driver_failed" and "failed 5 times: ValueError" in error["message"]
+    rec = r.hgetall(keys.batch(batch_id))
+    assert rec["status"] == store.FAILED and rec["error_code"] == "driver_failed"
+    assert "failed 5 times: BadRecord: " in rec["error"] and "'total'" in rec["error"]
+    with pytest.raises(BadRecord, match="field 'total' is not a count: 'two'"):
+        manage.info(client, batch_id)  # the record is still damaged: said, not guessed

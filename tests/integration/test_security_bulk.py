@@ -71,7 +71,7 @@ def test_every_key_expires_while_running_and_after(client, tmp_path):
         json.dumps({"custom_id": f"r{i}", "url": "/v1/completions", "body": {"prompt": "x"}})
         for i in range(5)
     ] + ["{not json"]
-    batch_id = manage.create(client, write_docs(tmp_path, rows))
+    batch_id = manage.create(client, BS, write_docs(tmp_path, rows))
     t = ttls(r, batch_id)
     assert set(t) == {batch_id, "input"} and all(40_000 < v <= 14 * 24 * 3600 for v in t.values())
 
@@ -120,11 +120,12 @@ def test_the_driver_uses_its_own_model_dir_never_the_records(
         return real(model_dir)
 
     monkeypatch.setattr(drive, "tokenizer", spy)
-    monkeypatch.setenv("PLURAI_MODEL_DIR", str(tiny_model))
+    settings = client.settings  # the driver's own (the Celery task's client reads them)
+    monkeypatch.setattr(settings, "model_dir", str(tiny_model))
     path = write_docs(tmp_path, docs(3))
     # the record names a folder of the same name somewhere else: the driver's own is used
     elsewhere = str(tmp_path / "nowhere" / tiny_model.name)
-    same = manage.create(client, path, task=TASK, model_dir=elsewhere, max_model_len=128)
+    same = manage.create(client, BS, path, task=TASK, model_dir=elsewhere, max_model_len=128)
     assert client.redis.hget(keys.batch(same), "model_dir") == elsewhere
     assert run_steps(client, same, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
     drive.step(client, same, BS)
@@ -135,7 +136,7 @@ def test_the_driver_uses_its_own_model_dir_never_the_records(
     other = tmp_path / "evil-model"
     other.mkdir()
     (other / "config.json").write_text("{}")
-    bad = manage.create(client, path, task=TASK, model_dir=str(other), max_model_len=128)
+    bad = manage.create(client, BS, path, task=TASK, model_dir=str(other), max_model_len=128)
     assert run_steps(client, bad, store.TERMINAL) == store.FAILED
     info = manage.info(client, bad)
     (error,) = info["errors"]["data"]
@@ -152,15 +153,15 @@ def test_the_driver_uses_its_own_model_dir_never_the_records(
     # saving its jobs included
     client.redis.hdel(keys.batch_state(same), "0")
     assert client.redis.sismember(keys.batch_active(same), "0")
-    monkeypatch.setenv("PLURAI_MODEL_DIR", str(other))
+    monkeypatch.setattr(settings, "model_dir", str(other))
     assert run_steps(client, same, store.TERMINAL) == store.FAILED
     info = manage.info(client, same)
     assert info["errors"]["data"][0]["code"] == "model_mismatch"
     assert info["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
 
     # no model configured at all
-    monkeypatch.delenv("PLURAI_MODEL_DIR")
-    none = manage.create(client, path, task=TASK, model_dir=str(tiny_model), max_model_len=128)
+    monkeypatch.setattr(settings, "model_dir", None)
+    none = manage.create(client, BS, path, task=TASK, model_dir=str(tiny_model), max_model_len=128)
     assert run_steps(client, none, store.TERMINAL) == store.FAILED
     assert manage.info(client, none)["errors"]["data"][0]["code"] == "model_unavailable"
     assert set(loaded) == {str(tiny_model)}
@@ -177,7 +178,7 @@ def test_lines_that_cannot_be_encoded_get_error_lines(client, tmp_path):
         '{"custom_id": "bad-prompt", "url": "/v1/completions", "body": {"prompt": "\\udfff"}}',
         json.dumps({"custom_id": "good2", **ok}),
     ]
-    batch_id = manage.create(client, write_docs(tmp_path, rows))
+    batch_id = manage.create(client, BS, write_docs(tmp_path, rows))
     client.redis.rpush(keys.batch_input(batch_id), b'{"custom_id": "\xff\xfe"}')  # not UTF-8
     client.redis.hincrby(keys.batch(batch_id), "total", 1)
     assert run_steps(client, batch_id, frozenset({store.IN_PROGRESS})) == store.IN_PROGRESS
@@ -220,7 +221,9 @@ def test_end_to_end_with_celery(client, redis_url, workers, tiny_model, tmp_path
         rows = docs(4) + ['{"id": "\\ud800", "text": "x"}']
         elsewhere = str(tmp_path / "client-side" / tiny_model.name)
         path = write_docs(tmp_path, rows)
-        batch_id = manage.create(client, path, task=TASK, model_dir=elsewhere, max_model_len=128)
+        batch_id = manage.create(
+            client, BS, path, task=TASK, model_dir=elsewhere, max_model_len=128
+        )
         end = time.monotonic() + 180
         while manage.info(client, batch_id)["status"] not in store.TERMINAL:
             assert time.monotonic() < end, (tmp_path / "celery-0.log").read_text()[-3000:]
