@@ -106,18 +106,13 @@ class BatchRecord:
         if "status" not in h:
             raise BadRecord(f"batch {batch_id}: its record has no status")
         out: dict[str, Any] = {}
-        for f in _FIELDS:
-            v = h.get(f.name)
-            if v is None or f.name in ("id", "status"):
+        for name in _OTHERS:
+            v = h.get(name)
+            if v is None:
                 continue
-            if f.type in ("int", "int | None"):
-                if not _COUNT.fullmatch(v):
-                    raise BadRecord(
-                        f"batch {batch_id}: field {f.name!r} is not a count: {v[:40]!r}"
-                    )
-                out[f.name] = int(v)
-            else:
-                out[f.name] = v
+            if name in _COUNTS and not _COUNT.fullmatch(v):
+                raise BadRecord(f"batch {batch_id}: field {name!r} is not a count: {v[:40]!r}")
+            out[name] = int(v) if name in _COUNTS else v
         return cls(id=batch_id, status=h["status"], **out)
 
     def to_hash(self) -> dict[str, str | int]:
@@ -131,7 +126,10 @@ class BatchRecord:
         return {"total": self.total, "completed": self.completed, "failed": self.failed}
 
 
-_FIELDS = dataclasses.fields(BatchRecord)
+_OTHERS = [f.name for f in dataclasses.fields(BatchRecord) if f.name not in ("id", "status")]
+_COUNTS = frozenset(  # the integer fields (annotations are strings here)
+    f.name for f in dataclasses.fields(BatchRecord) if f.type in ("int", "int | None")
+)
 
 
 @dataclass
@@ -186,6 +184,8 @@ def get(r: redis.Redis, batch_id: str) -> BatchRecord | None:
     when it is damaged, or its key holds another type."""
     try:
         raw = r.hgetall(keys.batch(batch_id))
+    except UnicodeDecodeError:  # a connection that decodes replies
+        raise BadRecord(f"batch {batch_id}: its record holds bytes that are not UTF-8") from None
     except redis.ResponseError as e:
         if not str(e).startswith("WRONGTYPE"):
             raise

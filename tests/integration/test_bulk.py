@@ -193,11 +193,11 @@ def test_celery_worker_killed_mid_batch_resumes(celery, tmp_path, tiny_model, ex
     with Client(celery.url) as client:
         batch_id = submit_docs(client, tmp_path, texts, tiny_model)
         end = time.monotonic() + 120
-        while store.counts(store.get(client.redis, batch_id))["completed"] < 20:
+        while manage.read(client, batch_id).completed < 20:
             assert time.monotonic() < end, "no progress before the kill"
             time.sleep(0.05)
         celery.kill()
-        done_at_kill = store.counts(store.get(client.redis, batch_id))["completed"]
+        done_at_kill = manage.read(client, batch_id).completed
         assert done_at_kill < 200, "the batch finished before the kill; make it longer"
         celery.start()
         wait_done(client, batch_id)
@@ -326,12 +326,12 @@ def test_gpu_worker_killed_mid_batch_resumes(redis_url, workers, tmp_path, tiny_
         with Client(redis_url) as client:
             batch_id = submit_docs(client, tmp_path, documents(200), tiny_model)
             end = time.monotonic() + 120
-            while store.counts(store.get(client.redis, batch_id))["completed"] < 20:
+            while manage.read(client, batch_id).completed < 20:
                 assert time.monotonic() < end, "no progress before the kill"
                 time.sleep(0.05)
             workers.procs[0].kill()
             workers.procs[0].wait()
-            assert store.counts(store.get(client.redis, batch_id))["completed"] < 200
+            assert manage.read(client, batch_id).completed < 200
             workers.start(1, "--engine", f"max_model_len={CONTEXT}", env=fast_reclaim)
             wait_done(client, batch_id)
             check_docs(client, batch_id, expected)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import fakeredis
 import pytest
 
+from broker_config import keys
 from broker_config.settings import BulkSettings
 from producer.bulk import store
 from producer.bulk.store import BatchRecord, LineProgress
@@ -87,3 +89,17 @@ def test_line_progress_keeps_its_stored_format():
 def test_damaged_line_progress_is_a_bad_record(saved: str):
     with pytest.raises(BadRecord):
         LineProgress.from_json(saved)
+
+
+def test_get_reads_a_record_or_says_why_it_cannot():
+    r = fakeredis.FakeRedis(decode_responses=True)
+    assert store.get(r, "b1") is None
+    r.hset(keys.batch("b1"), mapping={"status": "in_progress", "total": "2"})
+    assert store.get(r, "b1") == BatchRecord("b1", "in_progress", total=2)
+    r.hset(keys.batch("b1"), "error", b"\xff")
+    with pytest.raises(BadRecord, match="not UTF-8"):
+        store.get(r, "b1")
+    r.delete(keys.batch("b1"))
+    r.set(keys.batch("b1"), "not a hash")
+    with pytest.raises(BadRecord, match="another type"):
+        store.get(r, "b1")
