@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench.workload import cpu_isa  # noqa: E402
 from broker_config.celery_app import app, configure  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
+from broker_config.settings import BulkSettings  # noqa: E402
 from broker_config.stats import serving_workers  # noqa: E402
 from producer.bulk import manage, plan, store  # noqa: E402
 from producer.client import Client  # noqa: E402
@@ -97,8 +98,9 @@ def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], 
         client.submit("warm up the engine", max_tokens=8).result(timeout=120)
         # warm-up batch: the Celery worker loads the tokenizer once
         (tmp / "warm.jsonl").write_text(json.dumps({"id": "w", "text": "warm up"}) + "\n")
+        bulk = BulkSettings()
         warm = manage.create(
-            client, tmp / "warm.jsonl", task=task, model_dir=a.model, max_model_len=a.context
+            client, bulk, tmp / "warm.jsonl", task=task, model_dir=a.model, max_model_len=a.context
         )
         while manage.info(client, warm)["status"] not in store.TERMINAL:
             time.sleep(0.05)
@@ -111,7 +113,7 @@ def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], 
         )
         t = time.perf_counter()
         batch_id = manage.create(
-            client, path, task=task, model_dir=a.model, max_model_len=a.context
+            client, bulk, path, task=task, model_dir=a.model, max_model_len=a.context
         )
         while manage.info(client, batch_id)["status"] not in store.TERMINAL:
             time.sleep(0.05)

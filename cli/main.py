@@ -168,8 +168,15 @@ def cmd_batch_submit(args: argparse.Namespace) -> int:
 
         model = Settings().model_dir
     with _batch_client(args) as client:
+        from broker_config.settings import BulkSettings
+
         batch_id = manage.create(
-            client, Path(args.input), task=task, model_dir=model, max_model_len=args.max_model_len
+            client,
+            BulkSettings(),
+            Path(args.input),
+            task=task,
+            model_dir=model,
+            max_model_len=args.max_model_len,
         )
         print(batch_id)
         if args.watch:

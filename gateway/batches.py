@@ -16,15 +16,14 @@ output and error files are virtual: `file-<batch id>-output` and `file-<batch id
 name the JSONL texts the batch's finalize wrote (manage.results), once it has ended.
 
 With an API key, files and batches belong to the key's tenant: another tenant's id is
-unknown (404). Without one (an open gateway) every file and batch is visible.
+unknown (404). Without one (an open gateway) every file and batch is visible. The objects
+are built in gateway/batch_objects.py, uploads stored by gateway/uploads.py.
 """
 
 from __future__ import annotations
 
-import codecs
 import functools
 import io
-import json
 import logging
 import re
 import secrets
@@ -49,57 +48,39 @@ from broker_config.celery_app import configure
 from broker_config.connection import connect
 from broker_config.memory import is_oom
 from broker_config.settings import BulkSettings
-from broker_config.text import text, valid_text
+from broker_config.text import text
 from gateway import auth
 from gateway.app import Gateway
 from gateway.auth import Key, Unauthorized
+from gateway.batch_objects import (
+    COMPLETION_WINDOW,
+    FILE_ID,
+    RESULT_FILE_ID,
+    batch_object,
+    check_metadata,
+    file_object,
+    result_file_object,
+)
 from gateway.errors import error, unavailable
+from gateway.uploads import (
+    CHUNK,
+    FORM_SLACK,
+    MAX_FILE_BYTES,
+    FileGone,
+    StoredFile,
+    capped,
+    expires_after,
+    filename_of,
+    too_large,
+)
+from gateway.uploads import store as store_upload
 from producer.bulk import drive, inputs, manage, store
+from producer.bulk.store import BatchRecord
 from producer.client import Client
 from producer.openai_body import BadRequest
+from results.records import BadRecord
 
 log = logging.getLogger("plurai.gateway")
-
-MAX_FILE_BYTES = 200 << 20  # OpenAI's own limit for a batch input file
-MAX_FILE_LINES = 50_000  # OpenAI's limit of requests in one batch
-FORM_SLACK = 64 << 10  # the multipart framing and small fields around the file
-CHUNK = 1 << 20  # bytes per Redis read or write of a file
-UPLOAD_TTL_S = 3600  # an upload's bytes until its metadata makes it a file
-MIN_EXPIRES_S, MAX_EXPIRES_S = 3600, 30 * 86400  # OpenAI's bounds of expires_after
-COMPLETION_WINDOW = "24h"
-METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
-FILENAME_CHARS = 255
-
-FILE_ID = re.compile(r"file-[0-9a-f]{24}")
-RESULT_FILE_ID = re.compile(r"file-(?P<batch>[A-Za-z0-9_-]{1,64})-(?P<kind>output|errors)")
-_DIGITS = re.compile(r"[0-9]{1,15}")
-
-# The bulk store's statuses are OpenAI's, but for a batch that is past its window and
-# stopping (cancelling with stop_reason "expired"): OpenAI has no such state, and it is
-# writing its files.
-_STATUSES = frozenset(
-    {
-        store.VALIDATING,
-        store.IN_PROGRESS,
-        store.FINALIZING,
-        store.COMPLETED,
-        store.FAILED,
-        store.CANCELLING,
-        store.CANCELLED,
-        store.EXPIRED,
-    }
-)
-_ENDED_AT = {
-    store.COMPLETED: "completed_at",
-    store.FAILED: "failed_at",
-    store.CANCELLED: "cancelled_at",
-    store.EXPIRED: "expired_at",
-}
-
-
-class FileGone(Exception):
-    """The stored file expired or was deleted while it was read."""
-
 
 SCAN_BATCHES = 5000  # batch ids one list page may look at (other tenants' are skipped)
 
@@ -109,205 +90,8 @@ def _not_found(what: str, ident: str, param: str | None = None) -> BadRequest:
     return BadRequest(f"no {what} {shown!r}", code=f"{what}_not_found", param=param, status=404)
 
 
-def _int(meta: dict[str, str], name: str) -> int:
-    """A count or unix-ms field of a record; 0 when it is missing or not one."""
-    v = meta.get(name, "")
-    return int(v) if _DIGITS.fullmatch(v) else 0
-
-
-def _seconds(meta: dict[str, str], name: str) -> int | None:
-    ms = _int(meta, name)
-    return ms // 1000 if ms else None
-
-
-def _visible(meta: dict[str, str], key: Key | None) -> bool:
-    return key is None or meta.get("tenant", "") == key.tenant
-
-
-# -- the objects ------------------------------------------------------------------------
-
-
-def file_object(file_id: str, meta: dict[str, str]) -> dict[str, Any]:
-    return {
-        "id": file_id,
-        "object": "file",
-        "bytes": _int(meta, "bytes"),
-        "created_at": _int(meta, "created_at"),
-        "expires_at": _int(meta, "expires_at") or None,
-        "filename": meta.get("filename", ""),
-        "purpose": "batch",
-        "status": "processed",
-        "status_details": None,
-    }
-
-
-def result_file_object(batch_id: str, kind: str, meta: dict[str, str], size: int) -> dict:
-    return {
-        "id": f"file-{batch_id}-{kind}",
-        "object": "file",
-        "bytes": size,
-        "created_at": (_int(meta, "finished_ms") or _int(meta, "created_ms")) // 1000,
-        "expires_at": None,
-        "filename": f"{batch_id}_{kind}.jsonl",
-        "purpose": "batch_output",
-        "status": "processed",
-        "status_details": None,
-    }
-
-
-def status_of(meta: dict[str, str]) -> str:
-    status = meta.get("status", "")
-    if status == store.CANCELLING and meta.get("stop_reason") == "expired":
-        return store.FINALIZING
-    return status if status in _STATUSES else store.FAILED
-
-
-def metadata_of(meta: dict[str, str]) -> dict[str, str] | None:
-    try:
-        value = json.loads(meta.get("metadata") or "null")
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        return None
-    return value
-
-
-def batch_object(batch_id: str, meta: dict[str, str]) -> dict[str, Any]:
-    """The OpenAI batch object of a bulk batch record (store.get); any record, whatever
-    its fields hold."""
-    status = status_of(meta)
-    counts = {k: _int(meta, k) for k in ("total", "completed", "failed")}
-    ended = meta.get("status") in store.TERMINAL
-    prompt, output = _int(meta, "prompt_tokens"), _int(meta, "output_tokens")
-    obj: dict[str, Any] = {
-        "id": batch_id,
-        "object": "batch",
-        "endpoint": meta.get("endpoint") or None,
-        "errors": None,
-        "input_file_id": meta.get("input_file_id") or None,
-        "completion_window": meta.get("completion_window") or COMPLETION_WINDOW,
-        "status": status,
-        "output_file_id": f"file-{batch_id}-output" if ended and counts["completed"] else None,
-        "error_file_id": f"file-{batch_id}-errors" if ended and counts["failed"] else None,
-        "created_at": _int(meta, "created_ms") // 1000,
-        "in_progress_at": _seconds(meta, "started_ms") if status != store.VALIDATING else None,
-        "expires_at": _seconds(meta, "expires_ms"),
-        "finalizing_at": None,
-        "completed_at": None,
-        "failed_at": None,
-        "expired_at": None,
-        "cancelling_at": _seconds(meta, "cancelling_ms"),
-        "cancelled_at": None,
-        "request_counts": counts,
-        "usage": {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + output,
-        },
-        "metadata": metadata_of(meta),
-    }
-    if status in _ENDED_AT:
-        obj[_ENDED_AT[status]] = _seconds(meta, "finished_ms")
-    if meta.get("error_code"):
-        error = {
-            "code": meta["error_code"],
-            "message": meta.get("error", ""),
-            "param": None,
-            "line": None,
-        }
-        obj["errors"] = {"object": "list", "data": [error]}
-    return obj
-
-
-# -- reading what the client sent --------------------------------------------------------
-
-
-def check_metadata(value: Any) -> dict[str, str] | None:
-    """OpenAI's metadata: at most 16 string pairs, keys to 64 and values to 512 chars."""
-    if value is None:
-        return None
-    if (
-        not isinstance(value, dict)
-        or len(value) > METADATA_PAIRS
-        or not all(
-            isinstance(k, str)
-            and isinstance(v, str)
-            and len(k) <= METADATA_KEY_CHARS
-            and len(v) <= METADATA_VALUE_CHARS
-            for k, v in value.items()
-        )
-    ):
-        raise BadRequest(
-            f"metadata: an object of at most {METADATA_PAIRS} string pairs, keys of at most "
-            f"{METADATA_KEY_CHARS} characters, values of at most {METADATA_VALUE_CHARS}",
-            param="metadata",
-        )
-    return value
-
-
-def expires_after(form: Any, default_s: int) -> int:
-    """The file's lifetime: the form's expires_after[seconds] (anchor created_at), else
-    `default_s`."""
-    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
-    if anchor is None and seconds is None:
-        return default_s
-    if (
-        anchor != "created_at"
-        or not isinstance(seconds, str)
-        or _DIGITS.fullmatch(seconds) is None
-        or not MIN_EXPIRES_S <= int(seconds) <= MAX_EXPIRES_S
-    ):
-        raise BadRequest(
-            f"expires_after: anchor 'created_at' and seconds from {MIN_EXPIRES_S} to "
-            f"{MAX_EXPIRES_S}",
-            param="expires_after",
-        )
-    return int(seconds)
-
-
-def filename_of(upload: UploadFile) -> str:
-    name = upload.filename or "upload.jsonl"
-    if not valid_text(name):
-        name = name.encode("utf-8", "replace").decode()
-    return name[:FILENAME_CHARS]
-
-
-def _too_large() -> BadRequest:
-    return BadRequest(
-        f"the file is over {MAX_FILE_BYTES} bytes", code="file_too_large", param="file", status=413
-    )
-
-
-async def _capped(stream: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
-    got = 0
-    async for chunk in stream:
-        got += len(chunk)
-        if got > limit:
-            raise _too_large()
-        yield chunk
-
-
-class _StoredFile(io.RawIOBase):
-    """A stored file's bytes, read from Redis a range at a time (sync)."""
-
-    def __init__(self, r: redis.Redis, key: str, size: int) -> None:
-        self.r, self.key, self.size, self.pos = r, key, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self.size - self.pos)
-        if n <= 0:
-            return 0
-        data = self.r.getrange(self.key, self.pos, self.pos + n - 1)
-        if not data:
-            raise FileGone(self.key)
-        buffer[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+def _visible(tenant: str | None, key: Key | None) -> bool:
+    return key is None or (tenant or "") == key.tenant
 
 
 # -- the endpoints ---------------------------------------------------------------------
@@ -327,6 +111,9 @@ def _endpoint(route: str) -> Callable[[Handler], Handler]:
             except BadRequest as e:
                 kind = "authentication_error" if e.status == 401 else None
                 response = error(e.status, e.message, e.code, e.param, kind=kind)
+            except BadRecord as e:  # a batch record no Plurai process wrote
+                log.warning("%s: %s", route, e)
+                response = error(500, str(e), BadRecord.code)
             except ClientDisconnect:
                 response = Response(status_code=499)  # nobody reads it
             except redis.ResponseError as e:
@@ -375,30 +162,35 @@ class Batches:
             return {}
         return {text(k): text(v) for k, v in (raw or {}).items()}
 
+    async def record(self, batch_id: str) -> BatchRecord | None:
+        """The batch's record (None: there is none); BadRecord when it is damaged."""
+        meta = await self._hash(keys.batch(batch_id))
+        return BatchRecord.from_hash(batch_id, meta) if meta else None
+
     async def file_meta(self, file_id: str, key: Key | None) -> dict[str, str]:
         if FILE_ID.fullmatch(file_id):
             meta = await self._hash(keys.file_meta(file_id))
-            if meta and _visible(meta, key):
+            if meta and _visible(meta.get("tenant"), key):
                 return meta
         raise _not_found("file", file_id)
 
-    async def batch_meta(self, batch_id: str, key: Key | None) -> dict[str, str]:
+    async def batch_meta(self, batch_id: str, key: Key | None) -> BatchRecord:
         if store.BATCH_ID.fullmatch(batch_id):
-            meta = await self._hash(keys.batch(batch_id))
-            if meta and _visible(meta, key):
-                return meta
+            rec = await self.record(batch_id)
+            if rec is not None and _visible(rec.tenant, key):
+                return rec
         raise _not_found("batch", batch_id)
 
-    async def result_file(self, file_id: str, key: Key | None) -> tuple[str, str, dict]:
-        """(batch id, kind, batch record) of a batch's output or error file."""
+    async def result_file(self, file_id: str, key: Key | None) -> tuple[BatchRecord, str]:
+        """(batch record, kind) of a batch's output or error file."""
         m = RESULT_FILE_ID.fullmatch(file_id)
         if m is not None:
             try:
-                meta = await self.batch_meta(m["batch"], key)
+                rec: BatchRecord | None = await self.batch_meta(m["batch"], key)
             except BadRequest:
-                meta = {}
-            if meta.get("status") in store.TERMINAL:
-                return m["batch"], m["kind"], meta
+                rec = None
+            if rec is not None and rec.status in store.TERMINAL:
+                return rec, m["kind"]
         raise _not_found("file", file_id)
 
     # -- files ---------------------------------------------------------------------
@@ -411,9 +203,9 @@ class Batches:
         declared = request.headers.get("content-length", "")
         limit = MAX_FILE_BYTES + FORM_SLACK
         if declared.isdigit() and int(declared) > limit:
-            raise _too_large()
+            raise too_large()
         parser = MultiPartParser(
-            request.headers, _capped(request.stream(), limit), max_files=1, max_fields=8
+            request.headers, capped(request.stream(), limit), max_files=1, max_fields=8
         )
         try:
             form = await parser.parse()
@@ -429,9 +221,9 @@ class Batches:
                 raise BadRequest("the form has no file", param="file")
             ttl = expires_after(form, self.bs.completion_window_s)
             if upload.size is not None and upload.size > MAX_FILE_BYTES:
-                raise _too_large()
+                raise too_large()
             file_id = "file-" + secrets.token_hex(12)
-            size = await self._store(file_id, upload)
+            size = await store_upload(self.r, keys.file(file_id), upload)
         finally:
             await form.close()
         now = int(time.time())
@@ -450,58 +242,15 @@ class Batches:
         await pipe.execute()
         return JSONResponse(file_object(file_id, meta))
 
-    async def _store(self, file_id: str, upload: UploadFile) -> int:
-        """Copy the upload to Redis, checking it as it goes: UTF-8, not blank, at most
-        MAX_FILE_BYTES and MAX_FILE_LINES; returns its size."""
-        name = keys.file(file_id)
-        utf8 = codecs.getincrementaldecoder("utf-8")()
-        size = ends = 0
-        blank, last = True, b""
-        try:
-            while chunk := await upload.read(CHUNK):
-                size += len(chunk)
-                if size > MAX_FILE_BYTES:
-                    raise _too_large()
-                utf8.decode(chunk)
-                # line ends as the batch reads the file (universal newlines): \n, \r\n, \r;
-                # a \r that ends a read is counted with the next (it may start a \r\n)
-                ends += last == b"\r" and chunk[:1] != b"\n"
-                ends += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
-                ends -= chunk[-1:] == b"\r"
-                if ends > MAX_FILE_LINES:
-                    raise BadRequest(
-                        f"the file has over {MAX_FILE_LINES} lines", code="too_many_lines"
-                    )
-                blank = blank and not chunk.strip()
-                last = chunk[-1:]
-                if size == len(chunk):
-                    await self.r.set(name, chunk, ex=UPLOAD_TTL_S)
-                else:
-                    await self.r.append(name, chunk)
-            utf8.decode(b"", final=True)
-            if ends + (last not in (b"", b"\n")) > MAX_FILE_LINES:  # a last \r or line
-                raise BadRequest(f"the file has over {MAX_FILE_LINES} lines", code="too_many_lines")
-            if blank:
-                raise BadRequest("the file is empty: send JSONL, one request a line", param="file")
-        except UnicodeDecodeError:
-            await self.r.delete(name)
-            raise BadRequest(
-                "the file is not UTF-8 text", code="invalid_utf8", param="file"
-            ) from None
-        except BaseException:
-            await self.r.delete(name)
-            raise
-        return size
-
     @_endpoint("files")
     async def get_file(self, request: Request) -> Response:
         key = await self.caller(request)
         file_id = request.path_params["file_id"]
         if RESULT_FILE_ID.fullmatch(file_id):
-            batch_id, kind, meta = await self.result_file(file_id, key)
-            name = keys.batch_output(batch_id) if kind == "output" else keys.batch_errors(batch_id)
+            rec, kind = await self.result_file(file_id, key)
+            name = keys.batch_output(rec.id) if kind == "output" else keys.batch_errors(rec.id)
             size = await self.r.strlen(name)
-            return JSONResponse(result_file_object(batch_id, kind, meta, size))
+            return JSONResponse(result_file_object(rec, kind, size))
         return JSONResponse(file_object(file_id, await self.file_meta(file_id, key)))
 
     @_endpoint("files")
@@ -509,8 +258,8 @@ class Batches:
         key = await self.caller(request)
         file_id = request.path_params["file_id"]
         if RESULT_FILE_ID.fullmatch(file_id):
-            batch_id, kind, _ = await self.result_file(file_id, key)
-            name = keys.batch_output(batch_id) if kind == "output" else keys.batch_errors(batch_id)
+            rec, kind = await self.result_file(file_id, key)
+            name = keys.batch_output(rec.id) if kind == "output" else keys.batch_errors(rec.id)
         else:
             await self.file_meta(file_id, key)
             name = keys.file(file_id)
@@ -596,7 +345,9 @@ class Batches:
             batch_id = await run_in_threadpool(self._create, file_id, endpoint, metadata, fields)
         except FileGone:
             raise _not_found("file", file_id, "input_file_id") from None
-        return JSONResponse(batch_object(batch_id, await self._hash(keys.batch(batch_id))))
+        rec = await self.record(batch_id)
+        assert rec is not None  # written before create returned, and it expires in days
+        return JSONResponse(batch_object(rec))
 
     def _create(
         self, file_id: str, endpoint: str, metadata: dict | None, fields: dict[str, str]
@@ -608,10 +359,11 @@ class Batches:
         size = r.strlen(keys.file(file_id))
         if not size:
             raise FileGone(file_id)
-        raw = io.BufferedReader(_StoredFile(r, keys.file(file_id), size), CHUNK)
+        raw = io.BufferedReader(StoredFile(r, keys.file(file_id), size), CHUNK)
         with io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline=None) as f:
             return manage.create(
                 self.sync,
+                self.bs,
                 manage.lines_of(f),
                 metadata=metadata,
                 endpoint=endpoint,
@@ -622,7 +374,7 @@ class Batches:
     async def get_batch(self, request: Request) -> Response:
         key = await self.caller(request)
         batch_id = request.path_params["batch_id"]
-        return JSONResponse(batch_object(batch_id, await self.batch_meta(batch_id, key)))
+        return JSONResponse(batch_object(await self.batch_meta(batch_id, key)))
 
     @_endpoint("batches")
     async def list_batches(self, request: Request) -> Response:
@@ -649,12 +401,16 @@ class Batches:
         for offset in range(start, start + SCAN_BATCHES, 100):
             ids = [text(i) for i in await self.r.zrevrange(keys.BATCHES, offset, offset + 99)]
             for batch_id in ids:
-                meta = await self._hash(keys.batch(batch_id))
-                if meta and _visible(meta, key):
+                try:
+                    rec = await self.record(batch_id)
+                except BadRecord as e:  # one damaged record hides no other batch
+                    log.warning("batches: %s", e)
+                    continue
+                if rec is not None and _visible(rec.tenant, key):
                     if len(found) == int(limit):
                         more = True
                         break
-                    found.append(batch_object(batch_id, meta))
+                    found.append(batch_object(rec))
             if more or len(ids) < 100:
                 break
         return JSONResponse(
@@ -676,7 +432,7 @@ class Batches:
             await run_in_threadpool(manage.cancel, self.sync, batch_id)
         except manage.UnknownBatch:
             raise _not_found("batch", batch_id) from None
-        return JSONResponse(batch_object(batch_id, await self.batch_meta(batch_id, key)))
+        return JSONResponse(batch_object(await self.batch_meta(batch_id, key)))
 
 
 def routes(gw: Gateway) -> list[Route]:

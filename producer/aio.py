@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from typing import Any
 
 import redis.asyncio
-from redis.exceptions import NoScriptError
 
 from broker_config.connection import connect_async, is_cluster, resolve_url
 from broker_config.routes import Routes
 from broker_config.settings import Settings
 from broker_config.text import text
 from producer.client import _CHUNK, cancel_call
-from producer.errors import QueueFull, accepting, check_replicas, final, submitted
-from producer.request import SCRIPTS, Batch, Checked, check, prepare
+from producer.errors import QueueFull, accepting, final
+from producer.request import SCRIPTS, Checked, check, prepare
+from producer.submit import Plan
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
@@ -84,28 +84,18 @@ class AsyncClient:
         before: list[AsyncJob] | None = None,
     ) -> list[AsyncJob]:
         """As Client.send."""
-        s = self.settings
-        batch = Batch(requests, self.routes, s, is_cluster(self.redis))
-        commands = list(batch.commands())
-        replies = await self._run(commands)
-        missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
-        if missing:  # Redis lost its scripts: those calls did nothing
+        split = is_cluster(self.redis)
+        plan = Plan(requests, self.routes, self.settings, split, before or [], self.job)
+        lost = plan.lost(await self._run(plan.commands()))
+        if lost:
             await jobs.load_async(self.redis, *SCRIPTS)
-            again = await self._run([commands[i] for i in missing])
-            for i, reply in zip(missing, again, strict=True):
-                replies[i] = reply
-        acked, replies = batch.split_replies(replies)
-        ids, cleanup, error = submitted(
-            batch.subs, replies, s.queue_full_retry_s, before or [], self.job, batch.split
-        )
-        if cleanup:  # also when refused: a record QUEUED wrote would read "queued" for days
+            plan.rerun(await self._run(lost))
+        cleanup = plan.settle()
+        if cleanup:
             await self._run(cleanup)
-        if error is not None:
-            raise error
-        check_replicas([j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms)
-        return ids
+        return plan.jobs()
 
-    async def _run(self, commands: list[list[Any]]) -> list[Any]:
+    async def _run(self, commands: Iterable[list[Any]]) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
         for c in commands:
             pipe.execute_command(*c)

@@ -14,15 +14,15 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis
-from redis.exceptions import NoScriptError
 
 from broker_config import fastpipe
 from broker_config.connection import connect, is_cluster, resolve_url
 from broker_config.routes import Routes
 from broker_config.settings import Settings
 from broker_config.text import text
-from producer.errors import QueueFull, accepting, check_replicas, final, submitted
-from producer.request import SCRIPTS, Batch, Checked, check, prepare
+from producer.errors import QueueFull, accepting, final
+from producer.request import SCRIPTS, Checked, check, prepare
+from producer.submit import Plan
 from results import jobs, records, tokens, wait
 from results.records import JobRecord
 
@@ -95,31 +95,20 @@ class Client:
     def send(
         self, requests: list[jobs.Submission] | list[Checked], before: list[Job] | None = None
     ) -> list[Job]:
-        """Queue prepared submissions (producer.request.prepare), or checked requests built
-        into submissions as they are written (Redis runs the first while the rest are
-        built), in one pipeline round trip; with PLURAI_SUBMIT_REPLICAS, followed on the
-        same connection by a WAIT for that many replicas to have them. `before`: jobs of the
-        same call already queued, for QueueFull."""
-        s = self.settings
-        batch = Batch(requests, self.routes, s, is_cluster(self.redis))
-        replies = self._run(batch.commands())
-        missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
-        if missing:  # Redis lost its scripts (a restart, a failover): those calls did nothing
+        """Queue prepared submissions, or checked requests, in one pipeline round trip
+        (producer.submit.Plan); with PLURAI_SUBMIT_REPLICAS, followed on the same connection
+        by a WAIT for that many replicas to have them. `before`: jobs of the same call
+        already queued, for QueueFull."""
+        split = is_cluster(self.redis)
+        plan = Plan(requests, self.routes, self.settings, split, before or [], self.job)
+        lost = plan.lost(self._run(plan.commands()))
+        if lost:
             jobs.load(self.redis, *SCRIPTS)
-            commands = list(batch.commands())  # the same submissions again
-            again = self._run([commands[i] for i in missing])
-            for i, reply in zip(missing, again, strict=True):
-                replies[i] = reply
-        acked, replies = batch.split_replies(replies)
-        ids, cleanup, error = submitted(
-            batch.subs, replies, s.queue_full_retry_s, before or [], self.job, batch.split
-        )
-        if cleanup:  # also when refused: a record QUEUED wrote would read "queued" for days
+            plan.rerun(self._run(lost))
+        cleanup = plan.settle()
+        if cleanup:
             self._run(cleanup)
-        if error is not None:
-            raise error
-        check_replicas([j.id for j in ids], acked, s.submit_replicas, s.submit_replicas_timeout_ms)
-        return ids
+        return plan.jobs()
 
     def _run(self, commands: Iterable[list[Any]]) -> list[Any]:
         """Commands in one round trip (one per node on a Cluster); error replies in place."""

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from broker_config import keys, protocol
-from broker_config.routes import Routes, registry_value
+from broker_config.routes import Routes
 from broker_config.settings import Settings
 from producer.errors import UnknownModel
 from results import jobs
@@ -232,45 +231,3 @@ def check(
         json.dumps(metadata, separators=(",", ":")) if metadata is not None else None,
         idempotency_key,
     )
-
-
-class Batch:
-    """The commands of one pipelined submit (Client.send): the models' entries in
-    plurai:models for those no worker has served yet (so `plurai status` and the metrics
-    show the lanes where their jobs wait), each job's submit calls (one, or two with
-    `split` on a Cluster), then, with PLURAI_SUBMIT_REPLICAS, a WAIT. Checked requests are
-    built into submissions (`subs`) as `commands()` is iterated."""
-
-    def __init__(
-        self,
-        requests: list[jobs.Submission] | list[Checked],
-        routes: Routes,
-        settings: Settings,
-        split: bool,
-    ) -> None:
-        new = dict.fromkeys(r.model for r in requests if r.model not in routes.models)
-        self.listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
-        self.requests, self.settings, self.split = requests, settings, split
-        self.subs: list[jobs.Submission] = []
-        self.built = False
-
-    def commands(self) -> Iterator[list[Any]]:
-        """Every command, in order; the submissions are built the first time."""
-        yield from self.listed
-        if self.built:
-            for sub in self.subs:
-                yield from sub.commands(self.split)
-        else:
-            self.built = True
-            for r in self.requests:
-                sub = r.submission() if isinstance(r, Checked) else r
-                self.subs.append(sub)
-                yield from sub.commands(self.split)
-        s = self.settings
-        if s.submit_replicas:
-            yield ["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms]
-
-    def split_replies(self, replies: list[Any]) -> tuple[Any, list[Any]]:
-        """WAIT's reply (0 without it) and the submit calls' replies."""
-        acked = replies.pop() if self.settings.submit_replicas else 0
-        return acked, replies[len(self.listed) :]

@@ -1,15 +1,13 @@
-"""One pass of a batch, by its status: validate, drive the requests, or finalize.
+"""One pass of a batch, by its status: validate (validate.py), drive the requests, or
+finalize.
 
 Every action can be repeated after a crash with the same effect: requests are submitted
 with idempotency keys `bulk:<batch>:<custom_id hash>:<level>:<chunk>`
-(keys.bulk_idempotency; a repeat returns the same job), each line's result is written once (store.record_line), and the progress of a
-line (its level and jobs) is saved after its requests are submitted, so a pass that died
-in between submits the same requests again and gets the same jobs back.
-
-Documents are split with the tokenizer of the model directory this process is configured
-with (PLURAI_MODEL_DIR), never of a path read from the batch record, which any client can
-write: the record's `model_dir` only says which model the client meant, and a batch whose
-model is not the configured one (another folder name) fails with `model_mismatch`.
+(keys.bulk_idempotency; a repeat returns the same job), each line's result is written once
+(store.record_line), and the progress of a line (store.LineProgress) is saved after its
+requests are submitted, so a pass that died in between submits the same requests again and
+gets the same jobs back. The settings come from the caller (the Celery task): the bulk
+settings as `bs`, the rest as the client's (its model directory, the wire's limits).
 """
 
 from __future__ import annotations
@@ -22,17 +20,17 @@ from pathlib import PurePath
 from typing import Any
 
 import redis
-from redis.client import NEVER_DECODE
 
 from broker_config import keys, protocol
-from broker_config.settings import BulkSettings, Settings
+from broker_config.settings import BulkSettings
 from broker_config.text import text
 from producer.bulk import finalize, plan, store
-from producer.bulk.inputs import LineError, parse_line
+from producer.bulk.store import BatchRecord, LineProgress
+from producer.bulk.validate import configured_model, validate
 from producer.client import Client
 from producer.errors import QueueFull
 from results import records
-from results.records import JobRecord
+from results.records import BadRecord, JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -46,47 +44,16 @@ def tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
-def configured_model(meta: dict[str, str]) -> tuple[str, tuple[str, str] | None]:
-    """The model directory to split the batch's documents with (PLURAI_MODEL_DIR; "" for a
-    batch without a task, which needs none), and the error code and message that fail the
-    batch when it cannot run with it, a task that is not valid included (None: it can)."""
-    if not meta.get("task"):
-        return "", None
-    try:  # a record written before a rule it breaks (or by hand) fails the batch cleanly
-        plan.Task.from_dict(json.loads(meta["task"]))
-    except (ValueError, TypeError, AttributeError) as e:
-        return "", ("invalid_task", f"the batch's task is not valid: {e}"[:500])
-    mine = Settings().model_dir or ""
-    if not mine:
-        return "", (
-            "model_unavailable",
-            "this batch driver has no model directory (set PLURAI_MODEL_DIR): "
-            "documents are split with its tokenizer",
-        )
-    wanted = PurePath(meta.get("model_dir", "")).name
-    if wanted != PurePath(mine).name:
-        return mine, (
-            "model_mismatch",
-            f"the batch was submitted for the model {wanted!r}; this batch driver serves "
-            f"{PurePath(mine).name!r} (PLURAI_MODEL_DIR)",
-        )
-    return mine, None
-
-
-def fail_reason(r: redis.Redis, batch_id: str, problem: tuple[str, str]) -> None:
-    """Record why the whole batch failed (manage.info shows it as `errors`)."""
-    r.hset(keys.batch(batch_id), mapping={"error_code": problem[0], "error": problem[1]})
-
-
 def give_up(r: redis.Redis, batch_id: str, message: str, bs: BulkSettings) -> str:
     """End a batch whose steps keep failing: failed (`driver_failed`, with why), its files
     holding the lines recorded so far where they can still be written."""
-    fail_reason(r, batch_id, ("driver_failed", message[:500]))
+    store.fail_reason(r, batch_id, ("driver_failed", message[:500]))
     r.hset(
         keys.batch(batch_id), mapping={"end_status": store.FAILED, "finished_ms": store.now_ms()}
     )
     try:
-        finalize.finalize(r, batch_id, store.count(store.get(r, batch_id), "total"), bs.ttl_s)
+        rec = store.get(r, batch_id)
+        finalize.finalize(r, batch_id, rec.total if rec else 0, bs.ttl_s)
     except Exception:  # what failed the steps may fail this too: the lines stay unwritten
         log.warning("batch %s: its files could not be written", batch_id, exc_info=True)
     running = (store.VALIDATING, store.IN_PROGRESS, store.CANCELLING, store.FINALIZING)
@@ -97,93 +64,42 @@ def step(client: Client, batch_id: str, bs: BulkSettings) -> str:
     """Do the work the batch's status calls for (at most bs.pass_s of driving); returns the
     status after it."""
     r = client.redis
-    meta = store.get(r, batch_id)
-    status = meta.get("status")
-    if status is None or status in store.TERMINAL:
-        return status or store.FAILED
-    if status == store.VALIDATING or (status == store.CANCELLING and "valid" not in meta):
-        return validate(r, batch_id, meta, bs)  # cancelled lines get error lines too
+    rec = store.get(r, batch_id)
+    if rec is None:
+        return store.FAILED
+    status = rec.status
+    if status in store.TERMINAL:
+        return status
+    if status == store.VALIDATING or (status == store.CANCELLING and rec.valid is None):
+        return validate(r, rec, bs, client.settings)  # cancelled lines get error lines too
     if status in (store.IN_PROGRESS, store.CANCELLING):
-        return Driver(client, batch_id, meta, bs).run()
+        return Driver(client, rec, bs).run()
     if status != store.FINALIZING:  # damaged (or by hand): a step would follow step forever
-        fail_reason(r, batch_id, ("invalid_status", f"the batch's status {status!r} is unknown"))
+        problem = ("invalid_status", f"the batch's status {status!r} is unknown")
+        store.fail_reason(r, batch_id, problem)
         r.hset(keys.batch(batch_id), "end_status", store.FAILED)
         store.move(r, batch_id, store.FINALIZING, status)
-        meta = store.get(r, batch_id)
-    return finish(r, batch_id, meta, bs)
+        rec = store.get(r, batch_id) or rec
+    return finish(r, rec, bs)
 
 
-def validate(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings) -> str:
-    if "valid" in meta:  # parsed (its input is gone), then the driver died before moving on
-        return validated(r, batch_id, meta["valid"] != "0")
-    documents = bool(meta.get("task"))
-    settings = Settings()  # a body runs as it would through the gateway
-    _, problem = configured_model(meta)
-    if problem is not None:
-        fail_reason(r, batch_id, problem)
-    # read as bytes, whatever the connection decodes: bytes that are not UTF-8 become
-    # U+FFFD, so such a line is an error line, never a crash of the whole batch
-    lines = r.execute_command("LRANGE", keys.batch_input(batch_id), 0, -1, **{NEVER_DECODE: []})
-    raw = [text(x) for x in lines]
-    seen: dict[str, int] = {}
-    valid = 0
-    pipe = r.pipeline(transaction=True)
-    for i, line in enumerate(raw):
-        try:
-            try:
-                req = parse_line(
-                    line,
-                    i + 1,
-                    documents=documents,
-                    max_line_bytes=bs.max_line_bytes,
-                    max_tokens_limit=settings.max_tokens_limit,
-                    default_max_tokens=settings.gateway_default_max_tokens,
-                )
-            except LineError as e:
-                if e.custom_id is not None:
-                    seen.setdefault(e.custom_id, i + 1)
-                raise
-            first = seen.setdefault(req["custom_id"], i + 1)
-            if first != i + 1:
-                raise LineError(
-                    "duplicate_custom_id",
-                    f"line {i + 1}: custom_id {req['custom_id']!r} already used on line {first}",
-                    req["custom_id"],
-                )
-            if problem is not None:
-                raise LineError(*problem, req["custom_id"])
-        except LineError as e:
-            line_out = finalize.error_line(batch_id, i, e.custom_id, e.code, e.message)
-            store.record_line(r, batch_id, i, line_out, False, (0, 0), bs.running_ttl_s)
-            continue
-        pipe.hset(keys.batch_requests(batch_id), str(i), json.dumps(req))
-        valid += 1
-    pipe.hset(
-        keys.batch(batch_id),
-        mapping={"total": len(raw), "valid": valid, "started_ms": store.now_ms()},
-    )
-    pipe.delete(keys.batch_input(batch_id))  # parsed; the requests hash replaces it
-    store.expire_pipe(pipe, batch_id, bs.running_ttl_s)
-    pipe.execute()
-    return validated(r, batch_id, valid > 0)
-
-
-def validated(r: redis.Redis, batch_id: str, any_valid: bool) -> str:
-    """Move a parsed batch on: to in_progress, or (no valid line) to finalizing as failed."""
-    if not any_valid:
-        r.hset(keys.batch(batch_id), mapping={"end_status": store.FAILED})
-        return store.move(r, batch_id, store.FINALIZING, store.VALIDATING) or store.FAILED
-    return store.move(r, batch_id, store.IN_PROGRESS, store.VALIDATING) or store.FAILED
-
-
-def finish(r: redis.Redis, batch_id: str, meta: dict[str, str], bs: BulkSettings) -> str:
-    total = int(meta.get("total", 0) or 0)
-    finalize.finalize(r, batch_id, total, bs.ttl_s)
-    end = meta.get("end_status") or store.COMPLETED
+def finish(r: redis.Redis, rec: BatchRecord, bs: BulkSettings) -> str:
+    batch_id = rec.id
+    finalize.finalize(r, batch_id, rec.total, bs.ttl_s)
+    end = rec.end_status or store.COMPLETED
     if end not in store.TERMINAL:  # damaged: a status that is not an end would never end
         end = store.FAILED
     r.hset(keys.batch(batch_id), mapping={"finished_ms": store.now_ms()})
     return store.move(r, batch_id, end, store.FINALIZING) or end
+
+
+def _progress(saved: Any) -> LineProgress | None:
+    """A line's saved progress (Driver._submit); None if there is none or it is damaged
+    (the line is started again: the same idempotency keys give the same jobs)."""
+    try:
+        return LineProgress.from_json(saved) if saved is not None else None
+    except BadRecord:
+        return None
 
 
 def _request(saved: Any) -> dict[str, Any] | None:
@@ -200,43 +116,26 @@ def _request(saved: Any) -> dict[str, Any] | None:
     return req if ok else None
 
 
-def _progress(saved: Any) -> dict[str, Any] | None:
-    """A line's saved progress (Driver._submit); None if there is none or it is damaged."""
-    try:
-        st = json.loads(saved) if saved is not None else None
-    except ValueError:
-        return None
-    ok = (
-        isinstance(st, dict)
-        and isinstance(st.get("level"), int)
-        and isinstance(st.get("jobs"), list)
-        and all(isinstance(j, str) for j in st["jobs"])
-        and all(isinstance(st.get(k), int) for k in ("p", "o"))
-    )
-    return st if ok else None
-
-
 class Driver:
     """Submits the lines' requests (at most bs.window lines at a time), gathers finished
     jobs, reduces chunk outputs level by level, and records each line's result (a
     document's final output only once plan.Task.check passes it)."""
 
-    def __init__(self, client: Client, batch_id: str, meta: dict[str, str], bs: BulkSettings):
+    def __init__(self, client: Client, rec: BatchRecord, bs: BulkSettings):
+        batch_id = rec.id
         self.client, self.r, self.id, self.bs = client, client.redis, batch_id, bs
         self.end = time.monotonic() + bs.pass_s  # when this pass hands over to the next
-        self.total = int(meta.get("total", 0) or 0)
-        self.next = int(meta.get("next", 0) or 0)
-        self.model_dir, self.problem = configured_model(meta)
+        self.total = rec.total
+        self.next = rec.next or 0
+        self.model_dir, self.problem = configured_model(rec, client.settings)
         self.task = (
-            plan.Task.from_dict(json.loads(meta["task"]))
-            if meta.get("task") and self.problem is None
-            else None
+            plan.Task.from_dict(json.loads(rec.task)) if rec.task and self.problem is None else None
         )
-        self.model_name = PurePath(self.model_dir or meta.get("model_dir", "")).name
-        self.max_model_len = int(meta.get("max_model_len", 0) or 0)
-        self.tenant = meta.get("tenant") or None  # a batch made through the gateway with a key
+        self.model_name = PurePath(self.model_dir or rec.model_dir or "").name
+        self.max_model_len = rec.max_model_len or 0
+        self.tenant = rec.tenant or None  # a batch made through the gateway with a key
         active = sorted(int(text(i)) for i in self.r.smembers(keys.batch_active(batch_id)))
-        self.state: dict[int, dict[str, Any]] = {}
+        self.state: dict[int, LineProgress] = {}
         self.finished: set[str] = set()
         self.pubsub: Any = None
         self.reqs: dict[int, dict[str, Any]] = {}
@@ -260,16 +159,17 @@ class Driver:
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         try:
             if self.problem is not None:  # PLURAI_MODEL_DIR changed since it was validated
-                fail_reason(self.r, self.id, self.problem)
+                store.fail_reason(self.r, self.id, self.problem)
                 return self._stop(store.FAILED, *self.problem)
-            self._watch([j for st in self.state.values() for j in st["jobs"]])
+            self._watch([j for st in self.state.values() for j in st.jobs])
             next_look = 0.0
             while True:
                 now = time.monotonic()
                 if now >= next_look:  # the status, a heartbeat, and any missed message
-                    status = text(self.r.hget(keys.batch(self.id), "status") or b"")
-                    if status == store.CANCELLING:
-                        return self._cancel()
+                    rec = store.get(self.r, self.id)
+                    status = rec.status if rec is not None else ""
+                    if status == store.CANCELLING and rec is not None:
+                        return self._cancel(rec)
                     if status != store.IN_PROGRESS:
                         return status
                     pipe = self.r.pipeline(transaction=False)
@@ -288,8 +188,8 @@ class Driver:
         finally:
             self.pubsub.close()
 
-    def _cancel(self) -> str:
-        if self.r.hget(keys.batch(self.id), "stop_reason") in (b"expired", "expired"):
+    def _cancel(self, rec: BatchRecord) -> str:
+        if rec.stop_reason == "expired":
             msg = "the batch did not finish within its completion window"
             return self._stop(store.EXPIRED, "batch_expired", msg)
         return self._stop(store.CANCELLED, "batch_cancelled", "the batch was cancelled")
@@ -300,7 +200,7 @@ class Driver:
     # not durable, so the finals are also looked up after subscribing and every look_s.
 
     def _in_flight(self) -> list[str]:
-        return [j for st in self.state.values() for j in st["jobs"] if j not in self.finished]
+        return [j for st in self.state.values() for j in st.jobs if j not in self.finished]
 
     def _watch(self, job_ids: list[str]) -> None:
         for start in range(0, len(job_ids), 1000):
@@ -397,9 +297,9 @@ class Driver:
             by_line.setdefault(i, []).append(job.id)
         pipe = self.r.pipeline(transaction=True)
         for i, (level, _) in plans.items():
-            st = {"level": level, "jobs": by_line[i], "p": usage[i][0], "o": usage[i][1]}
+            st = LineProgress(level, by_line[i], *usage[i])
             self.state[i] = st
-            pipe.hset(keys.batch_state(self.id), str(i), json.dumps(st))
+            pipe.hset(keys.batch_state(self.id), str(i), st.to_json())
             pipe.sadd(keys.batch_active(self.id), i)
         pipe.expire(keys.batch_state(self.id), self.bs.running_ttl_s)
         pipe.expire(keys.batch_active(self.id), self.bs.running_ttl_s)
@@ -422,10 +322,10 @@ class Driver:
 
     def _gather(self) -> int:
         """Advance every line whose current jobs are all final; returns how many moved."""
-        ready = [i for i, st in self.state.items() if all(j in self.finished for j in st["jobs"])]
+        ready = [i for i, st in self.state.items() if all(j in self.finished for j in st.jobs)]
         if not ready:
             return 0
-        done = [j for i in ready for j in self.state[i]["jobs"]]
+        done = [j for i in ready for j in self.state[i].jobs]
         recs = records.get_many(self.r, done)
         self.finished.difference_update(done)
         if self.pubsub.subscribed:
@@ -434,7 +334,7 @@ class Driver:
         nxt: dict[int, tuple[int, list[dict[str, Any]]]] = {}
         usage: dict[int, tuple[int, int]] = {}
         for i in ready:
-            n = len(self.state[i]["jobs"])
+            n = len(self.state[i].jobs)
             got, at = recs[at : at + n], at + n
             step = self._advance(i, got)
             if step is not None:
@@ -447,8 +347,8 @@ class Driver:
     ) -> tuple[tuple[int, list[dict[str, Any]]], tuple[int, int]] | None:
         st = self.state[i]
         use = (
-            st["p"] + sum(x.prompt_tokens or 0 for x in recs),
-            st["o"] + sum(x.output_tokens or 0 for x in recs),
+            st.prompt_tokens + sum(x.prompt_tokens or 0 for x in recs),
+            st.output_tokens + sum(x.output_tokens or 0 for x in recs),
         )
         bad = next((x for x in recs if x.state != records.COMPLETED), None)
         if bad is not None:
@@ -480,7 +380,7 @@ class Driver:
             )
             self._record(i, line, True, use)
             return None
-        level = st["level"] + 1
+        level = st.level + 1
         if level > plan.MAX_LEVELS:
             self._error(i, "reduce_failed", f"no single result after {plan.MAX_LEVELS} levels", use)
             return None
@@ -522,10 +422,10 @@ class Driver:
         valid line an error line (on cancel, expiry, or a model that is not this one's)."""
         self._gather()
         for st in self.state.values():
-            for j in st["jobs"]:
+            for j in st.jobs:
                 self.client.job(j).cancel()
         for i in list(self.state):
-            self._error(i, code, message, (self.state[i]["p"], self.state[i]["o"]))
+            self._error(i, code, message, self.state[i].usage)
         for i in self.unstarted:
             self._error(i, code, message, (0, 0))
         rest = list(range(self.next, self.total))

@@ -53,6 +53,7 @@ def model_context(model_dir: str) -> int:
 
 def create(
     client: Client,
+    bs: BulkSettings,
     source: Path | Iterable[str],
     *,
     task: Task | None = None,
@@ -66,20 +67,21 @@ def create(
 
     `source`: a file or folder (read_input), or the input lines themselves (read once, a
     thousand at a time). Documents (a task given) need the model directory, for its
-    tokenizer. `endpoint`: the one url the OpenAI lines may name (the Batches API's rule); a
+    tokenizer, and its constraint must fit the client's settings (max_grammar_bytes).
+    `endpoint`: the one url the OpenAI lines may name (the Batches API's rule); a
     line naming the other one gets an error line (invalid_url). `fields`: more fields of
-    the batch record (the gateway's tenant, input file id); they cannot replace its own."""
+    the batch record (BatchRecord's: the gateway's tenant, input file id); they cannot
+    replace its own."""
     from producer.bulk.tasks import kick
 
-    bs = BulkSettings()
-    meta: dict[str, Any] = {}
+    batch_id = "batch_" + secrets.token_hex(12)
+    rec = store.BatchRecord(batch_id, store.VALIDATING, **(fields or {}))
     if task is not None:  # before anything is written
         if not model_dir:
             raise ValueError("documents need the model directory: --model DIR (PLURAI_MODEL_DIR)")
-        meta["task"] = json.dumps(task.to_dict())
-        meta["model_dir"] = str(Path(model_dir).resolve())
-        meta["max_model_len"] = max_model_len or model_context(model_dir)
-    batch_id = "batch_" + secrets.token_hex(12)
+        rec.task = json.dumps(task.fits(client.settings.max_grammar_bytes).to_dict())
+        rec.model_dir = str(Path(model_dir).resolve())
+        rec.max_model_len = max_model_len or model_context(model_dir)
     r = client.redis
     lines = read_input(source, task is not None) if isinstance(source, Path) else source
     total = 0
@@ -101,27 +103,19 @@ def create(
         r.delete(keys.batch_input(batch_id))
         raise
     now = store.now_ms()
-    meta |= {
-        "status": store.VALIDATING,
-        "created_ms": now,
-        "expires_ms": now + bs.completion_window_s * 1000,
-        "total": total,
-        "completed": 0,
-        "failed": len(wrong),
-        "gen": 0,
-    }
+    rec.created_ms, rec.expires_ms = now, now + bs.completion_window_s * 1000
+    rec.total, rec.failed = total, len(wrong)
     if isinstance(source, Path):
-        meta["input"] = str(source)
+        rec.input = str(source)
     if metadata:
-        meta["metadata"] = json.dumps(metadata)
-    meta = {**(fields or {}), **meta}
+        rec.metadata = json.dumps(metadata)
     # one transaction: the batch is never seen (resumed, validated) without its error lines
     pipe = r.pipeline(transaction=True)
     if wrong:
         # the lines' one result each, written before validation: the driver skips lines
         # that have one, and a later record_line of the same line changes nothing
         pipe.hset(keys.batch_lines(batch_id), mapping=wrong)
-    pipe.hset(keys.batch(batch_id), mapping=meta)
+    pipe.hset(keys.batch(batch_id), mapping=rec.to_hash())
     pipe.zadd(keys.BATCHES, {batch_id: now})
     store.expire_pipe(pipe, batch_id, bs.running_ttl_s)
     pipe.execute()
@@ -165,37 +159,40 @@ def cancel(client: Client, batch_id: str) -> str:
     return status
 
 
+def read(client: Client, batch_id: str) -> store.BatchRecord:
+    """The batch's record; UnknownBatch if it has none, BadRecord if it is damaged."""
+    rec = store.get(client.redis, store.check_id(batch_id))
+    if rec is None:
+        raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
+    return rec
+
+
 def info(client: Client, batch_id: str) -> dict[str, Any]:
     """The batch as OpenAI shows one, plus progress: done, tokens/s, ETA seconds."""
-    meta = store.get(client.redis, store.check_id(batch_id))
-    if not meta:
-        raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
-    c = store.counts(meta)
+    rec = read(client, batch_id)
+    c = rec.counts
     done = c["completed"] + c["failed"]
-    out_tokens = int(meta.get("output_tokens", 0) or 0)
-    started = int(meta.get("started_ms", 0) or 0)
-    end = int(meta.get("finished_ms", 0) or 0) or store.now_ms()
+    out_tokens = rec.output_tokens or 0
+    started = rec.started_ms or 0
+    end = rec.finished_ms or store.now_ms()
     elapsed = max(1e-3, (end - started) / 1000) if started else 0.0
     rate = done / elapsed if elapsed else 0.0
     left = c["total"] - done
     return {
         "id": batch_id,
         "object": "batch",
-        "status": meta.get("status"),
-        "input": meta.get("input"),
+        "status": rec.status,
+        "input": rec.input,
         "request_counts": c,
         "errors": (
-            {"data": [{"code": meta["error_code"], "message": meta.get("error", "")}]}
-            if meta.get("error_code")
+            {"data": [{"code": rec.error_code, "message": rec.error or ""}]}
+            if rec.error_code
             else None
         ),
-        "created_at": int(meta.get("created_ms", 0) or 0) // 1000,
-        "expires_at": int(meta.get("expires_ms", 0) or 0) // 1000,
-        "completed_at": int(meta["finished_ms"]) // 1000 if meta.get("finished_ms") else None,
-        "usage": {
-            "prompt_tokens": int(meta.get("prompt_tokens", 0) or 0),
-            "completion_tokens": out_tokens,
-        },
+        "created_at": (rec.created_ms or 0) // 1000,
+        "expires_at": (rec.expires_ms or 0) // 1000,
+        "completed_at": rec.finished_ms // 1000 if rec.finished_ms else None,
+        "usage": {"prompt_tokens": rec.prompt_tokens or 0, "completion_tokens": out_tokens},
         "elapsed_s": round(elapsed, 3),
         "lines_per_s": round(rate, 3),
         "tokens_per_s": round(out_tokens / elapsed, 3) if elapsed else 0.0,
@@ -205,10 +202,8 @@ def info(client: Client, batch_id: str) -> dict[str, Any]:
 
 def results(client: Client, batch_id: str) -> tuple[str, str]:
     """The finished output and error JSONL texts; raises if the batch has not finished."""
-    meta = store.get(client.redis, store.check_id(batch_id))
-    if not meta:
-        raise UnknownBatch(f"no batch {batch_id} (unknown or expired)")
-    if meta.get("status") not in store.TERMINAL:
-        raise ValueError(f"batch {batch_id} is {meta.get('status')}; results come when it ends")
+    rec = read(client, batch_id)
+    if rec.status not in store.TERMINAL:
+        raise ValueError(f"batch {batch_id} is {rec.status}; results come when it ends")
     out, err = client.redis.mget(keys.batch_output(batch_id), keys.batch_errors(batch_id))
     return text(out or ""), text(err or "")

@@ -29,8 +29,6 @@ from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 from referencing.exceptions import Unresolvable
 
-from broker_config.settings import Settings
-
 TASKS = ("summarize", "extract", "classify", "custom")
 SEPARATOR = "\n\n"
 
@@ -87,16 +85,21 @@ class Task:
             raise ValueError("task custom needs a template containing {text} (--template)")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        limit, sampling = Settings().max_grammar_bytes, self.sampling()
+
+    def fits(self, max_grammar_bytes: int) -> Task:
+        """The task, if its constraint fits the wire's limit (Settings.max_grammar_bytes),
+        else ValueError: checked where the batch is made and where it is driven."""
+        sampling = self.sampling()
         for name in ("response_format", "choice"):
             value = sampling.get(name)
             size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
-            if value is not None and size > limit:
+            if value is not None and size > max_grammar_bytes:
                 what = "schema (--schema)" if name == "response_format" else "labels (--labels)"
                 raise ValueError(
                     f"the {what} take {size} bytes as the request's {name}; the limit is "
-                    f"{limit} (PLURAI_MAX_GRAMMAR_BYTES)"
+                    f"{max_grammar_bytes} (PLURAI_MAX_GRAMMAR_BYTES)"
                 )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "labels": list(self.labels)}

@@ -1,7 +1,9 @@
 """Celery tasks of bulk batches.
 
 `plurai.bulk.step(batch_id, gen)` does one pass of the batch (drive.step) and queues
-itself again until the batch is terminal. `gen` is the batch's generation: kicking a batch
+itself again until the batch is terminal. The tasks are the entry points of the bulk
+driver: they read the settings (Settings through their Client, BulkSettings) and pass
+them down. `gen` is the batch's generation: kicking a batch
 (submit, worker start, maintenance) bumps it and sends a new step, and a step of an older
 generation ends at once, so one chain of steps drives a batch however often it is kicked.
 Steps are idempotent, so a step that runs twice (redelivered after a crash) is harmless.
@@ -27,6 +29,7 @@ from broker_config.settings import BulkSettings, Settings
 from broker_config.text import text
 from producer.bulk import drive, store
 from producer.client import Client
+from results.records import BadRecord
 
 log = logging.getLogger(__name__)
 STEP = "plurai.bulk.step"
@@ -96,11 +99,20 @@ def maintain() -> dict[str, Any]:
     now = store.now_ms()
     kicked, expired = [], []
     for batch_id in store.unfinished(r):
-        meta = store.get(r, batch_id)
-        created = store.count(meta, "created_ms", now)
-        if now - created > bs.completion_window_s * 1000 and meta.get("status") in (
-            store.VALIDATING,
-            store.IN_PROGRESS,
+        try:
+            rec = store.get(r, batch_id)
+        except BadRecord as e:  # its steps fail the same way, until the batch gives up
+            log.warning("%s", e)
+            rec = None
+        created = rec.created_ms or now if rec is not None else now
+        if (
+            now - created > bs.completion_window_s * 1000
+            and rec is not None
+            and rec.status
+            in (
+                store.VALIDATING,
+                store.IN_PROGRESS,
+            )
         ):
             pipe = r.pipeline(transaction=False)
             pipe.hset(keys.batch(batch_id), "stop_reason", "expired")
@@ -108,7 +120,7 @@ def maintain() -> dict[str, Any]:
             pipe.execute()
             store.move(r, batch_id, store.CANCELLING, store.VALIDATING, store.IN_PROGRESS)
             expired.append(batch_id)
-        beat = store.count(meta, "beat_ms", created)
+        beat = rec.beat_ms or created if rec is not None else 0
         if batch_id in expired or now - beat > bs.stale_s * 1000:
             try:
                 kick(client, batch_id)
@@ -118,7 +130,7 @@ def maintain() -> dict[str, Any]:
             kicked.append(batch_id)
     # stranded entries are reclaimed by the live GPU workers themselves (XAUTOCLAIM); what
     # the dead ones leave behind is their name in the consumer group
-    settings = Settings()
+    settings = client.settings
     forgotten = forget_dead_consumers(r, settings.lanes, 10 * settings.reclaim_idle_ms)
     return {
         "kicked": kicked,
@@ -128,11 +140,11 @@ def maintain() -> dict[str, Any]:
     }
 
 
-def check_model_dir() -> str | None:
+def check_model_dir(settings: Settings) -> str | None:
     """Why this driver cannot split documents (None: it can), said once at its start rather
     than only in every document's error line: PLURAI_MODEL_DIR unset, or no tokenizer
     there."""
-    model_dir = Settings().model_dir
+    model_dir = settings.model_dir
     if not model_dir:
         return (
             "PLURAI_MODEL_DIR is not set: every document batch (plurai batch submit --task) "
@@ -153,10 +165,10 @@ def check_model_dir() -> str | None:
 def _resume(**_: Any) -> None:
     """A (re)started Celery worker picks up every unfinished batch at once, rather than
     waiting for the broker's visibility timeout to redeliver a step lost in a crash."""
-    problem = check_model_dir()
+    client = _client()
+    problem = check_model_dir(client.settings)
     if problem is not None:
         log.warning("%s", problem)
-    client = _client()
     for batch_id in store.unfinished(client.redis):
         log.info("resuming batch %s", batch_id)
         try:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from broker_config import keys
+from broker_config.settings import BulkSettings
 from producer.bulk import manage, plan, store
 from producer.bulk.drive import tokenizer
 from producer.client import Client
@@ -145,7 +146,9 @@ def submit_docs(client: Client, tmp_path: Path, texts: list[str], model: Path) -
         "".join(json.dumps({"id": f"doc-{i}", "text": t}) + "\n" for i, t in enumerate(texts))
     )
     task = plan.Task("summarize", max_tokens=MAX_TOKENS)
-    return manage.create(client, path, task=task, model_dir=str(model), max_model_len=CONTEXT)
+    return manage.create(
+        client, BulkSettings(), path, task=task, model_dir=str(model), max_model_len=CONTEXT
+    )
 
 
 def wait_done(client: Client, batch_id: str, timeout: float = 150) -> dict:
@@ -190,11 +193,11 @@ def test_celery_worker_killed_mid_batch_resumes(celery, tmp_path, tiny_model, ex
     with Client(celery.url) as client:
         batch_id = submit_docs(client, tmp_path, texts, tiny_model)
         end = time.monotonic() + 120
-        while store.counts(store.get(client.redis, batch_id))["completed"] < 20:
+        while manage.read(client, batch_id).completed < 20:
             assert time.monotonic() < end, "no progress before the kill"
             time.sleep(0.05)
         celery.kill()
-        done_at_kill = store.counts(store.get(client.redis, batch_id))["completed"]
+        done_at_kill = manage.read(client, batch_id).completed
         assert done_at_kill < 200, "the batch finished before the kill; make it longer"
         celery.start()
         wait_done(client, batch_id)
@@ -242,7 +245,7 @@ def test_malformed_lines_go_to_the_error_file(celery, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(rows) + "\n")
     with Client(celery.url) as client:
-        batch_id = manage.create(client, path)
+        batch_id = manage.create(client, BulkSettings(), path)
         b = wait_done(client, batch_id)
         out, err = manage.results(client, batch_id)
     ok = lines(out)
@@ -323,12 +326,12 @@ def test_gpu_worker_killed_mid_batch_resumes(redis_url, workers, tmp_path, tiny_
         with Client(redis_url) as client:
             batch_id = submit_docs(client, tmp_path, documents(200), tiny_model)
             end = time.monotonic() + 120
-            while store.counts(store.get(client.redis, batch_id))["completed"] < 20:
+            while manage.read(client, batch_id).completed < 20:
                 assert time.monotonic() < end, "no progress before the kill"
                 time.sleep(0.05)
             workers.procs[0].kill()
             workers.procs[0].wait()
-            assert store.counts(store.get(client.redis, batch_id))["completed"] < 200
+            assert manage.read(client, batch_id).completed < 200
             workers.start(1, "--engine", f"max_model_len={CONTEXT}", env=fast_reclaim)
             wait_done(client, batch_id)
             check_docs(client, batch_id, expected)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
+from broker_config.settings import BulkSettings
 from producer.bulk import manage, plan
 from producer.bulk.drive import tokenizer
 from producer.client import Client
@@ -118,7 +119,9 @@ def submit(
     path.write_text(
         "".join(json.dumps({"id": f"doc-{i}", "text": t}) + "\n" for i, t in enumerate(texts))
     )
-    return manage.create(client, path, task=task, model_dir=str(model), max_model_len=context)
+    return manage.create(
+        client, BulkSettings(), path, task=task, model_dir=str(model), max_model_len=context
+    )
 
 
 def results(client: Client, batch_id: str) -> tuple[list[dict], list[dict]]:

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from broker_config import keys
-from gateway import batches as gateway_batches
+from gateway import uploads
 from producer.bulk import manage, store
 from producer.client import Client
 
@@ -270,7 +270,7 @@ def test_a_large_file_round_trips(stack: Stack) -> None:
         purpose="batch",
         expires_after={"anchor": "created_at", "seconds": 7200},
     )
-    assert f.bytes == len(data) > 2 * gateway_batches.CHUNK
+    assert f.bytes == len(data) > 2 * uploads.CHUNK
     assert f.expires_at == f.created_at + 7200
     assert 7000 < stack.r.ttl(keys.file(f.id)) <= 7200
     assert stack.api.files.content(f.id).content == data
@@ -287,7 +287,7 @@ def test_bad_requests_are_400(stack: Stack) -> None:
         (b"caf\xc3", "batch", "invalid_utf8"),  # ends inside a character
         (b"", "batch", "bad_field"),
         (b"\n  \n", "batch", "bad_field"),
-        (b"{}\n" * (gateway_batches.MAX_FILE_LINES + 1), "batch", "too_many_lines"),
+        (b"{}\n" * (uploads.MAX_FILE_LINES + 1), "batch", "too_many_lines"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             api.files.create(file=("in.jsonl", content), purpose=purpose)
@@ -315,7 +315,7 @@ def test_bad_requests_are_400(stack: Stack) -> None:
 
 def test_oversized_upload_is_413(stack: Stack) -> None:
     before = set(stack.r.keys(keys.file("*")))
-    limit, slack = gateway_batches.MAX_FILE_BYTES, gateway_batches.FORM_SLACK
+    limit, slack = uploads.MAX_FILE_BYTES, uploads.FORM_SLACK
     big = b"x" * (limit + slack + 1)
     with pytest.raises(openai.APIStatusError) as e:  # Content-Length says so: refused at once
         stack.api.files.create(file=("big.jsonl", big), purpose="batch")
@@ -400,3 +400,19 @@ def test_list_batches_newest_first_in_pages(stack: Stack, tmp_path: Path) -> Non
     for limit in ("0", "\u00b2", "1" * 5000):  # '²' passes str.isdigit, not int()
         r = httpx.get(stack.gateway.base + "/v1/batches", params={"limit": limit}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+def test_a_damaged_batch_record_is_a_bad_record_and_hides_no_other(
+    stack: Stack, tmp_path: Path
+) -> None:
+    good = submit(stack, write_jsonl(tmp_path / "g.jsonl", [chat_line(0)])).id
+    stack.r.hset(keys.batch("batch_damaged"), mapping={"status": "in_progress", "total": "two"})
+    stack.r.zadd(keys.BATCHES, {"batch_damaged": time.time() * 1000 + 1})  # the newest
+    try:
+        r = httpx.get(stack.gateway.base + "/v1/batches/batch_damaged", timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "bad_record"
+        assert "'total' is not a count" in r.json()["error"]["message"]
+        assert stack.api.batches.list(limit=1).data[0].id == good
+    finally:
+        stack.r.delete(keys.batch("batch_damaged"))
+        stack.r.zrem(keys.BATCHES, "batch_damaged")

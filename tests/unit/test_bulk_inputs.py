@@ -1,14 +1,17 @@
-"""Bulk input lines that cannot be encoded, and batch ids, checked without Redis."""
+"""Bulk input lines (producer/bulk/inputs.py, manage's endpoint check) that cannot be
+encoded or name the other endpoint, checked without Redis."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from broker_config.settings import BulkSettings
-from producer.bulk import store
+from producer.bulk import manage
 from producer.bulk.inputs import LineError, parse_line
 
 LIMITS = {"max_line_bytes": 10_000, "max_tokens_limit": 100, "default_max_tokens": 8}
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TAIL = '"url": "/v1/completions", "body": {"prompt": "the river"}}'
 
 
@@ -56,19 +59,22 @@ def test_any_other_string_that_cannot_be_encoded_is_an_error_with_the_id():
     assert ok["custom_id"] == "\N{GRINNING FACE}"
 
 
-@pytest.mark.parametrize(
-    "bad", ["", "..", "../x", "a/b", "/abs", "a\\b", "x:lines", "a b", "é", "x" * 65, "a\n"]
-)
-def test_batch_ids_that_could_name_other_keys_or_paths_are_refused(bad):
-    with pytest.raises(store.InvalidBatchId, match="invalid batch id"):
-        store.check_id(bad)
+def test_lines_naming_the_other_endpoint():
+    def line(url, cid="x"):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {}})
 
-
-def test_well_formed_batch_ids_pass():
-    for good in ("batch_0123456789abcdef01234567", "batch_nosuch", "A-b_9"):
-        assert store.check_id(good) == good
-
-
-def test_running_batches_keep_their_keys_longer_than_the_window():
-    bs = BulkSettings()
-    assert bs.running_ttl_s > bs.completion_window_s and bs.running_ttl_s >= bs.ttl_s
+    check = manage._other_endpoint
+    assert check(line(CHAT), 1, CHAT, 4096) is None
+    cid, code, message = check(line(COMPLETIONS), 7, CHAT, 4096)
+    assert (cid, code) == ("x", "invalid_url") and message.startswith("line 7: ")
+    # what parse_line refuses for another reason is left to it
+    for other in (
+        line("/v1/embeddings"),
+        line(COMPLETIONS, cid=""),
+        line(COMPLETIONS, cid=5),
+        "{not json",
+        "[" * 4000,  # nested past the parser's recursion limit
+        "[]",
+        line(COMPLETIONS, cid="y" * 5000),
+    ):
+        assert check(other, 1, CHAT, 4096) is None

@@ -138,24 +138,35 @@ def test_schemas_of_other_drafts_are_checked_by_their_own_rules():
     assert "at year" in (task.check('{"year":"3"}', "stop") or "")
 
 
-def test_a_constraint_over_the_wire_limit_is_refused_when_the_task_is_built(monkeypatch):
-    monkeypatch.setenv("PLURAI_MAX_GRAMMAR_BYTES", "200")
+def test_a_constraint_over_the_wire_limit_is_refused():
     big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(20)}}
+    task = plan.Task("extract", schema=plan.schema_text(big))
+    assert task.fits(1000) is task
     with pytest.raises(ValueError, match="PLURAI_MAX_GRAMMAR_BYTES"):
-        plan.Task("extract", schema=plan.schema_text(big))
+        task.fits(200)
     with pytest.raises(ValueError, match="labels"):
-        plan.Task("classify", labels=tuple(f"label-{i}" for i in range(40)))
+        plan.Task("classify", labels=tuple(f"label-{i}" for i in range(40))).fits(200)
 
 
 def test_a_stored_task_that_is_no_longer_valid_fails_the_batch():
-    from producer.bulk import drive
+    from broker_config.settings import Settings
+    from producer.bulk.store import BatchRecord
+    from producer.bulk.validate import configured_model
+
+    def problem_of(task: str) -> tuple[str, str] | None:
+        return configured_model(BatchRecord("b", "validating", task=task), Settings())[1]
 
     task = plan.Task("extract", schema='{"type": "object"}').to_dict()
     task["schema"] = '{"type": "array", "uniqueItems": true}'  # as if written before the rule
-    _, problem = drive.configured_model({"task": json.dumps(task)})
+    problem = problem_of(json.dumps(task))
     assert problem is not None and problem[0] == "invalid_task" and "uniqueItems" in problem[1]
-    _, problem = drive.configured_model({"task": '{"name": 5}'})
+    problem = problem_of('{"name": 5}')
     assert problem is not None and problem[0] == "invalid_task"
+    big = plan.Task("classify", labels=tuple(f"label-{i}" for i in range(40))).to_dict()
+    problem = configured_model(
+        BatchRecord("b", "validating", task=json.dumps(big)), Settings(max_grammar_bytes=200)
+    )[1]
+    assert problem is not None and "PLURAI_MAX_GRAMMAR_BYTES" in problem[1]
 
 
 def test_labels_must_be_non_empty_strings():

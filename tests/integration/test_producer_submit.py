@@ -1,4 +1,10 @@
-"""SDK and CLI under odd input, URLs and partial failures, on a real redis-server."""
+"""Submitting through the sync and async clients on a real redis-server: URLs, requests
+checked before any is queued, refused submits (QueueFull, BadIdempotencyKey) that leave no
+record and list the jobs queued all the same, and a connection lost midway.
+
+A submit the lane refuses leaves no job record behind: QUEUED writes the record before
+SUBMIT is refused, and the client deletes it. An idempotency key whose Redis key holds
+something other than a job id is refused, not taken for the id of an earlier job."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import producer.client
 from broker_config import keys
 from broker_config.connection import connect
 from broker_config.embedded import find_binary
+from broker_config.settings import Settings
+from producer import QueueFull
 from producer.aio import AsyncClient
 from producer.client import Client
 from producer.errors import BadIdempotencyKey
@@ -122,4 +130,71 @@ def test_submit_many_lists_the_jobs_queued_before_redis_failed(
     with pytest.raises(redis.ConnectionError) as e:
         client.submit_many([{"prompt": f"doc {i}"} for i in range(4)])
     assert [j.status() for j in e.value.accepted] == ["queued", "queued"]
+    client.close()
+
+
+def states(client: Client) -> list[str]:
+    return sorted(client.redis.hget(k, "state") for k in client.redis.scan_iter("plurai:job:*"))
+
+
+def test_a_refused_submit_leaves_no_record(redis_url: str) -> None:
+    settings = Settings(max_queued_per_lane=2)
+    client = Client(redis_url, settings=settings)
+    queued = client.submit_many([{"prompt": "x"}] * 2)
+    with pytest.raises(QueueFull):
+        client.submit("refused")
+    with pytest.raises(QueueFull):
+        client.submit("waits, then gives up", queue_timeout=0.2)
+    with pytest.raises(QueueFull) as full:
+        client.submit_many([{"prompt": "y", "lane": "batch"}] * 4)
+    assert len(full.value.accepted) == 2
+
+    async def use_async() -> None:
+        async with AsyncClient(redis_url, settings=settings) as aclient:
+            with pytest.raises(QueueFull):
+                await aclient.submit("refused too")
+            with pytest.raises(QueueFull):
+                await aclient.submit_many([{"prompt": "z"}] * 3)
+
+    asyncio.run(use_async())
+    assert states(client) == ["queued"] * 4  # the jobs queued, nothing else
+    assert {j.status() for j in queued + full.value.accepted} == {"queued"}
+    client.close()
+
+
+def test_an_idempotency_key_holding_no_job_id_is_refused(redis_url: str) -> None:
+    client = Client(redis_url)
+    client.redis.set(keys.idempotency("inv-1"), "not a job id {x}")
+    with pytest.raises(BadIdempotencyKey, match="inv-1"):
+        client.submit("x", idempotency_key="inv-1")
+
+    async def use_async() -> None:
+        async with AsyncClient(redis_url) as aclient:
+            with pytest.raises(BadIdempotencyKey):
+                await aclient.submit_many([{"prompt": "y", "idempotency_key": "inv-1"}])
+
+    asyncio.run(use_async())
+    assert client.redis.xlen(keys.request_stream("standard")) == 0 and states(client) == []
+    client.redis.set(keys.idempotency("inv-2"), "Earlier-job_0001")  # a job id: still the owner
+    assert client.submit("z", idempotency_key="inv-2").id == "Earlier-job_0001"
+    client.close()
+
+
+def test_a_submit_after_redis_lost_its_scripts_loads_them_and_queues_once(
+    redis_url: str,
+) -> None:
+    client = Client(redis_url)
+    client.submit("first")  # the scripts are loaded
+    client.redis.script_flush()  # a restarted or failed-over Redis
+    client.submit_many([{"prompt": "a"}, {"prompt": "b"}])
+
+    async def use_async() -> None:
+        async with AsyncClient(redis_url) as aclient:
+            await aclient.submit("c")  # loaded by the sync client's retry
+            await aclient.redis.script_flush()
+            await aclient.submit("d")
+
+    asyncio.run(use_async())
+    assert client.redis.xlen(keys.request_stream("standard")) == 5
+    assert states(client) == ["queued"] * 5
     client.close()

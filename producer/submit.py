@@ -1,0 +1,123 @@
+"""One pipelined submit without its I/O, shared by producer.client and producer.aio.
+
+A client runs a Plan so (each `run` one round trip, as the client does it):
+
+    plan = Plan(requests, routes, settings, split, before, job)
+    lost = plan.lost(run(plan.commands()))  # the calls Redis ran without their script
+    if lost:
+        load SCRIPTS; plan.rerun(run(lost))
+    cleanup = plan.settle()
+    if cleanup:
+        run(cleanup)
+    return plan.jobs()  # or raises QueueFull, BadIdempotencyKey, NotReplicated, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+from redis.exceptions import NoScriptError
+
+from broker_config import keys
+from broker_config.routes import Routes, registry_value
+from broker_config.settings import Settings
+from producer.errors import check_replicas, submitted
+from producer.request import Checked
+from results import jobs
+
+
+class _Job(Protocol):
+    id: str
+
+
+J = TypeVar("J", bound=_Job)
+
+
+class Plan(Generic[J]):
+    """The state of one submit of prepared submissions (producer.request.prepare), or of
+    checked requests built into submissions (`subs`) as `commands()` is iterated (Redis
+    runs the first while the rest are built). `before`: jobs of the same call already
+    queued, for the `accepted` of an error; `job` makes a client's job of a job id.
+
+    Its commands: the models' entries in plurai:models for those no worker has served yet
+    (so `plurai status` and the metrics show the lanes where their jobs wait), each job's
+    submit calls (one, or two with `split` on a Cluster), then, with
+    PLURAI_SUBMIT_REPLICAS, a WAIT."""
+
+    def __init__(
+        self,
+        requests: list[jobs.Submission] | list[Checked],
+        routes: Routes,
+        settings: Settings,
+        split: bool,
+        before: list[J],
+        job: Callable[[str], J],
+    ) -> None:
+        new = dict.fromkeys(r.model for r in requests if r.model not in routes.models)
+        self.listed = [["HSETNX", keys.MODELS, m, registry_value(1, 0)] for m in new]
+        self.requests, self.settings, self.split = requests, settings, split
+        self.before, self.job = before, job
+        self.subs: list[jobs.Submission] = []
+        self.built = False
+        self.replies: list[Any] = []
+        self.acked: Any = 0  # WAIT's reply
+        self.missing: list[int] = []
+        self.ids: list[J] = []
+        self.error: Exception | None = None
+
+    def commands(self) -> Iterator[list[Any]]:
+        """Every command of the first round trip, in order; the submissions are built the
+        first time they are iterated."""
+        yield from self.listed
+        if self.built:
+            for sub in self.subs:
+                yield from sub.commands(self.split)
+        else:
+            self.built = True
+            for r in self.requests:
+                sub = r.submission() if isinstance(r, Checked) else r
+                self.subs.append(sub)
+                yield from sub.commands(self.split)
+        s = self.settings
+        if s.submit_replicas:
+            yield ["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms]
+
+    def lost(self, replies: list[Any]) -> list[list[Any]]:
+        """Take the first round trip's replies; returns the commands to send again once the
+        scripts are loaded (Redis lost them: a restart, a failover; those calls did
+        nothing), none when every call ran."""
+        self.replies = replies
+        self.missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
+        if not self.missing:
+            return []
+        commands = list(self.commands())  # the same submissions again
+        return [commands[i] for i in self.missing]
+
+    def rerun(self, replies: list[Any]) -> None:
+        """Take the replies of the commands `lost` returned."""
+        for i, reply in zip(self.missing, replies, strict=True):
+            self.replies[i] = reply
+
+    def settle(self) -> list[list[Any]]:
+        """Read the replies; returns the commands that delete the records written for
+        nothing, to send before `jobs()` (also when refused: a record QUEUED wrote would
+        read "queued" for days)."""
+        s, replies = self.settings, self.replies
+        if s.submit_replicas:
+            self.acked = replies.pop()
+        replies = replies[len(self.listed) :]
+        self.ids, cleanup, self.error = submitted(
+            self.subs, replies, s.queue_full_retry_s, self.before, self.job, self.split
+        )
+        return cleanup
+
+    def jobs(self) -> list[J]:
+        """The jobs queued, in order; raises the error of a refused call, or NotReplicated
+        when fewer replicas than PLURAI_SUBMIT_REPLICAS acknowledged them."""
+        if self.error is not None:
+            raise self.error
+        s = self.settings
+        job_ids = [j.id for j in self.ids]
+        check_replicas(job_ids, self.acked, s.submit_replicas, s.submit_replicas_timeout_ms)
+        return self.ids
