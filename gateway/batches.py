@@ -22,23 +22,21 @@ are built in gateway/batch_objects.py, uploads stored by gateway/uploads.py.
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis
 import redis.asyncio
-from kombu.exceptions import OperationalError
 from redis.client import NEVER_DECODE
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -46,7 +44,6 @@ from broker_config import keys
 from broker_config.celery_app import app as celery_app
 from broker_config.celery_app import configure
 from broker_config.connection import connect
-from broker_config.memory import is_oom
 from broker_config.settings import BulkSettings
 from broker_config.text import text
 from gateway import auth
@@ -61,7 +58,6 @@ from gateway.batch_objects import (
     file_object,
     result_file_object,
 )
-from gateway.errors import error, unavailable
 from gateway.uploads import (
     CHUNK,
     FORM_SLACK,
@@ -95,40 +91,6 @@ def _visible(tenant: str | None, key: Key | None) -> bool:
 
 
 # -- the endpoints ---------------------------------------------------------------------
-
-Handler = Callable[["Batches", Request], Awaitable[Response]]
-
-
-def _endpoint(route: str) -> Callable[[Handler], Handler]:
-    """Answers BadRequest with its status and code, an unavailable Redis or broker with a
-    503; counts the request in the gateway's metrics."""
-
-    def wrap(fn: Handler) -> Handler:
-        @functools.wraps(fn)
-        async def handler(self: Batches, request: Request) -> Response:
-            try:
-                response = await fn(self, request)
-            except BadRequest as e:
-                kind = "authentication_error" if e.status == 401 else None
-                response = error(e.status, e.message, e.code, e.param, kind=kind)
-            except BadRecord as e:  # a batch record no Plurai process wrote
-                log.warning("%s: %s", route, e)
-                response = error(500, str(e), BadRecord.code)
-            except ClientDisconnect:
-                response = Response(status_code=499)  # nobody reads it
-            except redis.ResponseError as e:
-                if is_oom(e):  # an upload can fill it: 503 redis_oom, Retry-After
-                    response = unavailable(e)
-                else:
-                    log.warning("%s: Redis refused a command: %s", route, e)
-                    response = error(500, "the stored record is damaged", "internal")
-            except (redis.RedisError, OperationalError):
-                response = unavailable()
-            return response
-
-        return handler
-
-    return wrap
 
 
 class Batches:
@@ -195,7 +157,6 @@ class Batches:
 
     # -- files ---------------------------------------------------------------------
 
-    @_endpoint("files")
     async def create_file(self, request: Request) -> Response:
         key = await self.caller(request)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -242,7 +203,6 @@ class Batches:
         await pipe.execute()
         return JSONResponse(file_object(file_id, meta))
 
-    @_endpoint("files")
     async def get_file(self, request: Request) -> Response:
         key = await self.caller(request)
         file_id = request.path_params["file_id"]
@@ -253,7 +213,6 @@ class Batches:
             return JSONResponse(result_file_object(rec, kind, size))
         return JSONResponse(file_object(file_id, await self.file_meta(file_id, key)))
 
-    @_endpoint("files")
     async def file_content(self, request: Request) -> Response:
         key = await self.caller(request)
         file_id = request.path_params["file_id"]
@@ -283,7 +242,6 @@ class Batches:
                 return
             yield data
 
-    @_endpoint("files")
     async def delete_file(self, request: Request) -> Response:
         key = await self.caller(request)
         file_id = request.path_params["file_id"]
@@ -298,7 +256,6 @@ class Batches:
 
     # -- batches ---------------------------------------------------------------------
 
-    @_endpoint("batches")
     async def create_batch(self, request: Request) -> Response:
         key = await self.caller(request)
         body = await self.gw.body(request)
@@ -370,13 +327,11 @@ class Batches:
                 fields=fields,
             )
 
-    @_endpoint("batches")
     async def get_batch(self, request: Request) -> Response:
         key = await self.caller(request)
         batch_id = request.path_params["batch_id"]
         return JSONResponse(batch_object(await self.batch_meta(batch_id, key)))
 
-    @_endpoint("batches")
     async def list_batches(self, request: Request) -> Response:
         """Newest first, `limit` (1..100, default 20) after the batch `after`; a tenant sees
         its own. At most SCAN_BATCHES ids are looked at per page."""
@@ -423,7 +378,6 @@ class Batches:
             }
         )
 
-    @_endpoint("batches")
     async def cancel_batch(self, request: Request) -> Response:
         key = await self.caller(request)
         batch_id = request.path_params["batch_id"]

@@ -5,9 +5,11 @@ turn it into its status, code and Retry-After. Anything else is a Plurai bug: a 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis
+from kombu.exceptions import OperationalError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -16,6 +18,9 @@ from gateway.auth import LaneError, Unauthorized
 from gateway.openai import error_body
 from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, RedisFull, UnknownModel
 from producer.openai_body import BadRequest
+from results.records import BadRecord
+
+log = logging.getLogger("plurai.gateway")
 
 
 class ApiError(Exception):
@@ -65,7 +70,7 @@ def model_not_found(model: str) -> ApiError:
     return ApiError(404, message, "model_not_found", param="model")
 
 
-def _response(e: Exception) -> Response:
+def _response(request: Request, e: Exception) -> Response:
     """The response of an error the handlers know."""
     if isinstance(e, ApiError):
         return e.response()
@@ -90,14 +95,20 @@ def _response(e: Exception) -> Response:
         return error(503, str(e), "not_replicated", retry_after=1)
     if isinstance(e, ClientDisconnect):
         return Response(status_code=499)  # nobody reads it
-    if isinstance(e, redis.RedisError):  # an OOM: a write (the key's limits) was refused
+    if isinstance(e, BadRecord):  # a record no Plurai process wrote
+        log.warning("%s: %s", request.url.path, e)
+        return error(500, str(e), BadRecord.code)
+    if isinstance(e, redis.ResponseError) and not is_oom(e):  # e.g. a key of another type
+        log.warning("%s: Redis refused a command: %s", request.url.path, e)
+        return error(500, "the stored record is damaged", "internal")
+    if isinstance(e, (redis.RedisError, OperationalError)):  # or an OOM refusal of a write
         return unavailable(e)
     # a bug: Starlette raises it on for the server to log, after this response
     return error(500, "internal error: a bug in Plurai (see the gateway's log)", "internal")
 
 
-async def handle(_request: Request, e: Exception) -> Response:
-    return _response(e)
+async def handle(request: Request, e: Exception) -> Response:
+    return _response(request, e)
 
 
 # every error the handler knows; Exception last, for Starlette's outermost handler
@@ -111,7 +122,9 @@ HANDLED: tuple[type[Exception], ...] = (
     BadIdempotencyKey,
     NotReplicated,
     ClientDisconnect,
+    BadRecord,
     redis.RedisError,
+    OperationalError,
     Exception,
 )
 

@@ -11,14 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from kombu.exceptions import OperationalError
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from broker_config import keys, protocol
 from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
-from gateway import openai
+from gateway import errors, openai
 from gateway.serve import create_app
 from results import tokens
+from results.records import BadRecord
 
 JOB = "gwerrors0123456789abcd"  # the id every job of a test gets
 
@@ -299,3 +302,25 @@ def test_one_middleware_counts_each_request_once(api, r) -> None:
         'plurai_gateway_requests_total{route="completions",status="404"} 1.0',
         'plurai_gateway_requests_total{route="files",status="404"} 1.0',
     ]
+
+
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (OperationalError("the broker is down"), 503, "unavailable"),
+        (redis.ConnectionError("refused"), 503, "unavailable"),
+        (redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'"), 503, None),
+        (redis.ResponseError("WRONGTYPE Operation against a key"), 500, "internal"),
+        (BadRecord("the batch record's field 'total' is not a number"), 500, "bad_record"),
+    ],
+)
+def test_outages_and_damaged_records_map_to_their_answers(exc, status, code) -> None:
+    """Every endpoint's errors go through the same handlers: a Redis or broker outage is a
+    503 to retry, a refused command or a record no Plurai process wrote a 500 naming it."""
+    request = Request({"type": "http", "method": "GET", "path": "/v1/batches/x", "headers": []})
+    got = errors._response(request, exc)
+    assert got.status_code == status
+    if code is not None:
+        assert json.loads(got.body)["error"]["code"] == code
+    if status == 503:
+        assert got.headers["Retry-After"]
