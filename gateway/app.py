@@ -199,8 +199,10 @@ class Gateway:
             options["idempotency_key"] = auth.scoped_idempotency_key(key, idem)
         try:
             sub = prepare(self.settings, models, **options)
-        # what prepare refuses (priority, sizes); msgpack: an integer over 64 bits
-        except (TypeError, ValueError, OverflowError) as e:
+        # what prepare refuses (priority, sizes); msgpack: an integer over 64 bits. Its
+        # TypeError (an option it does not know) would be a bug here: the parser gives
+        # only known options, so it is left to the 500 handler.
+        except (ValueError, OverflowError) as e:
             raise ApiError(400, str(e), "bad_field") from None
         slot = self.open_streams.take(key) if job.stream else None
         if job.stream and slot is None:

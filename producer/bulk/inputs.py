@@ -114,7 +114,8 @@ def _openai(
     if not isinstance(body, dict):
         raise bad("invalid_body", "body must be a JSON object")
     for name, why in _NOT_IN_BATCH.items():
-        if body.get(name) not in (None, False):
+        value = body.get(name)
+        if value is not None and value is not False:  # 0 asks for logprobs: not "off"
             raise bad("invalid_body", f"{name} is not taken in a batch line: {why}")
     try:
         job = (

@@ -149,3 +149,13 @@ def test_a_batch_line_refuses_what_it_cannot_honour(extra, code):
         batch("/v1/chat/completions", body)
     assert e.value.code == code and e.value.custom_id == "c"
     assert next(iter(extra)) in e.value.message
+
+
+def test_a_batch_completion_line_refuses_logprobs_0_and_takes_false():
+    """A completion's logprobs: 0 asks for the chosen token's logprob (which a batch output
+    line cannot hold); a chat's logprobs: false asks for none."""
+    body = {"prompt": "hi", "logprobs": 0}
+    with pytest.raises(LineError, match="logprobs"):
+        batch("/v1/completions", body)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": False}
+    assert batch("/v1/chat/completions", chat)["messages"]
