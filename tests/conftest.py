@@ -16,7 +16,7 @@ import pytest
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 SERVER_FIXTURES = {"redis_url", "module_redis_url", "cluster_url"}
-MODEL_FIXTURES = {"model_factory", "tiny_model", "reference", "engine_factory"}
+MODEL_FIXTURES = {"model_factory", "tiny_model", "tiny_engine", "reference", "engine_factory"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -126,3 +126,12 @@ def engine_factory():
         return Engine(EngineConfig(model=str(model_dir), **kwargs), kv_redis=kv)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model: Path):
+    """One engine on the tiny llama for a module's tests that tokenize or are refused, and
+    never step it (a stepping test makes its own with `engine_factory`)."""
+    from gpu_workers.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=str(tiny_model), dtype="fp32", kv_cache_bytes=4 << 20))
