@@ -4,10 +4,12 @@ real redis-servers (and a Redis Cluster) on free ports.
 Markers, set here: each test carries its folder's (`unit`, `integration`, `vllm`), `server`
 when it starts a redis-server and `model` when it builds or loads a model (found from the
 fixtures it uses, or set by hand where a test does either itself). `make test-fast` runs the
-unit tests that do neither."""
+unit tests that do neither; a unit test that starts a redis-server without the `server`
+marker fails (`unmarked_server_guard`)."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +29,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("server")
         if used & MODEL_FIXTURES:
             item.add_marker("model")
+
+
+@pytest.fixture(autouse=True)
+def unmarked_server_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a unit test that starts a redis-server but is not marked `server`, so that
+    `make test-fast` (-m "not server") stays free of them."""
+    node = request.node
+    if node.get_closest_marker("unit") is None or node.get_closest_marker("server") is not None:
+        return
+
+    class Guarded(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs) -> None:
+            first = args if isinstance(args, str | bytes | Path) else args[0]
+            if Path(str(first)).name.startswith("redis-server"):
+                pytest.fail(f"{node.nodeid} starts a redis-server: mark it `server`")
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Guarded)
 
 
 @pytest.fixture
