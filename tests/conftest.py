@@ -12,12 +12,16 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    import redis
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-SERVER_FIXTURES = {"redis_url", "module_redis_url", "cluster_url"}
+SERVER_FIXTURES = {"redis_url", "module_redis_url", "shared_redis_url", "r", "cluster_url"}
 MODEL_FIXTURES = {"model_factory", "tiny_model", "tiny_engine", "reference", "engine_factory"}
 
 
@@ -57,6 +61,38 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
     server = EmbeddedRedis(tmp_path / "redis")
     yield server.start()
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def session_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from broker_config.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis-shared"))
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture
+def shared_redis_url(session_redis_url: str) -> str:
+    """The session's one redis-server, emptied (keys and scripts) for this test: for tests
+    that neither stop, restart nor configure Redis and leave nothing running after them
+    (those take `redis_url`, a server of their own)."""
+    from redis import Redis
+
+    with Redis.from_url(session_redis_url) as c:
+        c.flushall()
+        c.script_flush()
+    return session_redis_url
+
+
+@pytest.fixture
+def r(shared_redis_url: str) -> Iterator[redis.Redis]:
+    """A client (bytes replies) on the shared, emptied redis-server."""
+    from redis import Redis
+
+    client = Redis.from_url(shared_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import time
 
-import redis
-
 from broker_config import keys
 from broker_config.groups import ensure_groups, forget_dead_consumers, forget_dead_workers
 
 
-def test_forget_dead_consumers(redis_url):
-    r = redis.Redis.from_url(redis_url)
+def test_forget_dead_consumers(r):
     ensure_groups(r, [keys.request_stream("standard")])
     stream = keys.request_stream("standard")
     first = r.xadd(stream, {"v": "1"})
