@@ -36,8 +36,8 @@ def tokens(outs: list) -> list[int]:
 
 
 def beat(r: redis.Redis, worker: str, **fields: object) -> None:
-    """A live worker's heartbeat as the worker writes it: its hash (stamped now unless
-    `beat_ms` is given) and its name in the worker set."""
-    mapping = {"beat_ms": int(time.time() * 1000), **fields}
+    """A serving worker's heartbeat as the worker writes it: its hash (state `serving`,
+    stamped now; `fields` add to or replace those) and its name in the worker set."""
+    mapping = {"state": "serving", "beat_ms": int(time.time() * 1000), **fields}
     r.hset(keys.worker(worker), mapping=mapping)  # type: ignore[arg-type]
     r.sadd(keys.WORKERS, worker)
