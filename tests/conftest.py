@@ -25,13 +25,23 @@ SERVER_FIXTURES = {"redis_url", "module_redis_url", "shared_redis_url", "r", "cl
 MODEL_FIXTURES = {"model_factory", "tiny_model", "tiny_engine", "reference", "engine_factory"}
 
 
+def uses(item: pytest.Item, names: set[str]) -> bool:
+    """Whether the test uses one of these fixtures as defined here (a test module's own `r`
+    on fakeredis is not a server)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in names & set(getattr(item, "fixturenames", ())):
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs and defs[-1].func.__module__ == __name__:
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(Path(str(item.fspath)).parent.name)
-        used = set(getattr(item, "fixturenames", ()))
-        if used & SERVER_FIXTURES:
+        if uses(item, SERVER_FIXTURES):
             item.add_marker("server")
-        if used & MODEL_FIXTURES:
+        if uses(item, MODEL_FIXTURES):
             item.add_marker("model")
 
 
