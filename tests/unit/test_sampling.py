@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -11,16 +10,12 @@ import torch
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import Sequence
+from tests.helpers import prompt
 
 
 @pytest.fixture(scope="module")
 def path(model_factory):
     return model_factory("llama")
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(16, 2048) for _ in range(n)]
 
 
 def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
