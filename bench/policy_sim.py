@@ -1,5 +1,7 @@
 """Fleet scale by simulation: routers against Plurai's KV-aware pulling, on the same seeded
 requests, as a discrete-event simulation (one heap of events; no Redis, engines or threads).
+One file, though long: the simulated engines and policies, their calibration on a measured
+run and the fleets share one set of constants and are read together.
 
     python bench/policy_sim.py [--calibrate-from DIR] [--check-against DIR[,DIR]]
         [--check-budget 512] [--sizes 64,256,1000] [--scales 0.3,0.6,1.0,1.3,1.6]

@@ -1,6 +1,8 @@
 """The serving bench: Plurai against `vllm serve` instances behind `vllm-router`, on the same
 engine (vLLM's CPU build), the same model, the same per-engine KV budget and cores, and the
-same OpenAI requests, driven open-loop from one seeded workload file per run.
+same OpenAI requests, driven open-loop from one seeded workload file per run. One file,
+though long: the stacks it starts and stops, its scenarios and its client are one run's
+life; the workload (serving_workload.py) and the figures (serving_figures.py) are apart.
 
     python bench/serving.py [--k 2] [--stacks plurai-vllm,plurai-native,round_robin,...]
         [--scenarios idle,sweep,flood,add,kill] [--duration 40] [--scales 0.3,0.6,0.9,1.3]

@@ -3,6 +3,10 @@ step, send each step's deltas and results in one packed write (writer.py); bad i
 only its job. On SIGTERM it stops taking work, lets running jobs finish within the grace
 period and hands the rest back. The life of a job, failures counted per job, leases and
 reclaiming: docs/architecture.md ("The worker") and docs/operations.md.
+
+One file, though long: taking work, stepping and ending jobs share the loop's state (the
+running jobs, the entries held, the pace) and each reads what the others left; intake,
+the job's own state and the writes are already modules of their own.
 """
 
 from __future__ import annotations

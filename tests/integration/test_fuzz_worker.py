@@ -1,4 +1,5 @@
-"""Hostile input against one real worker process and a real redis-server.
+"""Hostile input against one real worker process and a real redis-server (one file: every
+test shares the one worker it starts, which must outlive all of them).
 
 Entries are written raw (XADD of flat fields, as any client in any language can): random and
 broken flat fields, JSON and msgpack bodies that are broken, deeply nested, huge, non-finite,
