@@ -1,5 +1,6 @@
-"""Helpers the tests share: prompts and engine drains, and Redis state written by hand
-(a worker's heartbeat). Fixtures live in the conftest files."""
+"""Helpers the tests share: prompts and engine drains, Redis state written by hand (a
+worker's heartbeat, a served model) and a gateway to call. Fixtures live in the conftest
+files."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import redis
 
 from broker_config import keys
+from broker_config.routes import registry_value
 from gpu_workers.engine.sampling_params import SamplingParams
 
 
@@ -41,3 +43,24 @@ def beat(r: redis.Redis, worker: str, **fields: object) -> None:
     mapping = {"state": "serving", "beat_ms": int(time.time() * 1000), **fields}
     r.hset(keys.worker(worker), mapping=mapping)  # type: ignore[arg-type]
     r.sadd(keys.WORKERS, worker)
+
+
+def serve_model(
+    r: redis.Redis, model: str = "m", beat_ms: int | None = None, max_model_len: int = 256
+) -> None:
+    """A model's entry in the model directory (plurai:models) as a serving worker's heartbeat
+    writes it, beating now unless `beat_ms` says when."""
+    beat = int(time.time() * 1000) if beat_ms is None else beat_ms
+    r.hset(keys.MODELS, model, registry_value(1, beat, max_model_len=max_model_len))
+
+
+def gateway(redis_url: str, **settings: object):
+    """The gateway's app on `redis_url` in Starlette's test client (use it in a with block);
+    a bug's 500 is answered, not raised."""
+    from starlette.testclient import TestClient
+
+    from broker_config.settings import Settings
+    from gateway.serve import create_app
+
+    app = create_app(Settings(redis_url=redis_url, **settings), redis_url)  # type: ignore[arg-type]
+    return TestClient(app, raise_server_exceptions=False)

@@ -5,7 +5,6 @@ less what each path sets itself (the served model, the lane; a batch's stream an
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,12 +12,10 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
-from broker_config import keys
-from broker_config.routes import registry_value
 from broker_config.settings import Settings
 from gateway import app as gateway_app
-from gateway.serve import create_app
 from producer.bulk.inputs import LineError, parse_line
+from tests.helpers import gateway, serve_model
 
 MODEL = "m"
 DEFAULT_MAX = 77  # the gateway's default max_tokens, given to both paths
@@ -67,7 +64,7 @@ def api(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TestC
     """The gateway, stopped at the point where it would queue a job: what it would queue
     is appended to the list, and the request answered 400."""
     r = redis.Redis.from_url(redis_url)
-    r.hset(keys.MODELS, MODEL, registry_value(1, int(time.time() * 1000), max_model_len=8192))
+    serve_model(r, MODEL, max_model_len=8192)
     queued: list[dict[str, Any]] = []
 
     def capture(settings: Settings, routes: Any, **options: Any) -> Any:
@@ -75,8 +72,7 @@ def api(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TestC
         raise ValueError("captured")
 
     monkeypatch.setattr(gateway_app, "prepare", capture)
-    settings = Settings(redis_url=redis_url, gateway_default_max_tokens=DEFAULT_MAX)
-    with TestClient(create_app(settings, redis_url), raise_server_exceptions=False) as c:
+    with gateway(redis_url, gateway_default_max_tokens=DEFAULT_MAX) as c:
         yield c, queued
     r.close()
 

@@ -19,9 +19,9 @@ from broker_config import keys, protocol
 from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
 from gateway import errors, openai
-from gateway.serve import create_app
 from results import tokens
 from results.records import BadRecord
+from tests.helpers import gateway, serve_model
 
 JOB = "gwerrors0123456789abcd"  # the id every job of a test gets
 
@@ -29,27 +29,15 @@ JOB = "gwerrors0123456789abcd"  # the id every job of a test gets
 @pytest.fixture
 def r(redis_url: str) -> Iterator[redis.Redis]:
     r = redis.Redis.from_url(redis_url)
-    serve(r, "m")
+    serve_model(r)
     yield r
     r.close()
-
-
-def serve(r: redis.Redis, model: str, beat_ms: int | None = None) -> None:
-    """A worker's entry in the model directory (plurai:models), as its heartbeat writes it."""
-    beat = int(time.time() * 1000) if beat_ms is None else beat_ms
-    r.hset(keys.MODELS, model, registry_value(1, beat, max_model_len=256))
-
-
-def client(url: str, **settings) -> TestClient:
-    return TestClient(
-        create_app(Settings(redis_url=url, **settings), url), raise_server_exceptions=False
-    )
 
 
 @pytest.fixture
 def api(redis_url: str, r: redis.Redis, monkeypatch) -> Iterator[TestClient]:
     monkeypatch.setattr(protocol, "new_job_id", lambda: JOB)
-    with client(redis_url) as c:
+    with gateway(redis_url) as c:
         yield c
 
 
@@ -94,7 +82,7 @@ def test_an_integer_over_64_bits_is_a_400(api, extra) -> None:
 def test_a_submit_no_replica_acknowledged_is_a_503(redis_url, r, monkeypatch) -> None:
     # PLURAI_SUBMIT_REPLICAS=1 on a Redis without replicas: WAIT never gets its ack
     monkeypatch.setattr(protocol, "new_job_id", lambda: JOB)
-    with client(redis_url, submit_replicas=1, submit_replicas_timeout_ms=10) as api:
+    with gateway(redis_url, submit_replicas=1, submit_replicas_timeout_ms=10) as api:
         body = {"model": "m", "prompt": "hi", "max_tokens": 2}
         resp = api.post("/v1/completions", json=body)
     openai_error(resp, 503, "not_replicated")
@@ -181,15 +169,15 @@ def test_one_directory_answers_404_for_a_model_no_live_worker_serves(
 ) -> None:
     """A model whose entry in plurai:models is stale is not served (404 model_not_found),
     whatever PLURAI_UNSERVED says, while another is; with none live, 503 no_workers."""
-    serve(r, "old", beat_ms=int(time.time() * 1000) - 3_600_000)
-    with client(redis_url, unserved=unserved) as api:
+    serve_model(r, "old", beat_ms=int(time.time() * 1000) - 3_600_000)
+    with gateway(redis_url, unserved=unserved) as api:
         body = {"model": "old", "prompt": "hi", "max_tokens": 2}
         err = openai_error(api.post("/v1/completions", json=body), 404, "model_not_found")
         assert err["param"] == "model"
         assert [m["id"] for m in api.get("/v1/models").json()["data"]] == ["m"]
     r.delete(keys.MODELS)
-    serve(r, "old", beat_ms=1)
-    with client(redis_url, unserved=unserved) as api:
+    serve_model(r, "old", beat_ms=1)
+    with gateway(redis_url, unserved=unserved) as api:
         resp = api.post("/v1/completions", json=body)
         openai_error(resp, 503, "no_workers")
         assert resp.headers["retry-after"] == "5"

@@ -5,18 +5,14 @@ nothing listens on)."""
 from __future__ import annotations
 
 import pytest
-from starlette.testclient import TestClient
 
 from broker_config.embedded import free_port
-from broker_config.settings import Settings
-from gateway.serve import create_app
+from tests.helpers import gateway
 
 
 @pytest.fixture
 def api():
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    settings = Settings(redis_url=url)
-    with TestClient(create_app(settings, url), raise_server_exceptions=False) as c:
+    with gateway(f"redis://127.0.0.1:{free_port()}/0") as c:
         yield c
 
 

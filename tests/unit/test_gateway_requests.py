@@ -14,10 +14,8 @@ import redis
 from starlette.testclient import TestClient
 
 from broker_config import keys, protocol
-from broker_config.routes import registry_value
-from broker_config.settings import Settings
-from gateway.serve import create_app
 from results import tokens
+from tests.helpers import gateway, serve_model
 
 JOB = "gwaudit0123456789abcdef"  # the id every job of a test gets
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -26,7 +24,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 @pytest.fixture
 def r(redis_url: str) -> Iterator[redis.Redis]:
     r = redis.Redis.from_url(redis_url)
-    r.hset(keys.MODELS, "m", registry_value(1, int(time.time() * 1000), max_model_len=256))
+    serve_model(r)
     yield r
     r.close()
 
@@ -34,8 +32,7 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 @pytest.fixture
 def api(redis_url: str, r: redis.Redis, monkeypatch) -> Iterator[TestClient]:
     monkeypatch.setattr(protocol, "new_job_id", lambda: JOB)
-    app = create_app(Settings(redis_url=redis_url), redis_url)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with gateway(redis_url) as c:
         yield c
 
 
