@@ -314,17 +314,19 @@ class VllmBackend:
     def prompt_backlog(self) -> int:
         return sum(r.num_prompt for r in self.reqs.values() if not r.num_output)
 
+    # vLLM's figures come with its steps: the last step of the last request may still count
+    # it, and an idle worker steps no more, so with no request here nothing runs or waits
     @property
     def num_running(self) -> int:
-        return self.figures.running
+        return self.figures.running if self.reqs else 0
 
     @property
     def num_waiting(self) -> int:
-        return self.figures.waiting + self.added
+        return (self.figures.waiting if self.reqs else 0) + self.added
 
     def stats(self) -> dict[str, Any]:
         f, bs = self.figures, self.block_size
-        used = round(f.kv_usage * self.num_blocks)
+        used = round(f.kv_usage * self.num_blocks) if self.reqs else 0  # see num_running
         tier = {}
         if self.kv is not None:
             tier = {"kv_redis_hits": f.remote_hits // bs, "kv_bad_entries": self.kv.bad}
@@ -338,8 +340,8 @@ class VllmBackend:
             "slots_allocated": used * bs,
             "prefix_hit_blocks": f.prefix_hits // bs,
             "prefix_lookup_blocks": f.prefix_queries // bs,
-            "running": f.running,
-            "waiting": f.waiting + self.added,
+            "running": self.num_running,
+            "waiting": self.num_waiting,
             "preemptions": f.preemptions,
             "steps": self.steps,
             "prompt_tokens": f.prompt_tokens,
