@@ -1,13 +1,18 @@
 """Interactive time to first token while the batch lane saturates the workers, beside the
-same interactive requests on idle workers.
+same interactive requests on idle workers; with preemption (PLURAI_PREEMPT, the default)
+and without it, each on fresh workers and a fresh Redis.
 
-    python bench/priority.py [--model DIR] [--workers 1] [--requests 100] [--batch 3000]
+    python bench/priority.py [--model DIR] [--workers 1] [--requests 100] [--batch 200]
 
 Each interactive request is submitted alone and timed from submit to its first token-stream
 delta (`plurai:out:<id>`), one after another with a short pause. First on idle workers,
-then again while a backlog of long batch jobs keeps every worker full (the backlog is
-checked to outlast the measurement). The model defaults to the tiny test Llama, made in a
-temporary folder. The last line is one JSON object; the target is loaded p99 <= 2x idle p99.
+then again while a backlog of long batch jobs keeps every worker's KV cache full (a small
+one, `--kv-bytes`; the backlog is checked to outlast the measurement), then the backlog is
+drained and the tokens the engines generated (their heartbeats' counts) are set against the
+tokens the jobs delivered: a preempted batch job keeps its output, so none is made twice.
+The model defaults to the tiny test Llama, made in a temporary folder. The last line is one
+JSON object; the targets are loaded p99 <= 2x idle p99 and computed <= 1.05x delivered,
+with preemption.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.workload import cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from broker_config.stats import serving_workers  # noqa: E402
+from broker_config.stats import serving_workers, workers  # noqa: E402
 from producer.client import Client  # noqa: E402
 from results import tokens  # noqa: E402
 
@@ -77,28 +82,49 @@ def main() -> None:
     p.add_argument("--model", help="local HF model dir; default: the tiny test Llama")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--requests", type=int, default=100, help="interactive requests per phase")
-    p.add_argument("--batch", type=int, default=3000, help="batch jobs in the backlog")
+    p.add_argument("--batch", type=int, default=200, help="batch jobs in the backlog")
     p.add_argument("--batch-tokens", type=int, default=256, help="max_tokens of a batch job")
     p.add_argument("--pause", type=float, default=0.05, help="seconds between requests")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--kv-bytes", type=int, default=2 << 20, help="KV cache bytes per worker")
     a = p.parse_args()
 
+    result: dict = {}
     with tempfile.TemporaryDirectory() as d:
         model = a.model
         if model is None:
             from gpu_workers.models.factory import make_model
 
             model = str(make_model(Path(d) / "tiny-llama", family="llama", size="tiny"))
-        with EmbeddedRedis(Path(d) / "redis") as url:
-            result = run(a, model, url)
-    result["isa"] = cpu_isa()
+        for preempt in (True, False):
+            name = "preempt" if preempt else "no_preempt"
+            print(f"-- {name}", flush=True)
+            with EmbeddedRedis(Path(d) / f"redis-{name}") as url:
+                result[name] = run(a, model, url, preempt)
+    on, off = result["preempt"], result["no_preempt"]
+    result.update(
+        model=Path(model).name,
+        workers=a.workers,
+        requests=a.requests,
+        target_p99_ratio=2.0,
+        target_computed_ratio=1.05,
+        p99_ratio=on["p99_ratio"],
+        computed_ratio=on["computed_ratio"],
+        p99_ratio_without_preemption=off["p99_ratio"],
+        isa=cpu_isa(),
+    )
     print(json.dumps(result))
 
 
-def run(a: argparse.Namespace, model: str, url: str) -> dict:
+def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
     cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
     cmd += ["--grace", "0", "--log-level", "WARNING", "--engine", f"threads={a.threads}"]
-    env = {**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1"}
+    cmd += ["--engine", f"kv_cache_bytes={a.kv_bytes}"]
+    env = {
+        **os.environ,
+        "PLURAI_HEARTBEAT_INTERVAL_S": "1",
+        "PLURAI_PREEMPT": "1" if preempt else "0",
+    }
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env) for _ in range(a.workers)]
     try:
         client = Client(url)
@@ -132,18 +158,24 @@ def run(a: argparse.Namespace, model: str, url: str) -> dict:
         print(f"loaded: {summary(loaded)}", flush=True)
         if waiting <= 0:
             print("warning: the batch backlog ran out; raise --batch", flush=True)
+        for job in batch:  # the backlog drained: every token made is in a result
+            job.result(timeout=600)
+        time.sleep(2.5)  # a heartbeat after the last step
+        now = int(client.redis.time()[0] * 1000)
+        made = sum(w.generation_tokens for w in workers(client.redis, now)[0])
+        jobs = client.records([j.id for j in batch])
+        delivered = sum(rec.output_tokens for rec in jobs) + 16 * (len(reqs) * 2 + 5)
         result = {
-            "model": Path(model).name,
-            "workers": a.workers,
-            "requests": a.requests,
             "idle": summary(idle),
             "loaded": summary(loaded),
             "p50_ratio": round(pct(loaded, 0.5) / pct(idle, 0.5), 3),
             "p99_ratio": round(pct(loaded, 0.99) / pct(idle, 0.99), 3),
-            "target_p99_ratio": 2.0,
             "batch_done_during_loaded_phase": done,
             "batch_still_waiting": waiting,
             "loaded_phase_s": round(seconds, 2),
+            "tokens_computed": made,
+            "tokens_delivered": delivered,
+            "computed_ratio": round(made / delivered, 4),
         }
         client.close()
         return result

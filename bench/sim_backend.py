@@ -103,7 +103,10 @@ class SimBackend:
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-    ) -> None:
+        output_ids: list[int] | None = None,
+    ) -> str:
+        if output_ids:  # its tokens are made up: a job cut off starts over
+            raise RequestError(ErrorCode.BAD_PROGRESS, "the simulated engine does not resume jobs")
         if request_id in self._running or request_id in self._waiting:
             raise RequestError(ErrorCode.DUPLICATE_ID, f"{request_id} is already here")
         max_tokens = (params or {}).get("max_tokens", 16)
@@ -123,13 +126,15 @@ class SimBackend:
             priority=priority,
             order=self._order,
         )
+        return ""
 
     def _reserved(self) -> int:
         return sum(s.need for s in self._running.values()) + sum(
             s.need for s in self._waiting.values()
         )
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+    def can_admit(self, prompt_tokens: int, max_tokens: int, priority: int | None = None) -> bool:
+        # it never preempts: `priority` changes nothing
         if len(self._running) + len(self._waiting) >= self.max_num_seqs:
             return False
         need = prompt_tokens + min(max_tokens, self.max_model_len)

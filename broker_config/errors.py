@@ -19,6 +19,9 @@ class ErrorCode:
     INVALID_PARAMS = "invalid_params"  # sampling field unknown or out of range
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"  # token id < 0 or >= vocab size
     DUPLICATE_ID = "duplicate_request_id"  # the id is already running in this engine
+    # the output tokens a resumed request brings cannot be continued exactly (out of range,
+    # too many, refused by its grammar, already finished, or a backend that cannot resume)
+    BAD_PROGRESS = "bad_progress"
 
 
 class CodedError(ValueError):
@@ -47,6 +50,7 @@ class Code:
     PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG
     INVALID_PARAMS = ErrorCode.INVALID_PARAMS
     TOKEN_OUT_OF_VOCAB = ErrorCode.TOKEN_OUT_OF_VOCAB
+    BAD_PROGRESS = ErrorCode.BAD_PROGRESS
     # Lifecycle.
     DEADLINE_EXCEEDED = "deadline_exceeded"
     TOO_MANY_DELIVERIES = "too_many_deliveries"  # its processing failed max_deliveries times

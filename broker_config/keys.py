@@ -53,6 +53,12 @@ def output(job_id: str) -> str:
     return f"{PREFIX}:out:{{{job_id}}}"
 
 
+def progress(job_id: str) -> str:
+    """The output tokens a running job has made so far (results/progress.py), from which
+    another worker resumes it."""
+    return f"{PREFIX}:progress:{{{job_id}}}"
+
+
 def done_channel(job_id: str) -> str:
     """Pub/sub channel that receives the final state when the job ends."""
     return f"{PREFIX}:done:{job_id}"

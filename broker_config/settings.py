@@ -138,7 +138,9 @@ class Settings(_Sourced):
     max_grammar_bytes: int = Field(default=Limits.grammar_bytes, ge=2)
     block_ms: int = 200  # how long an idle worker blocks in XREADGROUP
     poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
-    grace_period_s: float = 30.0  # SIGTERM: time to finish running jobs before handing back
+    # SIGTERM: how long running jobs run on before they are handed back with their progress
+    # (other workers resume them where they stopped)
+    grace_period_s: float = Field(default=0.0, ge=0)
     heartbeat_interval_s: float = 5.0
 
     # Reliability (docs/operations.md). A worker renews the idle time of the entries it holds
@@ -165,6 +167,11 @@ class Settings(_Sourced):
     fair_every: int = 8
     # Sequence slots of a worker's engine that lower lanes leave free for the top lane.
     top_lane_reserve: int = 4
+    # A worker whose engine is full of lower-lane work still takes a top-lane entry when it
+    # fits beside the top lane's own jobs: the engine preempts lower-lane jobs to run it
+    # (they keep their output and go on first when room frees). False: a top-lane entry
+    # waits for room like any other.
+    preempt: bool = True
     # Lower lanes yield to the top lane's speed (gpu_workers/pace.py): while a top-lane job
     # ran on a worker within the last 10 s, it takes lower-lane entries only while the top
     # lane's time per output token stays within this many times its unloaded time, and

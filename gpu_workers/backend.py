@@ -52,17 +52,30 @@ class Backend(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-    ) -> None:
-        """Queue a request; `params` are the wire's sampling fields. Raises RequestError."""
+        output_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request; `params` are the wire's sampling fields. Raises RequestError.
+
+        `output_ids`: the output tokens a run of this request cut off elsewhere (a crash, a
+        drain) had generated. The request then goes on after them and gives exactly what
+        the uninterrupted run would have: the rest of its tokens, text deltas, logprobs
+        and finish reason; num_output_tokens and max_tokens count the tokens given. A
+        backend that cannot continue this request exactly (or that finds the progress
+        wrong: ids out of range, more than max_tokens, a request already finished after
+        them) raises RequestError with code BAD_PROGRESS, and the caller starts it again
+        from no output. Returns the output text the cut-off run had reported for
+        `output_ids` (the concatenation of its text deltas); "" without output_ids."""
         ...
 
     def step(self) -> list[StepOutput]: ...
 
     def abort(self, request_id: str) -> bool: ...
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+    def can_admit(self, prompt_tokens: int, max_tokens: int, priority: int | None = None) -> bool:
         """Whether a request of this size fits beside the ones already added (sequence
-        slots and KV blocks, each assumed to run to its max_tokens)."""
+        slots and KV blocks, each assumed to run to its max_tokens). With `priority`: beside
+        those of that priority or better only, since the backend preempts the others (they
+        keep their output and go on when room frees)."""
         ...
 
     def has_unfinished(self) -> bool: ...

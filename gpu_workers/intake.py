@@ -22,7 +22,7 @@ from broker_config.settings import Settings
 from broker_config.text import text
 from gpu_workers.metrics import Metrics
 from gpu_workers.writer import Writer, now_ms, passing
-from results import jobs, tokens
+from results import jobs, progress, tokens
 
 log = logging.getLogger("plurai.worker")
 
@@ -374,13 +374,14 @@ class Intake:
         )
         jobs.run(self.r, call)
 
-    def begin(self, entries: list[Entry]) -> list[str | redis.ResponseError]:
+    def begin(self, entries: list[Entry]) -> list[tuple[str | redis.ResponseError, bytes | None]]:
         """Mark the entries' jobs running here and start their streams (script BEGIN, one
-        round trip for all). For each: 'run', or why not ('done', 'cancelled', 'expired',
-        'badkey'), or Redis's refusal when it refused for a reason that passes (OOM, ...);
-        a refusal tied to the job's keys is 'badkey'."""
+        round trip for all). For each: 'run' with the progress to resume from (or None),
+        or why not ('done', 'cancelled', 'expired', 'badkey'), or Redis's refusal when it
+        refused for a reason that passes (OOM, ...); a refusal tied to the job's keys is
+        'badkey'."""
         calls = [self._begin_call(entry) for entry in entries]
-        out: list[str | redis.ResponseError] = []
+        out: list[tuple[str | redis.ResponseError, bytes | None]] = []
         for call, reply in zip(calls, self._pipeline(calls), strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):  # nothing of it ran
                 try:
@@ -388,14 +389,18 @@ class Intake:
                 except redis.ResponseError as e:
                     reply = e
             if isinstance(reply, redis.ResponseError):
-                out.append(reply if passing(reply) else "badkey")
+                out.append((reply if passing(reply) else "badkey", None))
+            elif isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], bytes):
+                out.append((text(reply[0]), reply[1]))
             else:
-                out.append(text(reply))
+                out.append((text(reply), None))
         return out
 
     def _begin_call(self, entry: Entry) -> jobs.Call:
         env = entry.req.envelope
         metadata = entry.req.metadata
+        head = self.writer.progress_head
+        asked = entry.req.params.get("logprobs") is not None
         return jobs.begin(
             job_id=entry.job_id,
             worker=self.id,
@@ -405,6 +410,8 @@ class Intake:
             lane=entry.lane,
             priority=env.priority,
             metadata_json=json.dumps(metadata) if metadata is not None else None,
+            progress_head=head,
+            progress_limit=progress.limit(head, env.max_tokens, asked),
         )
 
     def _pipeline(self, calls: list[jobs.Call]) -> list[Any]:

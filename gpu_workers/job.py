@@ -8,15 +8,16 @@ from typing import Any
 
 from gpu_workers.backend import StepOutput
 from gpu_workers.intake import Entry
-from results import jobs, records
+from results import jobs, progress, records
 
 
 @dataclass(frozen=True)
 class Stream:
-    """When a running job's held-back tokens are written to its stream: its first tokens at
-    once; then whenever `tokens` are held, or the oldest held one is `seconds` old; the
-    rest with its result (PLURAI_STREAM_FLUSH_TOKENS, PLURAI_STREAM_FLUSH_MS; 1 token: every
-    step's tokens as they come)."""
+    """When a running job's held-back tokens are written to its stream and its progress: its
+    first tokens at once (to the stream); then whenever `tokens` are held, or the oldest
+    held one is `seconds` old; the rest with its result (PLURAI_STREAM_FLUSH_TOKENS,
+    PLURAI_STREAM_FLUSH_MS; 1 token: every step's tokens as they come). A job that does
+    not stream writes its progress by the same rule."""
 
     tokens: int = 16
     seconds: float = 0.1
@@ -35,9 +36,10 @@ class Running:
     # The job's token stream may lack deltas (Redis failed while they were sent): its next
     # write is a reset followed by the whole text so far.
     resync: bool = False
-    # What the stream has (pieces of `text`, tokens) and since when tokens wait to be written
-    # (monotonic seconds; None: none wait). A job's tokens are held back and written together
-    # (Stream below), so a stream costs Redis a few writes per job rather than one a token.
+    # What the stream and the progress have (pieces of `text`, tokens) and since when tokens
+    # wait to be written (monotonic seconds; None: none wait). A job's tokens are held back
+    # and written together (Stream above), so a job costs Redis a few writes rather than one
+    # a token.
     sent_pieces: int = 0
     sent_tokens: int = 0
     held_since: float | None = None
@@ -51,13 +53,12 @@ class Running:
             self.logprobs += out.logprobs
         if out.text_delta:
             self.text.append(out.text_delta)
-        if not self.entry.req.stream:
-            return None
-        if out.finished and self.resync:
-            return None  # its FINALIZE rewrites the whole stream
+        streams = self.entry.req.stream
+        if out.finished and (self.resync or not streams):
+            return None  # its FINALIZE writes the rest (the whole stream after a resync)
         if self.held_since is None and self.has_unsent:
             self.held_since = now
-        first = self.sent_pieces == 0  # until its first text is out, at once: TTFT
+        first = streams and self.sent_pieces == 0  # until its first text is out: TTFT
         if (
             self.resync
             or out.finished
@@ -73,21 +74,33 @@ class Running:
         return len(self.token_ids) > self.sent_tokens or len(self.text) > self.sent_pieces
 
     def unsent(self) -> jobs.Delta | None:
-        """The stream write of everything not yet written (a reset and the whole text after
-        a resync); None when there is nothing to write."""
-        if not self.entry.req.stream or not (self.resync or self.has_unsent):
+        """The write of everything not yet written (a reset and the whole text after a
+        resync, and the whole progress); None when there is nothing to write."""
+        if not (self.resync or self.has_unsent):
             return None
         reset, self.resync = self.resync, False
         start_piece = 0 if reset else self.sent_pieces
         start_token = 0 if reset else self.sent_tokens
         self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
         self.held_since = None
+        ids = self.token_ids[start_token:]
+        asked = self.entry.req.params.get("logprobs") is not None
         return jobs.Delta(
             job_id=self.entry.job_id,
             text="".join(self.text[start_piece:]),
-            token_ids=self.token_ids[start_token:],
+            token_ids=ids,
             reset=reset,
+            stream=self.entry.req.stream,
+            progress=progress.chunk(ids, self.logprobs[start_token:] if asked else None),
+            whole=start_token == 0,
         )
+
+    def resume(self, saved: progress.Progress, text: str) -> None:
+        """Take over the output a previous run made (its stream and progress have it all)."""
+        self.token_ids = list(saved.token_ids)
+        self.logprobs = list(saved.logprobs or [])
+        self.text = [text] if text else []
+        self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
 
     def result_fields(self, worker: str, finished_ms: int, code: str, message: str) -> list[Any]:
         asked = self.entry.req.params.get("logprobs") is not None

@@ -40,6 +40,17 @@ class Metrics:
         self.jobs_started = Counter(
             "plurai_jobs_started", "Jobs this worker began running.", ["lane"], registry=reg
         )
+        self.jobs_resumed = Counter(
+            "plurai_jobs_resumed",
+            "Jobs this worker began from the output another run had made (its progress).",
+            ["lane"],
+            registry=reg,
+        )
+        self.resumed_tokens = Counter(
+            "plurai_resumed_tokens",
+            "Output tokens of resumed jobs that were not generated again.",
+            registry=reg,
+        )
         self.jobs_finished = Counter(
             "plurai_jobs_finished",
             "Jobs this worker ended, by lane and final state (a job rerun after a reclaim "
@@ -126,6 +137,7 @@ class Metrics:
         info.labels(worker_id).set(1)
         for lane in lanes:  # series exist (at 0) from the start, so rate() works at once
             self.jobs_started.labels(lane)
+            self.jobs_resumed.labels(lane)
             self.reclaimed.labels(lane)
         self.engine = _EngineCollector()
         reg.register(self.engine)

@@ -1,7 +1,8 @@
 """The long-lived worker loop: take entries while the backend can admit them (intake.py),
 step, send each step's deltas and results in one packed write (writer.py); bad input ends
-only its job. On SIGTERM it stops taking work, lets running jobs finish within the grace
-period and hands the rest back. The life of a job, failures counted per job, leases and
+only its job. On SIGTERM it stops taking work, lets running jobs run on for the grace
+period (none by default) and hands the rest back with their progress, from which other
+workers resume them (results/progress.py). The life of a job, failures counted per job, leases and
 reclaiming: docs/architecture.md ("The worker") and docs/operations.md.
 
 One file, though long: taking work, stepping and ending jobs share the loop's state (the
@@ -33,7 +34,7 @@ from gpu_workers.job import Running, Stream
 from gpu_workers.metrics import Metrics
 from gpu_workers.pace import Pace
 from gpu_workers.writer import Outage, Writer, now_ms
-from results import jobs, records
+from results import jobs, progress, records
 
 log = logging.getLogger("plurai.worker")
 
@@ -67,6 +68,7 @@ class Worker:
         self.metrics = Metrics(self.id, self.lanes)
         self.metrics_port = 0  # where /metrics is served (serve.py sets it), 0: nowhere
         self.writer = Writer(r, settings, self.id)
+        self.writer.progress_head = progress.header(engine.model_fingerprint)
         self.stream = Stream(
             tokens=settings.stream_flush_tokens, seconds=settings.stream_flush_ms / 1000
         )
@@ -259,12 +261,16 @@ class Worker:
     def _fits(self, req: protocol.Request, top: bool) -> bool:
         """Whether the engine has room for the request now, and its prompt fits in the
         backlog bound beside the prompts not computed yet (a prompt alone always does):
-        all of them, or for a top-lane request the top lane's only."""
+        all of them, or for a top-lane request the top lane's only. With preemption on, a
+        top-lane request needs room beside the top lane's jobs only."""
         bound = self.settings.prefill_backlog_tokens
         backlog = self._top_backlog() if top else self.engine.prompt_backlog
         if bound and backlog and backlog + req.prompt_tokens > bound:
             return False  # left in the queue, for whichever worker frees up first
-        return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens)
+        # a top-lane request may take what lower lanes' jobs hold: the engine preempts them
+        preempt = top and self.settings.preempt
+        priority = protocol.engine_priority(0, protocol.MAX_PRIORITY) if preempt else None
+        return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens, priority)
 
     def _top_backlog(self) -> int:
         """Prompt tokens of this worker's top-lane jobs that have no token yet."""
@@ -328,24 +334,28 @@ class Worker:
         """Put the entry's job into the backend ahead of its BEGIN, so that the backend's
         room for the next entry counts it (`_start` takes it out again unless BEGIN says
         run). Returns what the backend raised on it, if anything."""
-        req, env, job_id = entry.req, entry.req.envelope, entry.job_id
         try:
-            self.engine.add(
-                job_id,
-                prompt=req.prompt,
-                token_ids=req.token_ids,
-                messages=req.messages,
-                params=req.params,
-                priority=protocol.engine_priority(self.lanes.index(entry.lane), env.priority),
-                cache_salt=req.cache_salt,
-                special_tokens=req.special_tokens,
-            )
+            self._engine_add(entry)
         except RequestError as e:
             return e
         except Exception as e:  # a Plurai bug met on this job
-            log.exception("engine.add failed", extra={"job_id": job_id})
+            log.exception("engine.add failed", extra={"job_id": entry.job_id})
             return e
         return None
+
+    def _engine_add(self, entry: Entry, output_ids: list[int] | None = None) -> str:
+        req, env = entry.req, entry.req.envelope
+        return self.engine.add(
+            entry.job_id,
+            prompt=req.prompt,
+            token_ids=req.token_ids,
+            messages=req.messages,
+            params=req.params,
+            priority=protocol.engine_priority(self.lanes.index(entry.lane), env.priority),
+            cache_salt=req.cache_salt,
+            special_tokens=req.special_tokens,
+            output_ids=output_ids,
+        )
 
     def _start(self, batch: list[tuple[Entry, Exception | None]]) -> int:
         """BEGIN the jobs of `batch` (entry, what the backend raised on it), in one round
@@ -365,7 +375,7 @@ class Worker:
         again: list[Entry] = []
         answers: list[tuple[Entry, Exception | None, str]] = []
         started = 0
-        for (entry, error), verdict in zip(batch, verdicts, strict=True):
+        for (entry, error), (verdict, saved) in zip(batch, verdicts, strict=True):
             if error is None and verdict != "run":
                 self.engine.abort(entry.job_id)
             if isinstance(verdict, redis.ResponseError):
@@ -374,7 +384,13 @@ class Worker:
             elif verdict != "run" or error is not None:
                 answers.append((entry, error, verdict))
             else:
-                self.running[entry.job_id] = Running(entry)
+                run = Running(entry)
+                if saved is not None:
+                    error = self._resume(run, saved)
+                    if error is not None:  # not even as a new run now: a failed attempt
+                        answers.append((entry, error, verdict))
+                        continue
+                self.running[entry.job_id] = run
                 if entry.lane == self.lanes[0]:
                     self.pace.seen(time.monotonic())
                 self.metrics.jobs_started.labels(entry.lane).inc()
@@ -399,6 +415,46 @@ class Worker:
         if refused is not None:
             raise refused
         return started
+
+    def _resume(self, run: Running, blob: bytes) -> Exception | None:
+        """Continue the job from the output its previous run made (BEGIN found its
+        progress): the backend computes prompt and output so far and goes on from there,
+        and the stream goes on without a reset. Where the progress cannot be trusted or
+        the backend cannot continue the job exactly, the job starts over: its next write
+        resets the stream and rewrites the progress. Returns what the backend raised
+        adding it as a new run, if anything (it was added once already)."""
+        entry = run.entry
+        req = entry.req
+        asked = req.params.get("logprobs") is not None
+        saved = progress.parse(blob, self.writer.progress_head, req.envelope.max_tokens, asked)
+        why = "its progress is damaged"
+        if saved is not None and saved.token_ids:
+            self.engine.abort(entry.job_id)
+            try:
+                made = self._engine_add(entry, saved.token_ids)
+            except RequestError as e:
+                why = e.message
+            except Exception as e:  # a Plurai bug met on this job: start it over
+                log.exception("resuming a job failed", extra={"job_id": entry.job_id})
+                why = f"{type(e).__name__}: {str(e)[:300]}"
+            else:
+                run.resume(saved, made)
+                self.metrics.jobs_resumed.labels(entry.lane).inc()
+                self.metrics.resumed_tokens.inc(len(saved.token_ids))
+                log.info(
+                    "job resumed after %d output tokens",
+                    len(saved.token_ids),
+                    extra={"job_id": entry.job_id, "lane": entry.lane},
+                )
+                return None
+            error = self._add(entry)
+            if error is not None:
+                return error
+        elif saved is not None:
+            return None  # no token yet: a run like any other
+        log.info("job starts over: %s", why, extra={"job_id": entry.job_id, "lane": entry.lane})
+        run.resync = True
+        return None
 
     def _not_run(self, entry: Entry, verdict: str) -> None:
         """BEGIN's answer for a job that must not run."""
@@ -513,7 +569,7 @@ class Worker:
     ) -> None:
         """End a job outside a step: its result goes out now (after its deltas, the held
         ones included)."""
-        delta = run.unsent()
+        delta = run.unsent() if run.entry.req.stream else None
         held = self.writer.deltas([delta]) if delta is not None else []
         self.writer.store(held + [self._end(run, state, finish_reason, code, message)])
 
@@ -573,11 +629,19 @@ class Worker:
         self.writer.collect()  # its deltas go before its stream's next start
         self.intake.retry(entry, error)
 
+    def _checkpoint(self) -> None:
+        """Write every running job's tokens not written yet (its stream and its progress),
+        so that whichever worker takes the job next resumes it where it stopped here."""
+        items = [d for run in self.running.values() if (d := run.unsent()) is not None]
+        if items:
+            self.writer.execute(self.writer.deltas(items))
+
     def _hand_back(self, failed: str = "") -> None:
         """Re-add every job not finished here to the tail of its lane, ack the old entry.
         `failed`: why this worker is going down abnormally; each job's attempt counts."""
         try:
             self.writer.collect()
+            self._checkpoint()
         except redis.RedisError:
             log.warning("the last step's writes are unconfirmed")
         for job_id in list(self.running):

@@ -57,6 +57,7 @@ class Writer:
         self._refused: redis.ResponseError | None = None
         self.acks: list[list[Any]] = []  # commands due once their call's reply came back
         self.cluster = is_cluster(r)
+        self.progress_head = b""  # results/progress.header of the worker's model
         self._conn: Any = None  # the packed writes' own connection
         self._in_flight: list[jobs.Call | list[Any]] = []
 
@@ -64,7 +65,11 @@ class Writer:
     def deltas(self, items: list[jobs.Delta]) -> list[jobs.Call]:
         """The DELTAS calls of a step: one, or one per job on a Cluster (one slot each)."""
         groups = [[d] for d in items] if self.cluster else [items]
-        return [jobs.deltas(worker=self.id, maxlen=self.out_maxlen, items=g) for g in groups]
+        ttl, head = self.settings.result_ttl_s, self.progress_head
+        return [
+            jobs.deltas(worker=self.id, maxlen=self.out_maxlen, ttl_s=ttl, head=head, items=g)
+            for g in groups
+        ]
 
     def final(
         self,

@@ -58,13 +58,18 @@ class Call:
 
 @dataclass(slots=True)
 class Delta:
-    """One job's token-stream write in a DELTAS call: `text` and `token_ids` are new, or,
-    with `reset`, the whole text so far (the stream gets a reset entry first)."""
+    """One job's write in a DELTAS call: `text` and `token_ids` are new, or, with `reset`,
+    the whole text so far (the stream gets a reset entry first); `progress` is the chunk
+    of the same tokens for the job's progress (results/progress.py), the whole of it when
+    `whole`. A job that does not stream (`stream` False) writes its progress only."""
 
     job_id: str
     text: str
     token_ids: list[int]
     reset: bool = False
+    stream: bool = True
+    progress: bytes = b""
+    whole: bool = False
 
 
 def sha(name: str) -> str:
@@ -229,9 +234,14 @@ def begin(
     lane: str,
     priority: int,
     metadata_json: str | None,
+    progress_head: bytes = b"",
+    progress_limit: int = 0,
 ) -> Call:
-    """Mark a job running on `worker` and start its token stream. Returns 'run', 'done',
-    'cancelled', 'expired' or 'badkey' (see scripts.BEGIN)."""
+    """Mark a job running on `worker` and start its token stream. Returns 'run' (or
+    ['run', progress] where the job resumes: `progress_head` is the worker's model's,
+    results/progress.header, and the progress at most `progress_limit` bytes), 'done',
+    'cancelled', 'expired' or 'badkey' (see scripts.BEGIN). With no `progress_head` the
+    job never resumes."""
     args = [
         worker,
         now_ms,
@@ -240,18 +250,26 @@ def begin(
         lane,
         priority,
         metadata_json or "",
+        progress_head,
+        progress_limit,
     ]
-    return Call("BEGIN", [keys.job(job_id), keys.output(job_id)], args, job_id=job_id, lane=lane)
+    k = [keys.job(job_id), keys.output(job_id), keys.progress(job_id)]
+    return Call("BEGIN", k, args, job_id=job_id, lane=lane)
 
 
-def deltas(*, worker: str, maxlen: int, items: Iterable[Delta]) -> Call:
-    """Write the token deltas of one engine step, each to its job's stream while the job's
+def deltas(
+    *, worker: str, maxlen: int, items: Iterable[Delta], ttl_s: int = 86400, head: bytes = b""
+) -> Call:
+    """Write the token deltas of one engine step, each to its job's stream, and each job's
+    progress (`head` first where written whole, expiring after `ttl_s`), while the job's
     record names `worker`. Returns how many jobs were written."""
     k: list[str] = []
-    args: list[Any] = [worker, maxlen]
+    args: list[Any] = [worker, maxlen, ttl_s]
     for d in items:
-        k += [keys.job(d.job_id), keys.output(d.job_id)]
-        args += ["r" if d.reset else "d", d.text, records.json_ids(d.token_ids)]
+        k += [keys.job(d.job_id), keys.output(d.job_id), keys.progress(d.job_id)]
+        mode = ("r" if d.reset else "d") if d.stream else "n"
+        args += [mode, d.text, records.json_ids(d.token_ids)]
+        args += ["s", head + d.progress] if d.whole else ["a", d.progress]
     return Call("DELTAS", k, args)
 
 
@@ -288,7 +306,7 @@ def finalize(
         entry[1] if inside and entry is not None else "",
         *fields,
     ]
-    k = [keys.job(job_id), keys.output(job_id)]
+    k = [keys.job(job_id), keys.output(job_id), keys.progress(job_id)]
     if inside and entry is not None:
         k.append(entry[0])
     then = ack(*entry) if entry is not None and not inside else []
@@ -318,7 +336,8 @@ def cancel(*, job_id: str, ttl_s: int, stream_ttl_s: int, now_ms: int) -> Call:
     Returns 'cancelled', 'cancelling', or the final state the job already had. `ttl_s`:
     the record's TTL once cancelled here; `stream_ttl_s`: its token stream's."""
     args = [ttl_s, keys.done_channel(job_id), keys.CANCEL_CHANNEL, job_id, now_ms, stream_ttl_s]
-    return Call("CANCEL", [keys.job(job_id), keys.output(job_id)], args, job_id=job_id)
+    k = [keys.job(job_id), keys.output(job_id), keys.progress(job_id)]
+    return Call("CANCEL", k, args, job_id=job_id)
 
 
 def release(*, job_id: str) -> Call:

@@ -141,9 +141,11 @@ end
 return out
 """
 
-# KEYS: job record, token stream
-# ARGV: worker id, now ms, ttl, deadline ms or '', lane, priority, metadata JSON or ''
-# Returns 'run', or why not: 'done' (a final result exists: only ack the entry),
+# KEYS: job record, token stream, progress
+# ARGV: worker id, now ms, ttl, deadline ms or '', lane, priority, metadata JSON or '',
+#       the progress header of the worker's model, the largest progress the job can have
+# Returns 'run' ({'run', progress} where the job resumes from progress: results/progress.py;
+# its stream then gets no reset), or why not: 'done' (a final result exists: only ack the entry),
 # 'cancelled' (cancel asked while queued), 'expired' (deadline passed), 'badkey' (the record
 # is not a hash or the token stream cannot take entries: written by something else).
 # Token stream writes here and below use pcall: a stream a client wrote to (e.g. an entry
@@ -154,8 +156,9 @@ return out
 BEGIN = (
     _OOM
     + """
-local record, stream = KEYS[1], KEYS[2]
-local worker, now_ms, ttl, deadline_ms, lane, priority, metadata = unpack(ARGV, 1, 7)
+local record, stream, progress = KEYS[1], KEYS[2], KEYS[3]
+local worker, now_ms, ttl, deadline_ms, lane, priority, metadata, head, limit =
+  unpack(ARGV, 1, 9)
 local rt = redis.call('TYPE', record).ok
 local st = redis.call('TYPE', stream).ok
 if (rt ~= 'hash' and rt ~= 'none') or (st ~= 'stream' and st ~= 'none') then
@@ -164,7 +167,17 @@ end
 if redis.call('HEXISTS', record, 'final') == 1 then return 'done' end
 if redis.call('HEXISTS', record, 'cancel') == 1 then return 'cancelled' end
 if deadline_ms ~= '' and tonumber(now_ms) > tonumber(deadline_ms) then return 'expired' end
-if st == 'stream' then
+-- progress of this model, of a size the job can have made: the job resumes from it and
+-- its stream goes on; anything else is dropped and the stream reset
+local saved = false
+local pt = redis.call('TYPE', progress).ok
+if pt == 'string' and redis.call('STRLEN', progress) <= tonumber(limit)
+   and redis.call('GETRANGE', progress, 0, #head - 1) == head then
+  saved = redis.call('GET', progress)
+elseif pt ~= 'none' then
+  redis.call('DEL', progress)
+end
+if st == 'stream' and not saved then
   redis.pcall('XADD', stream, '*', 'type', 'reset')
 end
 local added = redis.pcall('XADD', stream, '*', 'type', 'start', 'worker', worker)
@@ -175,51 +188,65 @@ redis.call('HSET', record, 'state', 'running', 'worker', worker, 'started_ms', n
            'lane', lane, 'priority', priority)
 if metadata ~= '' then redis.call('HSETNX', record, 'metadata', metadata) end
 redis.call('EXPIRE', record, ttl)
+if saved then return {'run', saved} end
 return 'run'
 """
 )
 
-# KEYS: job record, token stream, for each job in turn
-# ARGV: worker id, stream maxlen, then for each job: mode ('d': one delta, of one or more
-#       tokens; 'r': a reset, then the whole text so far as one delta), text, token_ids JSON
+# KEYS: job record, token stream, progress, for each job in turn
+# ARGV: worker id, stream maxlen, progress ttl, then for each job: mode ('d': one delta,
+#       of one or more tokens; 'r': a reset, then the whole text so far as one delta; 'n':
+#       nothing to the stream, a job that does not stream), text, token_ids JSON, progress
+#       ('a': append the chunk; 's': set the whole progress, header first), its bytes
 # One call writes every delta of an engine step (a job's tokens are held back and written
-# together: gpu_workers/job.py). A job's stream is written only while its
+# together: gpu_workers/job.py), and each job's progress with its delta, so that the
+# stream and the progress hold the same tokens. A job is written only while its
 # record names this worker and holds no final result, so a worker whose job was taken
-# over (or already finished elsewhere) never mixes its tokens into the new run's stream.
+# over (or already finished elsewhere) never mixes its tokens into the new run's.
 # Returns how many jobs were written; Redis's OOM error when it is full (then nothing was
-# written: see BEGIN).
+# written for that job nor the ones after it: see BEGIN).
 DELTAS = (
     _OOM
     + """
-local worker, maxlen = ARGV[1], ARGV[2]
-local JOBS = 3  -- ARGV[3..]: mode, text, token_ids of each job in turn
+local worker, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3]
+local JOBS = 4  -- ARGV[4..]: mode, text, token_ids, progress mode, progress of each job
 local n = 0
-for i = 1, #KEYS, 2 do
-  local record, stream = KEYS[i], KEYS[i + 1]
-  local a = JOBS + 3 * (i - 1) / 2
-  local mode, text, ids = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+for i = 1, #KEYS, 3 do
+  local record, stream, progress = KEYS[i], KEYS[i + 1], KEYS[i + 2]
+  local a = JOBS + 5 * (i - 1) / 3
+  local mode, text, ids, pmode, saved = unpack(ARGV, a, a + 4)
   local rec = redis.pcall('HMGET', record, 'worker', 'final')
   if type(rec) == 'table' and rec.err == nil and rec[1] == worker and not rec[2] then
-    -- a key of another type refuses the XADD (pcall: an error table, not an entry id)
-    local ok = true
-    if mode == 'r' then
-      local x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'reset')
+    -- the progress first: a full Redis refuses a script's first write, and then nothing
+    -- of this job is written (the stream never gets ahead of the progress)
+    local x
+    if pmode == 's' then
+      x = redis.pcall('SET', progress, saved, 'EX', ttl)
+    elseif saved ~= '' then
+      x = redis.pcall('APPEND', progress, saved)
+    end
+    if full(x) then return redis.error_reply(OOM) end
+    -- a key of another type refuses the writes (pcall: an error table, not a reply)
+    local ok = type(x) ~= 'table' or x.err == nil
+    if ok and mode == 'r' then
+      x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'reset')
       if full(x) then return redis.error_reply(OOM) end
       ok = type(x) == 'string'
     end
-    if ok then
-      local x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type',
-                            'delta', 'text', text, 'token_ids', ids)
+    if ok and mode ~= 'n' then
+      x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type',
+                      'delta', 'text', text, 'token_ids', ids)
       if full(x) then return redis.error_reply(OOM) end
-      if type(x) == 'string' then n = n + 1 end
+      ok = type(x) == 'string'
     end
+    if ok then n = n + 1 end
   end
 end
 return n
 """
 )
 
-# KEYS: job record, token stream[, request stream]
+# KEYS: job record, token stream, progress[, request stream]
 # ARGV: ttl, done channel, state, finish_reason, stream ttl, stream maxlen, resync ('1':
 #       write a reset and the whole text before the end entry; '': only when deltas may be
 #       missing (the record does not name the result's worker) or may be stale (the stream
@@ -234,7 +261,7 @@ return n
 # Returns 1 (stored), 0 (a result existed) or -1 (the record is not a hash: no result can
 # be written, nothing is acked; the worker dead-letters the job).
 FINALIZE = """
-local record, stream, requests = KEYS[1], KEYS[2], KEYS[3]
+local record, stream, progress, requests = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ttl, channel, state, finish_reason, stream_ttl, maxlen, resync, group, entry_id =
   unpack(ARGV, 1, 9)
 local FIELDS = 10  -- ARGV[10..]: the record's field/value pairs
@@ -266,6 +293,7 @@ if stored == 1 then
   end
   redis.call('PUBLISH', channel, state)
 end
+redis.call('DEL', progress)
 if requests then  -- pcall: a request stream of another type must not fail a stored result
   redis.pcall('XACK', requests, group, entry_id)
   redis.pcall('XDEL', requests, entry_id)
@@ -273,7 +301,7 @@ end
 return stored
 """
 
-# KEYS: job record, token stream
+# KEYS: job record, token stream, progress
 # ARGV: ttl, done channel, cancel channel, job id, now ms, stream ttl
 # A queued (or unknown) job is cancelled at once; the worker that later reads its entry
 # only acks it. A running job is flagged and its worker told on the cancel channel. The
@@ -281,7 +309,7 @@ return stored
 # with its record.
 # Returns the state after the call: 'cancelled', 'cancelling', or the final state it had.
 CANCEL = """
-local record, stream = KEYS[1], KEYS[2]
+local record, stream, progress = KEYS[1], KEYS[2], KEYS[3]
 local ttl, done_channel, cancel_channel, job_id, now_ms, stream_ttl = unpack(ARGV, 1, 6)
 if redis.call('HEXISTS', record, 'final') == 1 then
   return redis.call('HGET', record, 'state')
@@ -299,6 +327,7 @@ if redis.call('TYPE', stream).ok == 'stream' then  -- deltas of a run handed bac
 end
 redis.pcall('XADD', stream, '*', 'type', 'end', 'state', 'cancelled', 'finish_reason', 'abort')
 redis.call('EXPIRE', stream, stream_ttl)
+redis.call('DEL', progress)
 redis.call('PUBLISH', done_channel, 'cancelled')
 return 'cancelled'
 """

@@ -10,6 +10,12 @@ detokenize and check stop conditions. `generate` is the offline loop over the sa
 
 A step whose batched forward or sampling raises is run again one sequence at a time; the
 sequences that fail alone end with finish_reason "error" and the rest go on.
+
+A request cut off elsewhere (a crash, a drain) is resumed with the output tokens it had:
+`add(..., output_ids=...)` books them as if this engine had sampled them, emitting nothing
+(`_replay`), and computes prompt and outputs as one prefill, as after a preemption. With
+seeded draws that depend on position only (sampler.py), the request then goes on exactly as
+the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from gpu_workers.engine.parallel import Group, encode_step, send_step
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
-from gpu_workers.engine.sequence import Completion, Sequence, Status
+from gpu_workers.engine.sequence import Completion, Sequence, Status, check_progress
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
 from kv_store.redis_tier import RedisTier
@@ -138,12 +144,18 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-    ) -> None:
+        output_ids: list[int] | None = None,
+    ) -> str:
         """Queue a request. Raises RequestError for bad input; nothing else is affected.
 
         Requests share prefix-cache blocks (device, host and Redis tiers) only when their
         `cache_salt` is equal (None is a salt of its own). `special_tokens=True` lets the
         prompt's text name special tokens (see `tokenize`).
+
+        `output_ids`: the output tokens a cut-off run of this request generated; it goes on
+        after them (they count toward max_tokens). Returns the output text that run had
+        reported for them in text deltas ("" without output_ids). Progress this engine
+        cannot continue is refused with BAD_PROGRESS (see `_replay`).
         """
         if request_id in self.seqs:
             raise RequestError(
@@ -165,8 +177,35 @@ class Engine:
         )
         seq.matcher = matcher
         seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        text = "" if output_ids is None else self._replay(seq, output_ids)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        return text
+
+    def _replay(self, seq: Sequence, output_ids: Any) -> str:
+        """Book a cut-off run's output tokens on a new `seq` as `_append` booked them, without
+        emitting: output counts, detokenizer, stop strings, grammar and the text already
+        reported end as that run left them. Returns that text. Refuses (BAD_PROGRESS)
+        tokens out of range, too many of them, a token the grammar refuses, and tokens
+        after which the request had finished; only `seq` has changed then."""
+
+        def bad(message: str) -> RequestError:
+            return RequestError(ErrorCode.BAD_PROGRESS, message)
+
+        p = seq.params
+        check_progress(output_ids, len(seq), p.max_tokens, self.vocab_size, self.max_model_len)
+        for i, token in enumerate(output_ids):
+            try:
+                reason, _ = self._record(seq, token)
+            except GrammarError as e:
+                raise bad(f"output token {i}: {e}") from None
+            if reason is not None:
+                raise bad(
+                    f"the request finished ({reason}) at output token {i} ({token}): "
+                    "there is nothing to resume"
+                )
+        assert seq.detok is not None
+        return seq.detok.text[: seq.emitted]
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -180,17 +219,22 @@ class Engine:
     def _blocks_needed(self, seq_len: int) -> int:
         return self.blocks.blocks_for(min(seq_len, self.max_model_len))
 
-    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+    def can_admit(self, prompt_len: int, max_tokens: int, priority: int | None = None) -> bool:
         """Whether a request of this size fits beside everything already in the engine,
-        assuming each runs to its max_tokens, with a watermark of blocks kept free."""
-        reserved = 0
+        assuming each runs to its max_tokens, with a watermark of blocks kept free. With
+        `priority`: beside the requests of that priority or better only; the scheduler
+        preempts the others to run it (their blocks count as free)."""
+        reserved = held = kept = 0
         for seq in self.seqs.values():
+            if priority is not None and seq.priority > priority:
+                held += len(seq.block_table)  # freed if it is preempted
+                continue
+            kept += 1
             reserved += max(0, self._blocks_needed(seq.max_len) - len(seq.block_table))
         watermark = int(self.config.watermark * self.blocks.num_blocks)
-        room = self.blocks.num_free - reserved - watermark
+        room = self.blocks.num_free + held - reserved - watermark
         return (
-            len(self.seqs) < self.config.max_num_seqs
-            and self._blocks_needed(prompt_len + max_tokens) <= room
+            kept < self.config.max_num_seqs and self._blocks_needed(prompt_len + max_tokens) <= room
         )
 
     @property
@@ -237,16 +281,16 @@ class Engine:
         logits, sampling = self.runner.run(seqs)
         if not sampling:
             return [], [], []
-        # the random draws of a failed sampling are given back, so a rerun draws the same
-        gens = [s.generator for s in sampling if s.generator is not None and not s.params.greedy]
-        if any(s.generator is None and not s.params.greedy for s in sampling):
-            gens.append(self.sampler.generator)
-        states = [g.get_state() for g in gens]
+        # the shared generator's draws of a failed sampling are given back, so a rerun draws
+        # the same (a seeded row's draw depends on its seed and position only)
+        gen = self.sampler.generator
+        shared = any(s.params.seed is None and not s.params.greedy for s in sampling)
+        state = gen.get_state() if shared else None
         try:
             tokens, logprobs = self.sampler(logits, sampling)
         except Exception:
-            for g, state in zip(gens, states, strict=True):
-                g.set_state(state)
+            if state is not None:
+                gen.set_state(state)
             raise
         return sampling, tokens, logprobs
 
@@ -312,14 +356,35 @@ class Engine:
         )
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> StepOutput:
-        p = seq.params
-        seq.append(token)
         if logprob is not None:
             # token texts for OpenAI-shaped answers: the gateway has no tokenizer
             logprob["token"] = self.tokenizer.decode([token])
             if "top" in logprob:
                 logprob["top_tokens"] = [self.tokenizer.decode([t]) for t, _ in logprob["top"]]
             seq.logprobs.append(logprob)
+        reason, delta = self._record(seq, token)
+        if reason:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self.seqs[seq.request_id]
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text_delta=delta,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=[logprob] if logprob is not None else None,
+        )
+
+    def _record(self, seq: Sequence, token: int) -> tuple[str | None, str]:
+        """Book one output token on `seq`: output counts, text, grammar, stop conditions.
+        Returns why the sequence ends with it (None: it goes on) and the text to report
+        now. Sampled tokens (`_append`) and replayed ones (`_replay`) both come here."""
+        p = seq.params
+        seq.append(token)
         detok = seq.detok
         assert detok is not None
         before = len(detok.text)
@@ -346,21 +411,7 @@ class Engine:
         text = detok.text
         delta = text[seq.emitted : max(seq.emitted, len(text) - held)]
         seq.emitted += len(delta)
-        if reason:
-            seq.finish_reason = reason
-            self.scheduler.finish(seq)
-            del self.seqs[seq.request_id]
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token],
-            text_delta=delta,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=[logprob] if logprob is not None else None,
-        )
+        return reason, delta
 
     # -- offline ------------------------------------------------------------------
 

@@ -3,8 +3,11 @@
 Penalties, then the grammar masks of constrained rows (grammar.py), then temperature,
 top-k, top-p and min-p; greedy rows take the argmax.
 Random rows draw by inverse CDF (one uniform number a row, on the row's cumulative
-probabilities), the number from the row's own generator when it has a seed, so a seeded
-request samples the same tokens whatever else shares its batch.
+probabilities). A seeded row's number is a function of its seed and the index of the output
+token being sampled only (`seeded_uniform`): a seeded request samples the same tokens
+whatever else shares its batch, and a request resumed from its first k output tokens (on
+another engine) draws what the uninterrupted run drew. Unseeded rows share the sampler's
+generator.
 """
 
 from __future__ import annotations
@@ -118,16 +121,16 @@ class Sampler:
         if (min_p > 0).any():
             floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < floor, 0.0)
-        # inverse CDF with one uniform draw per row: a seeded row draws from its own
-        # generator, so what else is in the batch never changes its tokens
+        # inverse CDF with one uniform draw per row: a seeded row's depends on nothing but
+        # its seed and position, so what else is in the batch never changes its tokens
         cdf = probs.cumsum(dim=-1)
         u = torch.empty(len(seqs))
-        shared = [i for i, s in enumerate(seqs) if s.generator is None]
+        shared = [i for i, p in enumerate(params) if p.seed is None]
         if shared:
             u[shared] = torch.rand(len(shared), generator=self.generator)
         for i, s in enumerate(seqs):
-            if s.generator is not None:
-                u[i] = torch.rand(1, generator=s.generator)
+            if s.params.seed is not None:
+                u[i] = seeded_uniform(s.params.seed, s.num_output_tokens)
         picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return picked.clamp(max=vocab - 1)
 
@@ -151,6 +154,26 @@ class Sampler:
                 ]
             out.append(entry)
         return out
+
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scatters every bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) a seeded row draws for its output token `position`:
+    that element of a SplitMix64 stream started from the mixed seed. 24 bits, like
+    torch.rand's float32: exact in float32, so the number stays below 1 and
+    u * cdf[-1] below the row's total (a float64 draw could round up to 1.0)."""
+    z = _mix64((_mix64(seed & _MASK64) + (position + 1) * _GAMMA) & _MASK64)
+    return (z >> 40) / (1 << 24)
 
 
 def _seen(s: Sequence) -> np.ndarray:

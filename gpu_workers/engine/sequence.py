@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
+from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
 from kv_store.block_hash import salt_root
 
@@ -45,7 +46,6 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrival))
     waited_steps: int = 0
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     output_counts: dict[int, int] = field(default_factory=dict)
     # for the repetition penalty: the distinct token ids held (a set, for membership) and
     # the same ids in a buffer that doubles as it fills ([:seen_count] valid)
@@ -73,8 +73,6 @@ class Sequence:
         if self.params.stop:
             self.stop_matcher = StopMatcher(self.params.stop)
             self.stop_hold = self.stop_matcher.longest - 1
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -108,3 +106,33 @@ class Completion:
     finish_reason: str
     num_cached_tokens: int = 0
     logprobs: list[dict] | None = None
+
+
+def check_progress(
+    output_ids: Any, num_prompt: int, max_tokens: int, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """The checks of a resumed request's output tokens that need no replay, the same on
+    every backend: token ids in [0, vocab_size), fewer than max_tokens, and room for one
+    more token within max_model_len. Raises RequestError(BAD_PROGRESS)."""
+
+    def bad(message: str) -> RequestError:
+        return RequestError(ErrorCode.BAD_PROGRESS, message)
+
+    if not isinstance(output_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in output_ids
+    ):
+        raise bad("output_ids must be a list of token ids (integers)")
+    wrong = [t for t in output_ids if not 0 <= t < vocab_size]
+    if wrong:
+        raise bad(f"output token ids {wrong[:5]} are outside the vocabulary [0, {vocab_size})")
+    n = len(output_ids)
+    if n > max_tokens:
+        raise bad(f"{n} output tokens are more than max_tokens ({max_tokens})")
+    if n == max_tokens:
+        raise bad(f"the request finished (length): its {n} output tokens reach max_tokens")
+    if num_prompt + n >= max_model_len:
+        raise bad(
+            f"the prompt's {num_prompt} tokens and {n} output tokens leave no room for "
+            f"another token within max_model_len ({max_model_len})"
+        )
+    return output_ids

@@ -16,6 +16,12 @@ same input with the same code and message, and give vLLM the same token ids. A c
 (response_format, regex, choice) is compiled by the native engine's grammar compiler too,
 before vLLM sees it, for the same reason; vLLM then enforces it with the same library.
 
+A request cut off elsewhere is resumed (add's `output_ids`) only where vLLM then gives exactly
+the tokens of the uninterrupted run (params.resume_refusal): its output tokens so far join
+the prompt, and its text is decoded here, by the native engine's Detokenizer, so that it
+goes on across the cut as it was reported before; other requests are refused with
+bad_progress, and the worker runs them again from the start.
+
 Where vLLM's engine itself fails (its step raises), the backend cannot tell which request
 caused it: the exception reaches the worker, which hands every running job back with the
 attempt counted and exits; another worker (or this one, restarted) runs them.
@@ -40,13 +46,15 @@ from vllm.v1.executor import Executor
 from broker_config.settings import Settings
 from gpu_workers.backend import RequestError, StepOutput
 from gpu_workers.engine.config import host_memory_bytes
+from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode
 from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sampling_params import SamplingParams
+from gpu_workers.engine.sequence import check_progress
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
 from gpu_workers.vllm_backend import connector
-from gpu_workers.vllm_backend.params import logprob_entries, to_vllm
+from gpu_workers.vllm_backend.params import logprob_entries, resume_refusal, to_vllm
 from gpu_workers.vllm_backend.stats import Figures
 
 log = logging.getLogger(__name__)
@@ -85,6 +93,9 @@ class _Request:
     max_len: int  # prompt plus max_tokens, capped at max_model_len
     top_logprobs: int | None
     num_output: int = 0
+    num_given: int = 0  # output tokens a resumed request came with, computed with the prompt
+    detok: Detokenizer | None = None  # a resumed request's text is decoded here
+    priority: int = 0
 
 
 class VllmBackend:
@@ -183,6 +194,10 @@ class VllmBackend:
         # vLLM's guidance backend ends a constrained output at the tokenizer's EOS
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.grammars = Grammars(tokenizer, vocab, eos)
+        self.tokenizer = tokenizer
+        # what vLLM stops at unless ignore_eos: the tokenizer's EOS and the generation config's
+        gen_eos = config.model_config.try_get_generation_config().get("eos_token_id")
+        self.eos_ids = {*eos, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])}
         self.reqs: dict[str, _Request] = {}
         self.added = 0  # requests added since the last step (not in vLLM's figures yet)
         self.steps = 0
@@ -200,7 +215,10 @@ class VllmBackend:
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-    ) -> None:
+        output_ids: list[int] | None = None,
+    ) -> str:
+        """See gpu_workers/backend.py. Resumes (`output_ids`) only what vLLM continues exactly
+        (params.resume_refusal); refuses the rest with BAD_PROGRESS."""
         if request_id in self.reqs:
             raise RequestError(
                 ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
@@ -212,18 +230,51 @@ class VllmBackend:
         # a bad schema, regex or choice list is refused here with the native engine's reason
         # (vLLM's own check misses some, which then fail or stop the request inside vLLM)
         self.grammars.matcher(params)
-        request = TokensPrompt(prompt_token_ids=ids)
+        given = [] if output_ids is None else self._progress(ids, params, output_ids)
+        detok, text = None, ""
+        if given:
+            detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            text = "".join(detok.add(t) for t in given)
+        request = TokensPrompt(prompt_token_ids=ids + given)
         if cache_salt is not None:
             request["cache_salt"] = cache_salt
         try:
-            self.engine.add_request(request_id, request, to_vllm(params), priority=priority)
+            vllm_params = to_vllm(params, len(given))
+            self.engine.add_request(request_id, request, vllm_params, priority=priority)
         except (ValueError, TypeError, VLLMClientError) as e:  # beyond the shared checks
             raise RequestError(ErrorCode.INVALID_PARAMS, f"vLLM refused the request: {e}") from e
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         self.reqs[request_id] = _Request(
-            num_prompt=len(ids), max_len=max_len, top_logprobs=params.logprobs
+            num_prompt=len(ids),
+            max_len=max_len,
+            top_logprobs=params.logprobs,
+            num_output=len(given),
+            num_given=len(given),
+            detok=detok,
+            priority=priority,
         )
         self.added += 1
+        return text
+
+    def _progress(self, ids: list[int], params: SamplingParams, output_ids: Any) -> list[int]:
+        """A resumed request's output tokens, checked as the native engine checks them."""
+        given = check_progress(
+            output_ids, len(ids), params.max_tokens, self.prompts.vocab_size, self.max_model_len
+        )
+        why = resume_refusal(params) if given else None
+        if why is not None:
+            raise RequestError(
+                ErrorCode.BAD_PROGRESS, f"vLLM cannot resume a request with {why} exactly"
+            )
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        for i, t in enumerate(given):
+            if t in stops:
+                raise RequestError(
+                    ErrorCode.BAD_PROGRESS,
+                    f"the request finished (stop) at output token {i} ({t}): "
+                    "there is nothing to resume",
+                )
+        return given
 
     def abort(self, request_id: str) -> bool:
         if self.reqs.pop(request_id, None) is None:
@@ -263,6 +314,11 @@ class VllmBackend:
             c = o.outputs[0]
             new = list(c.token_ids)
             req.num_output += len(new)
+            text = c.text
+            if req.detok is not None:
+                # vLLM leaves the text of the stop token (EOS, stop_token_ids) out
+                stopped = o.finished and c.finish_reason == "stop"
+                text = "".join(req.detok.add(t) for t in (new[:-1] if stopped else new))
             reason, error = None, None
             if o.finished:
                 del self.reqs[o.request_id]
@@ -273,7 +329,7 @@ class VllmBackend:
                 StepOutput(
                     request_id=o.request_id,
                     new_token_ids=new,
-                    text_delta=c.text,
+                    text_delta=text,
                     finished=o.finished,
                     finish_reason=reason,
                     num_prompt_tokens=req.num_prompt,
@@ -293,16 +349,20 @@ class VllmBackend:
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+    def can_admit(self, prompt_tokens: int, max_tokens: int, priority: int | None = None) -> bool:
         """Whether a request of this size fits: vLLM has nothing waiting, a sequence slot is
         free, and the blocks in use now plus what every request here may still grow by (to
-        its max_tokens) plus this one leave the watermark free."""
-        if len(self.reqs) >= self.max_num_seqs or self.figures.waiting > 0:
+        its max_tokens) plus this one leave the watermark free. With `priority`, the
+        requests of a worse priority neither take a slot nor grow here: vLLM schedules the
+        new one first and preempts the worst running request when blocks run short (it
+        keeps its output and is recomputed)."""
+        mine = [r for r in self.reqs.values() if priority is None or r.priority <= priority]
+        if len(mine) >= self.max_num_seqs or (priority is None and self.figures.waiting > 0):
             return False
         used = round(self.figures.kv_usage * self.num_blocks)
         growth = 0
-        for r in self.reqs.values():
-            held = self._blocks(r.num_prompt + r.num_output) if r.num_output else 0
+        for r in mine:
+            held = self._blocks(r.num_prompt + r.num_output) if r.num_output > r.num_given else 0
             growth += self._blocks(r.max_len) - held
         need = self._blocks(min(prompt_tokens + max_tokens, self.max_model_len))
         return used + growth + need <= self.num_blocks * (1 - self.watermark)
@@ -312,7 +372,9 @@ class VllmBackend:
 
     @property
     def prompt_backlog(self) -> int:
-        return sum(r.num_prompt for r in self.reqs.values() if not r.num_output)
+        return sum(
+            r.num_prompt + r.num_given for r in self.reqs.values() if r.num_output == r.num_given
+        )
 
     # vLLM's figures come with its steps: the last step of the last request may still count
     # it, and an idle worker steps no more, so with no request here nothing runs or waits

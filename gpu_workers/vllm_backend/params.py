@@ -24,9 +24,28 @@ def structured(p: SamplingParams) -> StructuredOutputsParams | None:
     return None
 
 
-def to_vllm(p: SamplingParams) -> VllmParams:
+def resume_refusal(p: SamplingParams) -> str | None:
+    """Why vLLM cannot continue a request with these fields exactly from output tokens it is
+    given as prompt (None: it can). Only greedy decoding draws the same tokens (a seeded
+    draw follows the request's own generator); presence and frequency penalties count
+    output tokens only; stop strings are matched in the text vLLM decodes, which would not
+    hold the given tokens' text; a grammar would start again from the first token."""
+    if not (p.greedy or p.top_k == 1):
+        return "sampling that is not greedy (temperature 0 or top_k 1)"
+    if p.presence_penalty or p.frequency_penalty:
+        return "presence or frequency penalties"
+    if p.stop:
+        return "stop strings"
+    if p.constrained:
+        return "structured output (response_format, regex, choice)"
+    return None
+
+
+def to_vllm(p: SamplingParams, num_output: int = 0) -> VllmParams:
+    """`num_output`: output tokens a resumed request already has (given as prompt); they
+    count toward max_tokens."""
     return VllmParams(
-        max_tokens=p.max_tokens,
+        max_tokens=p.max_tokens - num_output,
         temperature=p.temperature,
         top_k=p.top_k,  # 0 disables it in both
         top_p=p.top_p,

@@ -38,6 +38,7 @@ def serving_pids(r) -> set[int]:
 class Workers:
     """Worker processes serving one Redis; stopped with SIGTERM at teardown."""
 
+    command = [sys.executable, "-m", "cli"]  # then `worker` and its arguments
     args = ENGINE_ARGS  # the backend's arguments, before each start's own
 
     def __init__(self, url: str, model: Path, log_dir: Path) -> None:
@@ -53,9 +54,7 @@ class Workers:
             log = open(self.log_dir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
             proc = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "cli",
+                    *self.command,
                     "worker",
                     "--model",
                     str(self.model),

@@ -24,6 +24,7 @@ class OneStepEngine:
     num_running = num_waiting = prompt_backlog = 0
     max_model_len = 4096
     max_num_seqs = 64
+    model_fingerprint = "fake"
 
     def __init__(self, on_step) -> None:
         self.on_step = on_step

@@ -23,6 +23,7 @@ class Recorder:
     num_running = num_waiting = prompt_backlog = 0
     max_model_len = 4096
     max_num_seqs = 64
+    model_fingerprint = "fake"
 
     def __init__(self) -> None:
         self.added: list[tuple[str, int]] = []

@@ -139,6 +139,26 @@ def test_capacity_query_reserves_what_running_requests_will_need(path, engine_fa
     assert not few_slots.can_admit(2, 2)  # no sequence slot left
 
 
+def test_a_better_priority_request_may_take_what_worse_ones_hold(path, engine_factory):
+    engine = engine_factory(path, num_kv_blocks=40, watermark=0.0, max_num_seqs=2)
+    batch = SamplingParams(max_tokens=280, ignore_eos=True)
+    engine.add("low", token_ids=[11] * 40, params=batch, priority=5)
+    engine.add("low2", token_ids=[12] * 40, params=batch, priority=5)
+    engine.step()
+    assert not engine.can_admit(20, 12)  # both slots taken, every block reserved
+    assert not engine.can_admit(20, 12, priority=5)  # an equal one preempts nothing
+    assert engine.can_admit(20, 12, priority=0)
+    engine.add("top", token_ids=[13] * 20, params=SamplingParams(max_tokens=12), priority=0)
+    outs = {o.request_id: o for o in engine.step()}
+    assert "top" in outs and engine.scheduler.num_preemptions >= 1  # it ran at once
+    done = {}
+    while engine.has_unfinished():  # the preempted one goes on and keeps its output
+        for o in engine.step():
+            done.setdefault(o.request_id, 0)
+            done[o.request_id] += len(o.new_token_ids)
+    assert done["top"] == 11 and done["low"] + done["low2"] > 0
+
+
 # -- a failing step ---------------------------------------------------------------------
 
 FAULT = 7  # below 16, so the random prompts never hold it

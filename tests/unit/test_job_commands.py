@@ -64,8 +64,11 @@ def test_deltas_encode_mode_text_and_ids() -> None:
         maxlen=100,
         items=[jobs.Delta("a", "hi", [1, 2]), jobs.Delta("b", "all", [3], reset=True)],
     )
-    assert call.keys == [keys.job("a"), keys.output("a"), keys.job("b"), keys.output("b")]
-    assert call.args == ["w", 100, "d", "hi", "[1,2]", "r", "all", "[3]"]
+    assert call.keys == [
+        *(keys.job("a"), keys.output("a"), keys.progress("a")),
+        *(keys.job("b"), keys.output("b"), keys.progress("b")),
+    ]
+    assert call.args == ["w", 100, 86400, "d", "hi", "[1,2]", "a", b"", "r", "all", "[3]", "a", b""]
 
 
 def test_finalize_acks_its_entry_only_after_its_reply() -> None:
@@ -81,12 +84,13 @@ def test_finalize_acks_its_entry_only_after_its_reply() -> None:
     stream = keys.request_stream("batch")
     with_entry = jobs.finalize(**named, lane="batch", entry=(stream, b"1-0"))
     without = jobs.finalize(**named)
-    assert with_entry.keys == without.keys == [keys.job("j"), keys.output("j")]
+    job_keys = [keys.job("j"), keys.output("j"), keys.progress("j")]
+    assert with_entry.keys == without.keys == job_keys
     assert with_entry.then == jobs.ack(stream, b"1-0") and without.then == []
     assert with_entry.entry == (stream, b"1-0") and without.entry is None
     # on one Redis the script acks the entry itself, in the same step as the result
     inside = jobs.finalize(**named, lane="batch", entry=(stream, b"1-0"), ack_inside=True)
-    assert inside.keys == [keys.job("j"), keys.output("j"), stream] and inside.then == []
+    assert inside.keys == [*job_keys, stream] and inside.then == []
     assert inside.args[7:10] == [keys.GROUP, b"1-0", "text"]
     assert without.args[7:10] == ["", "", "text"]
     assert jobs.finalize(**named, ack_inside=True).keys == without.keys  # no entry: no ack

@@ -267,6 +267,11 @@ def test_seeded_sampling_draws_the_same_tokens_with_the_kernel(ops):
             sp = SamplingParams(temperature=0.7, top_p=0.8 if i % 3 else 1.0, seed=i, max_tokens=4)
             seqs.append(Sequence(f"s{i}", [1, 2, 3], sp))
         sampler = Sampler(0, ops=ops if with_ops else None)
-        return [sampler(logits.clone(), seqs)[0] for _ in range(5)]
+        drawn = []
+        for _ in range(5):  # a seeded draw depends on the position: one more token each time
+            drawn.append(sampler(logits.clone(), seqs)[0])
+            for s, t in zip(seqs, drawn[-1], strict=True):
+                s.append(t)
+        return drawn
 
     assert draw(True) == draw(False)

@@ -252,3 +252,15 @@ def test_a_tiny_repetition_penalty_draws_a_seen_token():
     )
     tokens, _ = Sampler(0)(logits, [seq])
     assert tokens[0] in (3, 5)
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_only():
+    from gpu_workers.engine.sampler import seeded_uniform
+
+    draws = [seeded_uniform(7, i) for i in range(4000)]
+    assert draws == [seeded_uniform(7, i) for i in range(4000)]
+    assert all(0.0 <= u < 1.0 and u * 2**24 == int(u * 2**24) for u in draws)  # exact in float32
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.02
+    assert len(set(draws)) > 3990
+    assert [seeded_uniform(8, i) for i in range(50)] != draws[:50]
+    assert seeded_uniform(2**63 - 1, 10**6) < 1.0

@@ -9,6 +9,7 @@ from broker_config import protocol
 from gpu_workers.backend import StepOutput
 from gpu_workers.intake import Entry
 from gpu_workers.job import Running, Stream
+from results import progress
 
 EVERY = Stream(tokens=4, seconds=0.1)
 
@@ -89,11 +90,19 @@ def test_a_resync_rewrites_everything_and_unsent_flushes_the_rest() -> None:
     assert run.unsent() is None
 
 
-def test_a_job_that_does_not_stream_writes_nothing() -> None:
+def test_a_job_that_does_not_stream_writes_its_progress_only() -> None:
     run = running(stream=False)
-    assert run.absorb(out(1, "a"), 0.0, EVERY) is None
-    assert run.absorb(out(2, "b", finished=True), 0.0, EVERY) is None and run.unsent() is None
-    assert run.text == ["a", "b"]
+    assert run.absorb(out(1, "a"), 0.0, EVERY) is None  # no rush for a first token
+    saved = run.absorb(out(2, "b"), 0.2, EVERY)  # held for longer than EVERY.seconds
+    assert saved is not None and not saved.stream and saved.whole
+    head = progress.header("f" * 64)
+    got = progress.parse(head + saved.progress, head, max_tokens=8, logprobs=False)
+    assert got is not None and got.token_ids == [1, 2] and got.logprobs is None
+    run.absorb(out(3, "c"), 0.25, EVERY)
+    more = run.unsent()  # from where the last write stopped: appended
+    assert more is not None and not more.whole and more.token_ids == [3]
+    assert run.absorb(out(4, "d", finished=True), 0.3, EVERY) is None  # its result has all
+    assert run.text == ["a", "b", "c", "d"]
 
 
 def test_tokens_go_at_once_until_the_first_text_is_out() -> None:
