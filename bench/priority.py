@@ -6,8 +6,10 @@ and without it, each on fresh workers and a fresh Redis.
 
 Each interactive request is submitted alone and timed from submit to its first token-stream
 delta (`plurai:out:<id>`), one after another with a short pause. First on idle workers,
-then again while a backlog of long batch jobs keeps every worker's KV cache full (a small
-one, `--kv-bytes`; the backlog is checked to outlast the measurement), then the backlog is
+then again while a backlog of long batch jobs keeps every worker's KV cache full (one that
+holds `--kv-jobs` batch jobs and leaves no room for an interactive one, so that without
+preemption an interactive job waits for a batch job to finish; the backlog is checked to
+outlast the measurement), then the backlog is
 drained and the tokens the engines generated (their heartbeats' counts) are set against the
 tokens the jobs delivered: a preempted batch job keeps its output, so none is made twice.
 The model defaults to the tiny test Llama, made in a temporary folder. The last line is one
@@ -36,14 +38,15 @@ from broker_config.stats import serving_workers, workers  # noqa: E402
 from producer.client import Client  # noqa: E402
 from results import tokens  # noqa: E402
 
+BATCH_PROMPT_TOKENS = 64  # at most (59 with the tiny tokenizer), for "batch document N: " + WORDS
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
 
-def interactive(n: int) -> list[dict]:
+def interactive(n: int, max_tokens: int) -> list[dict]:
     return [
         {
             "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + i % 24)),
-            "max_tokens": 16,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "lane": "interactive",
         }
@@ -84,9 +87,17 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=100, help="interactive requests per phase")
     p.add_argument("--batch", type=int, default=200, help="batch jobs in the backlog")
     p.add_argument("--batch-tokens", type=int, default=256, help="max_tokens of a batch job")
+    p.add_argument(
+        "--interactive-tokens",
+        type=int,
+        default=128,
+        help="max_tokens of an interactive job (more than the KV cache a full worker has left)",
+    )
     p.add_argument("--pause", type=float, default=0.05, help="seconds between requests")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--kv-bytes", type=int, default=2 << 20, help="KV cache bytes per worker")
+    p.add_argument(
+        "--kv-jobs", type=int, default=8, help="batch jobs a worker's KV cache holds at once"
+    )
     a = p.parse_args()
 
     result: dict = {}
@@ -119,7 +130,9 @@ def main() -> None:
 def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
     cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
     cmd += ["--grace", "0", "--log-level", "WARNING", "--engine", f"threads={a.threads}"]
-    cmd += ["--engine", f"kv_cache_bytes={a.kv_bytes}"]
+    # a KV cache that a few batch jobs fill, with no room left for an interactive job
+    per_job = -(-(BATCH_PROMPT_TOKENS + a.batch_tokens) // 16)
+    cmd += ["--engine", "block_size=16", "--engine", f"num_kv_blocks={a.kv_jobs * per_job + 2}"]
     env = {
         **os.environ,
         "PLURAI_HEARTBEAT_INTERVAL_S": "1",
@@ -132,7 +145,7 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
             if any(proc.poll() is not None for proc in procs):
                 raise SystemExit("a worker exited")
             time.sleep(0.1)
-        reqs = interactive(a.requests)
+        reqs = interactive(a.requests, a.interactive_tokens)
         ttfts(client, reqs[:5], 0.0)  # warm up
         idle = ttfts(client, reqs, a.pause)
         print(f"idle:   {summary(idle)}", flush=True)
@@ -164,7 +177,8 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
         now = int(client.redis.time()[0] * 1000)
         made = sum(w.generation_tokens for w in workers(client.redis, now)[0])
         jobs = client.records([j.id for j in batch])
-        delivered = sum(rec.output_tokens for rec in jobs) + 16 * (len(reqs) * 2 + 5)
+        answered = a.interactive_tokens * (len(reqs) * 2 + 5)  # warm-up, idle and loaded
+        delivered = sum(rec.output_tokens for rec in jobs) + answered
         result = {
             "idle": summary(idle),
             "loaded": summary(loaded),

@@ -233,7 +233,7 @@ class Worker:
                 self.held = self.intake.take(idle, below_top > 0, count=n)
                 if not self.held:
                     return
-            elif self.held[0].lane != top and (room <= 0 or not self._room_below_top()):
+            elif self.held[0].lane != top and not self._startable(self.held[0], room):
                 # the lower-lane entries held must wait: a top-lane arrival need not
                 arrived = self.intake.take(False, False, count=n)
                 if not arrived:
@@ -257,6 +257,12 @@ class Worker:
                     return
                 continue  # every one was a second entry of a running job
             added += self._start(batch)
+
+    def _startable(self, entry: Entry, room: int) -> bool:
+        """Whether a held lower-lane entry may start now (`room`: _backlog_room's)."""
+        if room <= 0 or not self._room_below_top():
+            return False
+        return not self.engine.has_unfinished() or self._fits(entry.req, False)
 
     def _fits(self, req: protocol.Request, top: bool) -> bool:
         """Whether the engine has room for the request now, and its prompt fits in the

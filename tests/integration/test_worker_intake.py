@@ -243,3 +243,28 @@ def test_no_lower_lane_prompt_joins_a_top_lane_prompt_not_computed_yet(redis_url
         w._publish([StepOutput(job, [5], "a", False, None, 1, 5, 0) for job in [top]])
         w._fill()
         assert [rid for rid, _ in engine.added] == [top, *low]
+
+
+class Full(Recorder):
+    """Has room for top-priority requests only: lower ones do not fit now."""
+
+    def can_admit(self, _prompt: int, _max_tokens: int, priority: int | None = None) -> bool:
+        return priority is not None
+
+
+def test_a_top_lane_arrival_passes_lower_lane_entries_that_do_not_fit(redis_url):
+    """A worker holding a lower-lane entry that does not fit (its KV cache is full) still
+    reads the top lane at each turn: the arrival starts at once, the held entry waits."""
+    settings = Settings(redis_url=redis_url, takes_per_step=4, fair_every=0, preempt=True)
+    engine = Full()
+    engine.added.append(("busy", 0))  # the engine runs something
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        held = client.submit("b", lane="batch").id
+        w._fill()
+        assert [e.job_id for e in w.held] == [held]
+        top = client.submit("i", lane="interactive").id
+        w._fill()
+        assert [rid for rid, _ in engine.added] == ["busy", top]
+        assert [e.job_id for e in w.held] == [held]
