@@ -11,7 +11,8 @@ holds `--kv-jobs` batch jobs and leaves no room for an interactive one, so that 
 preemption an interactive job waits for a batch job to finish; the backlog is checked to
 outlast the measurement), then the backlog is
 drained and the tokens the engines generated (their heartbeats' counts) are set against the
-tokens the jobs delivered: a preempted batch job keeps its output, so none is made twice.
+tokens the jobs delivered: a preempted batch job is handed over with its output (another
+worker, or this one, resumes it), so none is made twice.
 The model defaults to the tiny test Llama, made in a temporary folder. The last line is one
 JSON object; the targets are loaded p99 <= 2x idle p99 and computed <= 1.05x delivered,
 with preemption.
@@ -177,6 +178,11 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
         now = int(client.redis.time()[0] * 1000)
         made = sum(w.generation_tokens for w in workers(client.redis, now)[0])
         jobs = client.records([j.id for j in batch])
+        # a job handed over after a preemption has a second `start` on its token stream
+        moved = sum(
+            [f.get(b"type") for _, f in client.redis.xrange(keys.output(j.id))].count(b"start") > 1
+            for j in batch
+        )
         answered = a.interactive_tokens * (len(reqs) * 2 + 5)  # warm-up, idle and loaded
         delivered = sum(rec.output_tokens for rec in jobs) + answered
         result = {
@@ -186,6 +192,7 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
             "p99_ratio": round(pct(loaded, 0.99) / pct(idle, 0.99), 3),
             "batch_done_during_loaded_phase": done,
             "batch_still_waiting": waiting,
+            "batch_jobs_handed_over": moved,
             "loaded_phase_s": round(seconds, 2),
             "tokens_computed": made,
             "tokens_delivered": delivered,

@@ -188,6 +188,9 @@ class SimBackend:
             self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
         ) is not None
 
+    def preempted(self) -> list[str]:
+        return []
+
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 

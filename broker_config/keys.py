@@ -16,6 +16,8 @@ GROUP = "workers"  # the consumer group on every request stream
 
 CANCEL_CHANNEL = f"{PREFIX}:cancel"  # message: job id; workers abort it if they run it
 DEAD_LETTER = f"{PREFIX}:dead"  # entries that carry no usable job id
+# the consumer that holds preempted jobs' entries until a worker takes them (TAKE)
+HANDED_OVER = f"{PREFIX}:handed-over"
 WORKERS = f"{PREFIX}:workers"  # set of worker ids that have heartbeated
 # hash: model name -> JSON {"shards": n, "beat_ms": ms} of the last worker to serve it
 MODELS = f"{PREFIX}:models"

@@ -3,8 +3,8 @@
 One reading serves `plurai status` (terminal and --json) and the queue gauges of every
 worker's /metrics endpoint, so both always agree.
 
-A lane's entries are either waiting (not yet delivered to any worker) or pending (taken
-by a worker, not yet acknowledged). Workers delete the entries they acknowledge, so the
+A lane's entries are either waiting (not yet delivered to any worker, or handed over by
+a worker that preempted their job) or pending (taken by a worker, not yet acknowledged). Workers delete the entries they acknowledge, so the
 stream's length is waiting + pending. Each model has its own lanes (summed over its
 shards): the default model's, and those of every model in plurai:models (served now or
 before, or named by a client while no worker served it).
@@ -103,9 +103,20 @@ def _stream(r: redis.Redis, stream: str, name: str, now_ms: int) -> Lane:
     else:
         out.pending = int(group["pending"])
         out.consumers = int(group["consumers"])
+        # preempted jobs' entries, pending to keys.HANDED_OVER, wait for a worker too
+        handed = 0
+        if out.pending:
+            held = r.xpending(stream, keys.GROUP).get("consumers") or []
+            handed = sum(int(c["pending"]) for c in held if _s(c["name"]) == keys.HANDED_OVER)
+        out.pending -= handed
         out.waiting = max(0, length - out.pending)
         last = _s(group["last-delivered-id"])
         first = r.xrange(stream, "-" if last == "0-0" else f"({last}", count=1)
+        if handed:
+            oldest = r.xpending_range(
+                stream, keys.GROUP, "-", "+", 1, consumername=keys.HANDED_OVER
+            )
+            first = [(oldest[0]["message_id"], {})] if oldest else first
     if first and out.waiting:
         out.oldest_waiting_age_s = max(0.0, (now_ms - _ms_of(first[0][0])) / 1000)
     return out

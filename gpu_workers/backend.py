@@ -78,6 +78,12 @@ class Backend(Protocol):
         keep their output and go on when room frees)."""
         ...
 
+    def preempted(self) -> list[str]:
+        """The requests it preempted since the last call (to run better-priority ones) that
+        wait to go on; the caller may abort them and hand them to another engine. A
+        backend that keeps its preempted requests to itself returns []."""
+        ...
+
     def has_unfinished(self) -> bool: ...
 
     @property

@@ -187,7 +187,8 @@ class Intake:
     def _reclaim(self) -> list[Raw]:
         """One entry left idle by a dead worker, highest lane first, claimed to this worker;
         entries whose job failed max_deliveries times are dead-lettered on the way. When a
-        whole pass finds none, the next pass waits reclaim_interval_s.
+        whole pass finds none, the next pass waits reclaim_interval_s. (Entries handed over
+        are taken by TAKE; one no worker took for reclaim_idle_ms is reclaimed here.)
 
         Each stream costs one XPENDING with IDLE (the oldest idle entry, found by Redis) and
         an XCLAIM when there is one: a pass costs the same whatever the fleet holds, where
@@ -202,6 +203,7 @@ class Intake:
                 if not found:
                     break
                 entry_id, before = found[0]["message_id"], found[0]["times_delivered"]
+                handed = text(found[0]["consumer"]) == keys.HANDED_OVER
                 claimed = self.r.xclaim(stream, keys.GROUP, self.id, idle, [entry_id])
                 if not claimed or claimed[0][1] is None:  # taken by another, or deleted
                     self._ack_deleted(stream, entry_id)
@@ -221,7 +223,8 @@ class Intake:
                     )
                     continue
                 log.info(
-                    "reclaimed entry %s on %s (delivery %d)",
+                    "%s entry %s on %s (delivery %d)",
+                    "took over preempted" if handed else "reclaimed",
                     entry_id,
                     lane,
                     times,
@@ -338,6 +341,17 @@ class Intake:
                 )
         if entries:
             log.info("handed %d unfinished job(s) back to the queue", len(entries))
+
+    def hand_over(self, entry: Entry) -> bool:
+        """Give up a job preempted here, its progress written: its entry keeps its place in
+        the lane (jobs.hand_over): the next worker to take from the lane takes it, ahead of
+        newer entries, with no attempt counted. False when the job had a result already or
+        another worker owns the entry now."""
+        again = jobs.run(self.r, jobs.release(job_id=entry.job_id)) == 1
+        call = jobs.hand_over(
+            stream=entry.stream, consumer=self.id, entry_id=entry.entry_id, again=again
+        )
+        return jobs.run(self.r, call) == 1
 
     def retry(self, entry: Entry, error: str) -> None:
         """A job whose processing failed: hand it back with one more failed attempt, or at

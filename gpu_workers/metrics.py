@@ -46,6 +46,13 @@ class Metrics:
             ["lane"],
             registry=reg,
         )
+        self.jobs_handed_over = Counter(
+            "plurai_jobs_handed_over",
+            "Jobs this worker's engine preempted and handed over, with their progress, to the "
+            "next worker with room (this one too).",
+            ["lane"],
+            registry=reg,
+        )
         self.resumed_tokens = Counter(
             "plurai_resumed_tokens",
             "Output tokens of resumed jobs that were not generated again.",
@@ -138,6 +145,7 @@ class Metrics:
         for lane in lanes:  # series exist (at 0) from the start, so rate() works at once
             self.jobs_started.labels(lane)
             self.jobs_resumed.labels(lane)
+            self.jobs_handed_over.labels(lane)
             self.reclaimed.labels(lane)
         self.engine = _EngineCollector()
         reg.register(self.engine)

@@ -198,6 +198,7 @@ class Worker:
         self._expire_deadlines()
         if self.engine.has_unfinished():
             self._publish(self.engine.step())
+            self._hand_over(self.engine.preempted())
         now = time.monotonic()
         if now >= self._next_stats:
             self._refresh_stats()
@@ -634,6 +635,34 @@ class Worker:
     def _retry(self, entry: Entry, error: str) -> None:
         self.writer.collect()  # its deltas go before its stream's next start
         self.intake.retry(entry, error)
+
+    def _hand_over(self, job_ids: list[str]) -> None:
+        """Give up the jobs the engine preempted (to run a better lane's): their tokens so
+        far written first (stream and progress), then each entry keeps its place in its
+        lane for the first worker with room, this one too, which resumes it; no attempt
+        counted (Intake.hand_over). Where Redis refuses the writes, they stay here."""
+        runs = [self.running[j] for j in job_ids if j in self.running]
+        if not runs:
+            return
+        self.writer.collect()  # the step's writes first: the progress goes after them
+        items = [d for run in runs if (d := run.unsent()) is not None]
+        if self.writer.execute(self.writer.deltas(items) if items else []):
+            for run in runs:  # not written: they go on here and rewrite their streams
+                run.resync = True
+            return
+        for run in runs:
+            self.engine.abort(run.entry.job_id)
+            del self.running[run.entry.job_id]
+            # should Redis fail here, the entry stays pending here, unrenewed: reclaimed later
+            handed = self.intake.hand_over(run.entry)
+            if handed:
+                self.metrics.jobs_handed_over.labels(run.entry.lane).inc()
+            log.info(
+                "job preempted: %s with %d token(s)",
+                "handed over" if handed else "dropped (done, or another worker's now)",
+                len(run.token_ids),
+                extra={"job_id": run.entry.job_id, "lane": run.entry.lane},
+            )
 
     def _checkpoint(self) -> None:
         """Write every running job's tokens not written yet (its stream and its progress),

@@ -218,10 +218,11 @@ def submit(
 
 
 def take(*, streams: list[str], consumer: str, count: int) -> Call:
-    """Read up to `count` new entries for `consumer` from `streams` (one shard's lanes, in
-    the order to read them: each while it has entries, then the next). Returns
-    [stream index (1-based), entry id, fields] for each."""
-    return Call("TAKE", streams, [keys.GROUP, consumer, count])
+    """Take up to `count` entries for `consumer` from `streams` (one shard's lanes, in the
+    order to read them: each while it has entries, then the next; in each, preempted jobs'
+    entries handed over (keys.HANDED_OVER) before new ones). Returns [stream index
+    (1-based), entry id, fields] for each."""
+    return Call("TAKE", streams, [keys.GROUP, consumer, count, keys.HANDED_OVER])
 
 
 def begin(
@@ -360,6 +361,15 @@ def requeue(
     flat = [x for kv in fields.items() for x in kv]
     args = [keys.GROUP, entry_id, maxlen, "1" if again else "", *flat]
     return Call("REQUEUE", [stream], args)
+
+
+def hand_over(*, stream: str, consumer: str, entry_id: bytes | str, again: bool) -> Call:
+    """Pass a preempted job's entry from `consumer` to keys.HANDED_OVER, where the next
+    worker to take from its lane takes it (TAKE) before the newer entries, no attempt
+    counted; ack and delete it instead unless `again` (RELEASE's answer). Returns 1 when
+    handed over."""
+    args = [keys.GROUP, consumer, entry_id, keys.HANDED_OVER, "1" if again else ""]
+    return Call("HAND_OVER", [stream], args)
 
 
 def renew(*, stream: str, consumer: str, entry_ids: Iterable[bytes | str]) -> Call:

@@ -122,14 +122,24 @@ return job_id
 )
 
 # KEYS: request streams of one shard (one hash tag), in the order to read them
-# ARGV: group, consumer, count
-# Takes up to count new entries for the consumer (XREADGROUP, as a worker's own read):
-# from the first stream while it has some, then from the next. One call instead of a read
-# per lane. Returns {stream index (1-based), entry id, fields} for each entry, in order.
+# ARGV: group, consumer, count, the hand-over consumer
+# Takes up to count entries for the consumer: from the first stream while it has some,
+# then from the next; in a stream, first the entries of preempted jobs (pending to the
+# hand-over consumer, oldest first: they keep their place), then new ones (XREADGROUP, as
+# a worker's own read). One call instead of reads per lane. Returns {stream index
+# (1-based), entry id, fields} for each entry, in order.
 TAKE = """
-local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local out = {}
 for i, stream in ipairs(KEYS) do
+  for _, p in ipairs(redis.call('XPENDING', stream, group, '-', '+', count - #out, handed)) do
+    local c = redis.call('XCLAIM', stream, group, consumer, 0, p[1])
+    if c[1] and c[1][2] then
+      out[#out + 1] = {i, c[1][1], c[1][2]}
+    else  -- deleted since: nothing to run
+      redis.call('XACK', stream, group, p[1])
+    end
+  end
   local left = count - #out
   if left <= 0 then break end
   local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', left,
@@ -367,6 +377,27 @@ end
 redis.call('XACK', stream, group, entry_id)
 redis.call('XDEL', stream, entry_id)
 return again == '1' and 1 or 0
+"""
+
+# KEYS: request stream
+# ARGV: group, consumer, entry id, the hand-over consumer, re-add ('1' or '')
+# A preempted job's entry keeps its place: it moves from `consumer` to the hand-over
+# consumer with no delivery counted, and the next worker to take from its lane (TAKE) takes
+# it before the newer entries, with no attempt charged. Only while `consumer` owns it: one
+# reclaimed by another worker is theirs. When RELEASE found a result (re-add ''), the entry
+# is acked and deleted instead. Returns 1 when handed over, else 0.
+HAND_OVER = """
+local stream = KEYS[1]
+local group, consumer, entry_id, to, again = unpack(ARGV, 1, 5)
+local p = redis.call('XPENDING', stream, group, entry_id, entry_id, 1)
+if #p == 0 or p[1][2] ~= consumer then return 0 end
+if again ~= '1' then
+  redis.call('XACK', stream, group, entry_id)
+  redis.call('XDEL', stream, entry_id)
+  return 0
+end
+redis.call('XCLAIM', stream, group, to, 0, entry_id, 'RETRYCOUNT', 0, 'JUSTID')
+return 1
 """
 
 # KEYS: request stream

@@ -237,6 +237,12 @@ class Engine:
             kept < self.config.max_num_seqs and self._blocks_needed(prompt_len + max_tokens) <= room
         )
 
+    def preempted(self) -> list[str]:
+        """The requests preempted since the last call and still waiting to go on."""
+        out = list(self.scheduler.preempted)
+        self.scheduler.preempted.clear()
+        return out
+
     @property
     def prompt_backlog(self) -> int:
         return sum(

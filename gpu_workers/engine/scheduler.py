@@ -29,6 +29,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.preempted: dict[str, None] = {}  # request ids preempted, until Engine.preempted
 
     def rank(self, seq: Sequence) -> tuple[int, int]:
         """Sort key, lower runs first: priority improved by time spent waiting."""
@@ -143,10 +144,12 @@ class Scheduler:
         seq.num_scheduled = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted[seq.request_id] = None
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks now."""
+        self.preempted.pop(seq.request_id, None)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:

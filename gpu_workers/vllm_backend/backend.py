@@ -367,6 +367,10 @@ class VllmBackend:
         need = self._blocks(min(prompt_tokens + max_tokens, self.max_model_len))
         return used + growth + need <= self.num_blocks * (1 - self.watermark)
 
+    def preempted(self) -> list[str]:
+        """vLLM keeps the requests it preempts and resumes them itself."""
+        return []
+
     def has_unfinished(self) -> bool:
         return bool(self.reqs) or self.engine.has_unfinished_requests()
 

@@ -36,6 +36,9 @@ class OneStepEngine:
     def can_admit(self, *_a) -> bool:
         return True
 
+    def preempted(self) -> list[str]:
+        return []
+
     def has_unfinished(self) -> bool:
         return bool(self.ids)
 

@@ -167,7 +167,16 @@ def test_a_cut_job_resumes_to_the_uninterrupted_output(redis_url, engines, case,
 
 @pytest.mark.parametrize(
     "damage",
-    ["garbage", "other-model", "out-of-vocab", "too-many", "not-ints", "headless"],
+    [
+        "garbage",
+        "other-model",
+        "out-of-vocab",
+        "too-many",
+        "not-ints",
+        "headless",
+        "oversized",
+        "not-a-string",
+    ],
 )
 def test_damaged_progress_starts_the_job_over(redis_url, engines, damage):
     r = connect(redis_url)
@@ -187,8 +196,14 @@ def test_damaged_progress_starts_the_job_over(redis_url, engines, damage):
         "too-many": head + progress.chunk([5] * 25, None),
         "not-ints": head + progress.chunk(["a", 1.5], None),
         "headless": progress.chunk([5, 6], None),
+        "oversized": head + progress.chunk([5] * 6, None) + b"\x00" * (1 << 20),
+        "not-a-string": b"",
     }[damage]
-    r.set(keys.progress(job.id), forged)
+    if damage == "not-a-string":
+        r.delete(keys.progress(job.id))
+        r.hset(keys.progress(job.id), "token_ids", "[5, 6]")
+    else:
+        r.set(keys.progress(job.id), forged)
     two = worker(redis_url, engines[1], "w2")
     time.sleep(0.4)
     rec = finish(two, job.id, r)

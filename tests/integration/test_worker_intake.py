@@ -35,6 +35,9 @@ class Recorder:
     def can_admit(self, *_a: object) -> bool:
         return True
 
+    def preempted(self) -> list[str]:
+        return []
+
     def add(self, request_id: str, priority: int, prompt: str | None = None, **_kw: object):
         if prompt == "refuse me":
             raise RequestError("invalid_params", "temperature must be in 0..100")
