@@ -43,10 +43,10 @@ BATCH_PROMPT_TOKENS = 64  # at most (59 with the tiny tokenizer), for "batch doc
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
 
-def interactive(n: int, max_tokens: int) -> list[dict]:
+def interactive(n: int, max_tokens: int, words: int) -> list[dict]:
     return [
         {
-            "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(8 + i % 24)),
+            "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words + i % 24)),
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "lane": "interactive",
@@ -93,6 +93,12 @@ def main() -> None:
         type=int,
         default=128,
         help="max_tokens of an interactive job (more than the KV cache a full worker has left)",
+    )
+    p.add_argument(
+        "--interactive-words",
+        type=int,
+        default=8,
+        help="words of an interactive prompt, plus 0-23 (about 3 tokens a word)",
     )
     p.add_argument("--pause", type=float, default=0.05, help="seconds between requests")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -146,7 +152,7 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
             if any(proc.poll() is not None for proc in procs):
                 raise SystemExit("a worker exited")
             time.sleep(0.1)
-        reqs = interactive(a.requests, a.interactive_tokens)
+        reqs = interactive(a.requests, a.interactive_tokens, a.interactive_words)
         ttfts(client, reqs[:5], 0.0)  # warm up
         idle = ttfts(client, reqs, a.pause)
         print(f"idle:   {summary(idle)}", flush=True)
@@ -176,13 +182,10 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
             job.result(timeout=600)
         time.sleep(2.5)  # a heartbeat after the last step
         now = int(client.redis.time()[0] * 1000)
-        made = sum(w.generation_tokens for w in workers(client.redis, now)[0])
+        beats = workers(client.redis, now)[0]
+        made = sum(w.generation_tokens for w in beats)
+        moved = sum(w.jobs_handed_over for w in beats)
         jobs = client.records([j.id for j in batch])
-        # a job handed over after a preemption has a second `start` on its token stream
-        moved = sum(
-            [f.get(b"type") for _, f in client.redis.xrange(keys.output(j.id))].count(b"start") > 1
-            for j in batch
-        )
         answered = a.interactive_tokens * (len(reqs) * 2 + 5)  # warm-up, idle and loaded
         delivered = sum(rec.output_tokens for rec in jobs) + answered
         result = {
@@ -192,7 +195,7 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
             "p99_ratio": round(pct(loaded, 0.99) / pct(idle, 0.99), 3),
             "batch_done_during_loaded_phase": done,
             "batch_still_waiting": waiting,
-            "batch_jobs_handed_over": moved,
+            "jobs_handed_over": moved,
             "loaded_phase_s": round(seconds, 2),
             "tokens_computed": made,
             "tokens_delivered": delivered,

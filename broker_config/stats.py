@@ -47,6 +47,8 @@ class WorkerInfo:
     waiting: int = 0
     held: int = 0
     jobs_done: int = 0
+    jobs_resumed: int = 0  # begun from another run's output (its progress)
+    jobs_handed_over: int = 0  # preempted there and handed over with their output
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0

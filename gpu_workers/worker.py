@@ -82,6 +82,8 @@ class Worker:
         self.beat = Heartbeat(r, settings, self.id, self.model_names)
         self.cancels = r.pubsub(ignore_subscribe_messages=True)
         self.jobs_done = 0
+        self.jobs_resumed = 0  # begun from another run's progress
+        self.jobs_handed_over = 0  # preempted here and handed over with their progress
         self._next_beat = 0.0
         self._generated = 0  # tokens generated, for tokens/s between heartbeats
         self._rate_from = (time.monotonic(), 0)
@@ -446,6 +448,7 @@ class Worker:
                 why = f"{type(e).__name__}: {str(e)[:300]}"
             else:
                 run.resume(saved, made)
+                self.jobs_resumed += 1
                 self.metrics.jobs_resumed.labels(entry.lane).inc()
                 self.metrics.resumed_tokens.inc(len(saved.token_ids))
                 log.info(
@@ -656,6 +659,7 @@ class Worker:
             # should Redis fail here, the entry stays pending here, unrenewed: reclaimed later
             handed = self.intake.hand_over(run.entry)
             if handed:
+                self.jobs_handed_over += 1
                 self.metrics.jobs_handed_over.labels(run.entry.lane).inc()
             log.info(
                 "job preempted: %s with %d token(s)",
@@ -707,6 +711,8 @@ class Worker:
             running=len(self.running),
             held=len(self.held),
             jobs_done=self.jobs_done,
+            jobs_resumed=self.jobs_resumed,
+            jobs_handed_over=self.jobs_handed_over,
             state="stopping" if self.stopping else "serving",
             generation_tokens=self._generated,
             tokens_per_s=rate,
