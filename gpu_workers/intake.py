@@ -154,9 +154,12 @@ class Intake:
             groups = [[self.stream(lane, shard)] for lane in lanes for shard in shards]
         for streams in groups:
             call = jobs.take(streams=streams, consumer=self.id, count=count - len(got))
-            for i, entry_id, flat in jobs.run(self.r, call):
+            for i, entry_id, flat, *failed in jobs.run(self.r, call):
                 stream = streams[i - 1]
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                if failed and int(failed[0]) > 0:  # a handed-over entry's earlier failures
+                    failures = protocol.attempts_of(fields) + int(failed[0])
+                    fields[b"attempts"] = str(failures).encode()
                 got.append((self._lane_of[stream.encode()], stream, entry_id, fields))
             if len(got) >= count:
                 break

@@ -221,7 +221,8 @@ def take(*, streams: list[str], consumer: str, count: int) -> Call:
     """Take up to `count` entries for `consumer` from `streams` (one shard's lanes, in the
     order to read them: each while it has entries, then the next; in each, preempted jobs'
     entries handed over (keys.HANDED_OVER) before new ones). Returns [stream index
-    (1-based), entry id, fields] for each."""
+    (1-based), entry id, fields] for each, and for a handed-over entry its failed
+    deliveries before as a fourth item."""
     return Call("TAKE", streams, [keys.GROUP, consumer, count, keys.HANDED_OVER])
 
 

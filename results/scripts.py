@@ -127,7 +127,8 @@ return job_id
 # then from the next; in a stream, first the entries of preempted jobs (pending to the
 # hand-over consumer, oldest first: they keep their place), then new ones (XREADGROUP, as
 # a worker's own read). One call instead of reads per lane. Returns {stream index
-# (1-based), entry id, fields} for each entry, in order.
+# (1-based), entry id, fields} for each entry, in order, and for a handed-over one its
+# failed deliveries before (HAND_OVER) as a fourth item.
 TAKE = """
 local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local out = {}
@@ -135,7 +136,7 @@ for i, stream in ipairs(KEYS) do
   for _, p in ipairs(redis.call('XPENDING', stream, group, '-', '+', count - #out, handed)) do
     local c = redis.call('XCLAIM', stream, group, consumer, 0, p[1])
     if c[1] and c[1][2] then
-      out[#out + 1] = {i, c[1][1], c[1][2]}
+      out[#out + 1] = {i, c[1][1], c[1][2], p[4]}
     else  -- deleted since: nothing to run
       redis.call('XACK', stream, group, p[1])
     end
@@ -382,8 +383,9 @@ return again == '1' and 1 or 0
 # KEYS: request stream
 # ARGV: group, consumer, entry id, the hand-over consumer, re-add ('1' or '')
 # A preempted job's entry keeps its place: it moves from `consumer` to the hand-over
-# consumer with no delivery counted, and the next worker to take from its lane (TAKE) takes
-# it before the newer entries, with no attempt charged. Only while `consumer` owns it: one
+# consumer, its delivery count set to the failed deliveries before this one (none for the
+# preemption), and the next worker to take from its lane (TAKE) takes it before the newer
+# entries, with no attempt charged. Only while `consumer` owns it: one
 # reclaimed by another worker is theirs. When RELEASE found a result (re-add ''), the entry
 # is acked and deleted instead. Returns 1 when handed over, else 0.
 HAND_OVER = """
@@ -396,7 +398,8 @@ if again ~= '1' then
   redis.call('XDEL', stream, entry_id)
   return 0
 end
-redis.call('XCLAIM', stream, group, to, 0, entry_id, 'RETRYCOUNT', 0, 'JUSTID')
+-- the deliveries before this worker's ended without a result: failures, kept in the count
+redis.call('XCLAIM', stream, group, to, 0, entry_id, 'RETRYCOUNT', p[1][4] - 1, 'JUSTID')
 return 1
 """
 

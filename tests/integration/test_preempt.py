@@ -12,12 +12,15 @@ import pytest
 
 from broker_config import keys, stats
 from broker_config.connection import connect
+from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
+from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
 from tests.integration.test_resume import finish, resumed, run_until, stream_text, stream_types
 from tests.integration.test_resume import worker as make_worker
+from tests.integration.test_worker_intake import Recorder
 
 BATCH = dict(lane="batch", max_tokens=64, ignore_eos=True)
 QUESTION = "a quick question about the river and the stone " * 3  # 3 blocks' prompt
@@ -99,3 +102,22 @@ def test_without_preemption_the_arrival_waits_and_nothing_is_handed_over(redis_u
     assert records.get(r, job.id).final  # the batch job ran to its end first
     assert handed_over(small) == 0
     client.close()
+
+
+def test_a_handed_over_entry_keeps_its_count_of_failures(redis_url):
+    """An entry reclaimed from a dead worker (one failure) and then preempted keeps that
+    failure: the worker that takes it next sees attempts 1, and the preemption adds none."""
+    s = Settings(redis_url=redis_url, reclaim_idle_ms=100, reclaim_interval_s=0, fair_every=0)
+    a, b, c = (Worker(Recorder(), connect(redis_url), s, worker_id=n) for n in "abc")
+    for w in (a, b, c):
+        w.start()
+    with Client(redis_url) as client:
+        job = client.submit("x", **BATCH)
+        (taken,) = a.intake.take(False, True, count=1)  # a takes it, then dies
+        assert taken.req.envelope.attempts == 0
+        time.sleep(0.2)
+        (reclaimed,) = b.intake.take(False, True, count=1)
+        assert reclaimed.job_id == job.id and reclaimed.req.envelope.attempts == 1
+        assert b.intake.hand_over(reclaimed)  # preempted on b
+        (again,) = c.intake.take(False, True, count=1)
+        assert again.job_id == job.id and again.req.envelope.attempts == 1
