@@ -91,8 +91,8 @@ def test_other_arguments_or_an_untrained_build_replace_the_model(tmp_path):
 def test_a_short_budget_fits_fewer_steps_to_it(tmp_path):
     out = make_model(tmp_path / "m", train=TrainConfig(steps=100_000, seconds=2))
     record = json.loads((out / FACTORY_FILE).read_text())
-    assert 20 < record["steps"] < 100_000
-    assert record["seconds"] < 2.5
+    assert 0 < record["steps"] < 100_000  # how many fit depends on the machine's load
+    assert record["seconds"] < 4  # the budget, overrun by at most a step or two
     assert record["loss"] < record["loss_start"]
 
 
