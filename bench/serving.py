@@ -21,7 +21,10 @@ Scenarios, run in this order on every stack, so each stack's caches see the same
 (after a burst of --warmup unmeasured requests per engine: a fresh engine's first batches
 stall while kernels are built for their shapes):
 - idle: a few requests one at a time on every stack; the SLOs are multiples of the first
-  stack's medians (interactive: TTFT and TPOT 5x; batch: end to end 10x; --slo-*).
+  stack's medians (interactive: TTFT and TPOT 5x; batch: end to end 10x; --slo-*). The
+  routers come first by default; a Plurai stack started once the SLOs are known is given
+  a top-lane TPOT target a little under the interactive one (--plurai-tpot-share), as an
+  operator sets PLURAI_TOP_LANE_TPOT_MS from their objective (a router has no such knob).
 - sweep: the mixed workload (interactive chats on shared system prompts, growing multi-turn
   sessions, batch-lane document extraction; gamma arrivals, --burstiness) offered at each
   --scales multiple of the calibrated capacity; goodput is the highest offered rate whose
@@ -252,6 +255,7 @@ class PluraiStack(Stack):
         self.kv_url = ""  # the KV tier's Redis; "": none
         self.kv_redis: subprocess.Popen | None = None
         self.r: redis.Redis | None = None
+        self.tpot_ms = 0.0  # PLURAI_TOP_LANE_TPOT_MS, the operator's objective; 0: none
 
     def start(self) -> None:
         self.url = self.redis.start()
@@ -289,6 +293,8 @@ class PluraiStack(Stack):
         cmd = [sys.executable, "-m", "cli", "worker", "--model", str(s.model), "--url", self.url]
         cmd += ["--metrics-port", "-1", "--backend", self.backend]
         env = {**PLURAI_ENV, "PLURAI_KV_REDIS_URL": self.kv_url}
+        if self.tpot_ms:
+            env["PLURAI_TOP_LANE_TPOT_MS"] = f"{self.tpot_ms:.0f}"
         if self.backend == "vllm":
             cmd = [str(VLLM_PY)] + cmd[1:]
             for kv in (f"dtype={s.dtype}", f"max_model_len={s.max_model_len}"):
@@ -850,7 +856,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/bench-llama")
     p.add_argument("--k", type=int, default=2, help="engines per stack")
-    p.add_argument("--stacks", default="plurai-vllm,plurai-native," + ",".join(ROUTER_POLICIES))
+    p.add_argument("--stacks", default=",".join(ROUTER_POLICIES) + ",plurai-vllm,plurai-native")
     p.add_argument("--scenarios", default="idle,sweep,flood,add,kill")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--drain", type=float, default=120.0, help="seconds after the last arrival")
@@ -874,6 +880,14 @@ def main() -> None:
     p.add_argument("--slo-ttft", type=float, default=5.0, help="x the idle interactive TTFT")
     p.add_argument("--slo-tpot", type=float, default=5.0, help="x the idle interactive TPOT")
     p.add_argument("--slo-batch-e2e", type=float, default=10.0, help="x the idle batch e2e")
+    p.add_argument(
+        "--plurai-tpot-share",
+        type=float,
+        default=0.8,
+        help="Plurai's top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS) as a share of the "
+        "interactive TPOT SLO, as an operator sets it from their objective; only for Plurai "
+        "stacks started after the SLOs are known (after the first stack); 0: none",
+    )
     p.add_argument("--out", default=None, help="folder for logs and workload files")
     a = p.parse_args()
     a.scales = [float(x) for x in a.scales.split(",")]
@@ -908,9 +922,14 @@ def main() -> None:
     bench = Bench(a, spec, work)
     runs: dict[str, list[Run]] = {}
     failed: dict[str, str] = {}  # stacks that did not start, and why
+    tpot_targets: dict[str, int] = {}  # PLURAI_TOP_LANE_TPOT_MS of each Plurai stack given one
     started = time.monotonic()
     for name in stacks:
         stack = make_stack(name, spec, a.k, work / name)
+        slo = bench.slos and bench.slos[INTERACTIVE].tpot_s
+        if isinstance(stack, PluraiStack) and slo and a.plurai_tpot_share > 0:
+            stack.tpot_ms = 1000 * a.plurai_tpot_share * slo
+            tpot_targets[name] = round(stack.tpot_ms)
         print(f"{name}: starting {a.k} engines", file=sys.stderr)
         t = time.monotonic()
         try:
@@ -955,6 +974,7 @@ def main() -> None:
         "slos": {k: asdict(v) for k, v in bench.slos.items()},
         "idle": bench.idle,
         "plurai_env": PLURAI_ENV,
+        "plurai_top_lane_tpot_ms": tpot_targets,
         "plurai_prefill_backlog_tokens": Settings().prefill_backlog_tokens,
         "workload": {
             "prompt": a.prompt,

@@ -177,6 +177,11 @@ class Settings(_Sourced):
     # lane's time per output token stays within this many times its unloaded time, and
     # none while one of its top-lane prompts has no token yet. 0: both off.
     top_lane_slowdown: float = Field(default=3.0, ge=0)
+    # The top lane's target time per output token (ms), your latency objective less a
+    # margin: while a worker's top-lane tokens come slower than this, it starts no new job
+    # of any lane; they wait in the queue for a faster worker or for running jobs to end,
+    # rather than slowing every running one further. 0: no target.
+    top_lane_tpot_ms: float = Field(default=0.0, ge=0)
     # Pull only what the engine can start soon: a worker takes a new request only while the
     # prompt tokens its engine holds not yet computed, plus the new prompt, stay within
     # this (a prompt alone always may; a top-lane request counts the top lane's prompts

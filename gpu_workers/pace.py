@@ -14,6 +14,11 @@ While a top-lane job ran here within `window_s`, entries of the lanes below are 
 while the recent time stays within `slowdown` times the unloaded one. Nothing running is
 stopped: new lower-lane work waits in the queue, in its order, until this worker's steps
 are fast again or another worker with room takes it.
+
+An operator who has a target for the top lane's time per token (their latency objective,
+`target_s`) can hold every lane to it: while the recent time is over the target, a worker
+that runs top-lane jobs starts nothing new, so excess work waits in the queue (for a faster
+worker, or for this one's running jobs to finish) instead of slowing every running job.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ DRIFT, DRIFT_EVERY_S = 1.1, 60.0  # how the unloaded time rises while never reac
 class Pace:
     slowdown: float  # allowed ratio of recent to unloaded time per token; 0: no gate
     window_s: float = 10.0
+    target_s: float = 0.0  # the top lane's target time per token, for every lane; 0: none
     tpot_s: float = 0.0  # the top lane's recent time per output token; 0: none yet
     unloaded_s: float = 0.0  # the lowest tpot_s over MIN_TOKENS or more; 0: none yet
     unloaded_at_s: float = 0.0  # when tpot_s was last that low (or it last rose)
@@ -65,3 +71,8 @@ class Pace:
         if self.slowdown <= 0 or not self.unloaded_s or now - self.top_seen_s > self.window_s:
             return True
         return self.tpot_s <= self.slowdown * self.unloaded_s
+
+    def over_target(self) -> bool:
+        """Whether the top lane's recent time per token is over the target (call it only
+        while top-lane jobs run: the recent time is theirs)."""
+        return 0 < self.target_s < self.tpot_s

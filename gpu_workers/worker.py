@@ -72,8 +72,9 @@ class Worker:
         self.stream = Stream(
             tokens=settings.stream_flush_tokens, seconds=settings.stream_flush_ms / 1000
         )
-        self.pace = Pace(settings.top_lane_slowdown)
+        self.pace = Pace(settings.top_lane_slowdown, target_s=settings.top_lane_tpot_ms / 1000)
         self._lower_open = True  # the pace gate's state, logged when it changes
+        self._slow = False  # whether the top lane is over its target, logged when it changes
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
@@ -224,6 +225,8 @@ class Worker:
         limit = self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
         top = self.lanes[0]
         while added < limit and not self.stopping:
+            if self._top_lane_slow():
+                return  # new work waits in the queue while the top lane's tokens are slow
             room = self._backlog_room(self.engine.prompt_backlog)
             n = min(limit - added, max(room, self._backlog_room(self._top_backlog())))
             if n <= 0:
@@ -260,6 +263,23 @@ class Worker:
                     return
                 continue  # every one was a second entry of a running job
             added += self._start(batch)
+
+    def _top_lane_slow(self) -> bool:
+        """Whether the top lane's tokens come slower here than its target (top_lane_tpot_ms)
+        while top-lane jobs make tokens: then this worker starts nothing new."""
+        top = self.lanes[0]
+        slow = self.pace.over_target() and any(
+            r.entry.lane == top and r.token_ids for r in self.running.values()
+        )
+        if slow != self._slow:
+            self._slow = slow
+            log.info(
+                "new work %s: the top lane's time per token %.0f ms, target %.0f ms",
+                "held" if slow else "taken again",
+                1000 * self.pace.tpot_s,
+                1000 * self.pace.target_s,
+            )
+        return slow
 
     def _startable(self, entry: Entry, room: int) -> bool:
         """Whether a held lower-lane entry may start now (`room`: _backlog_room's)."""

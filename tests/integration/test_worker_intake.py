@@ -271,3 +271,42 @@ def test_a_top_lane_arrival_passes_lower_lane_entries_that_do_not_fit(redis_url)
         w._fill()
         assert [rid for rid, _ in engine.added] == ["busy", top]
         assert [e.job_id for e in w.held] == [held]
+
+
+def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
+    """top_lane_tpot_ms: while the top lane's tokens come slower than the target, the
+    worker starts nothing new (of any lane): it stays in the queue; once they are fast
+    again, the worker takes it."""
+    settings = Settings(redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100)
+    engine = Recorder()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        first = client.submit("i", lane="interactive").id
+        w._fill()
+        assert [j for j, _ in engine.added] == [first]
+
+        def out(token: int) -> StepOutput:
+            return StepOutput(
+                request_id=first,
+                new_token_ids=[token],
+                text_delta="a",
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=1,
+                num_output_tokens=token,
+                num_cached_tokens=0,
+            )
+
+        w._publish([out(1)])
+        time.sleep(0.3)
+        w._publish([out(2)])  # 300 ms a token: over the 100 ms target
+        waiting = [client.submit("i", lane="interactive").id, client.submit("b", lane="batch").id]
+        w._fill()
+        assert [j for j, _ in engine.added] == [first]  # both wait in the queue
+        r = connect(redis_url)
+        assert r.xlen(keys.request_stream("interactive")) == 2
+        w.pace.tokens(0.05, 20, time.monotonic() + 1.5)  # the old arrivals age out: 50 ms
+        assert not w.pace.over_target()
+        w._fill()
+        assert {j for j, _ in engine.added} == {first, *waiting}

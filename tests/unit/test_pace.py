@@ -69,3 +69,16 @@ def test_no_gate_without_recent_top_lane_work_or_when_off() -> None:
     t = feed(off, 0.0, 2.0, 0.03)
     feed(off, t, 3.0, 5.0)
     assert off.lower_lanes_open(t + 10.0)
+
+
+def test_the_target_is_crossed_by_the_recent_time_only() -> None:
+    p = Pace(slowdown=3.0, target_s=0.1)
+    t = feed(p, 0.0, 2.0, 0.03)
+    assert not p.over_target()
+    t = feed(p, t, 2.0, 0.15, per_arrival=3)
+    assert p.over_target()
+    feed(p, t, 2.0, 0.05)
+    assert not p.over_target()
+    off = Pace(slowdown=3.0)
+    feed(off, 0.0, 2.0, 5.0)
+    assert not off.over_target()  # no target: never over
