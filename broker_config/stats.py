@@ -105,7 +105,7 @@ def _stream(r: redis.Redis, stream: str, name: str, now_ms: int) -> Lane:
     else:
         out.pending = int(group["pending"])
         out.consumers = int(group["consumers"])
-        # preempted jobs' entries, pending to keys.HANDED_OVER, wait for a worker too
+        # preempted and drained jobs' entries, pending to keys.HANDED_OVER, wait too
         handed = 0
         if out.pending:
             held = r.xpending(stream, keys.GROUP).get("consumers") or []

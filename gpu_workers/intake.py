@@ -330,14 +330,16 @@ class Intake:
         return self.writer.dead_letter(lane, entry_id, error, worker=self.id, fields=shown)
 
     def hand_back(self, entries: list[Entry], failed: str = "") -> None:
-        """Re-add these jobs' entries at the tail of their lanes. `failed`: why they were
-        not finished (the worker crashed); each job's attempt then counts."""
+        """Give these jobs back to the queue: each entry keeps its place in its lane for
+        the next worker, no attempt counted (hand_over), or with `failed` (why they were
+        not finished: the worker crashed) each job's attempt counts and its entry goes to
+        the tail of its lane (retry)."""
         for entry in entries:
             try:
                 if failed:
                     self.retry(entry, failed)
                 else:
-                    self.requeue(entry, entry.req.envelope.attempts)
+                    self.hand_over(entry)
             except redis.RedisError:
                 log.exception(
                     "could not hand back a job; it stays pending", extra={"job_id": entry.job_id}
@@ -346,10 +348,10 @@ class Intake:
             log.info("handed %d unfinished job(s) back to the queue", len(entries))
 
     def hand_over(self, entry: Entry) -> bool:
-        """Give up a job preempted here, its progress written: its entry keeps its place in
-        the lane (jobs.hand_over): the next worker to take from the lane takes it, ahead of
-        newer entries, with no attempt counted. False when the job had a result already or
-        another worker owns the entry now."""
+        """Give up a job preempted or drained here, its progress written: its entry keeps
+        its place in the lane (jobs.hand_over): the next worker to take from the lane takes
+        it, ahead of newer entries, with no attempt counted. False when the job had a
+        result already or another worker owns the entry now."""
         again = jobs.run(self.r, jobs.release(job_id=entry.job_id)) == 1
         call = jobs.hand_over(
             stream=entry.stream, consumer=self.id, entry_id=entry.entry_id, again=again

@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -668,8 +669,7 @@ class Worker:
         if not runs:
             return
         self.writer.collect()  # the step's writes first: the progress goes after them
-        items = [d for run in runs if (d := run.unsent()) is not None]
-        if self.writer.execute(self.writer.deltas(items) if items else []):
+        if self._checkpoint(runs):
             for run in runs:  # not written: they go on here and rewrite their streams
                 run.resync = True
             return
@@ -688,19 +688,20 @@ class Worker:
                 extra={"job_id": run.entry.job_id, "lane": run.entry.lane},
             )
 
-    def _checkpoint(self) -> None:
-        """Write every running job's tokens not written yet (its stream and its progress),
-        so that whichever worker takes the job next resumes it where it stopped here."""
-        items = [d for run in self.running.values() if (d := run.unsent()) is not None]
-        if items:
-            self.writer.execute(self.writer.deltas(items))
+    def _checkpoint(self, runs: Iterable[Running]) -> list[Any]:
+        """Write the jobs' tokens not written yet (stream and progress), so that whichever
+        worker takes a job next resumes it where it stopped here. Returns what Redis
+        refused for now (Writer.execute)."""
+        items = [d for run in runs if (d := run.unsent()) is not None]
+        return self.writer.execute(self.writer.deltas(items)) if items else []
 
     def _hand_back(self, failed: str = "") -> None:
-        """Re-add every job not finished here to the tail of its lane, ack the old entry.
-        `failed`: why this worker is going down abnormally; each job's attempt counts."""
+        """Give every job not finished here back to the queue, its tokens written first:
+        each keeps its place in its lane (Intake.hand_back). `failed`: why this worker is
+        going down abnormally; each job's attempt counts and it goes to the lane's tail."""
         try:
             self.writer.collect()
-            self._checkpoint()
+            self._checkpoint(self.running.values())
         except redis.RedisError:
             log.warning("the last step's writes are unconfirmed")
         for job_id in list(self.running):

@@ -9,7 +9,7 @@ import signal
 import pytest
 import redis
 
-from broker_config import keys
+from broker_config import keys, stats
 from producer import AsyncClient, Client, JobCancelled, JobFailed
 from results import records, tokens
 
@@ -88,14 +88,18 @@ def test_sigterm_hands_running_jobs_back(redis_url, workers):
     (first,) = workers.start(1, "--grace", "0")
     job = client.submit("a long one", max_tokens=2500, ignore_eos=True, lane="batch")
     wait_running(client, job)
+    r = redis.Redis.from_url(redis_url)
+    stream = keys.request_stream("batch")
+    (entry_id, _), *_ = r.xrange(stream)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
 
     assert job.status() == records.QUEUED
-    r = redis.Redis.from_url(redis_url)
-    stream = keys.request_stream("batch")
-    assert r.xpending(stream, keys.GROUP)["pending"] == 0  # the old entry is acked
-    assert r.xlen(stream) == 1  # and deleted, and the job re-added at the tail
+    # the same entry, in its place in the lane, waits for the next worker: no attempt counted
+    (pending,) = r.xpending_range(stream, keys.GROUP, "-", "+", 10)
+    assert pending["message_id"] == entry_id and pending["consumer"] == keys.HANDED_OVER.encode()
+    assert pending["times_delivered"] == 0 and r.xlen(stream) == 1
+    assert stats.lane(r, "batch", stats.redis_now_ms(r), keys.DEFAULT_MODEL).waiting == 1
 
     workers.start(1)
     text = "".join(job.stream())
