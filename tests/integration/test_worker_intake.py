@@ -48,6 +48,20 @@ class Recorder:
         return True
 
 
+def token(job_id: str, n: int) -> StepOutput:
+    """The job's n-th output token, as a backend's step gives it."""
+    return StepOutput(
+        request_id=job_id,
+        new_token_ids=[n],
+        text_delta="a",
+        finished=False,
+        finish_reason=None,
+        num_prompt_tokens=1,
+        num_output_tokens=n,
+        num_cached_tokens=0,
+    )
+
+
 def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
     settings = Settings(
         redis_url=redis_url, takes_per_step=3, fair_every=0, top_lane_reserve=0, top_lane_slowdown=0
@@ -208,22 +222,9 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
     with Client(redis_url) as client:
         job = client.submit("i", lane="interactive").id
         w._fill()
-
-        def out(token: int) -> StepOutput:
-            return StepOutput(
-                request_id=job,
-                new_token_ids=[token],
-                text_delta="a",
-                finished=False,
-                finish_reason=None,
-                num_prompt_tokens=1,
-                num_output_tokens=token,
-                num_cached_tokens=0,
-            )
-
-        w._publish([out(1)])
+        w._publish([token(job, 1)])
         time.sleep(0.06)
-        w._publish([out(2), out(3), out(4)])
+        w._publish([token(job, 2), token(job, 3), token(job, 4)])
         assert w.pace.tpot_s == pytest.approx(0.02, rel=0.5)  # 60 ms over three tokens
         assert w.pace.unloaded_s == 0.0  # three tokens are too few to learn it by
 
@@ -285,22 +286,9 @@ def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
         first = client.submit("i", lane="interactive").id
         w._fill()
         assert [j for j, _ in engine.added] == [first]
-
-        def out(token: int) -> StepOutput:
-            return StepOutput(
-                request_id=first,
-                new_token_ids=[token],
-                text_delta="a",
-                finished=False,
-                finish_reason=None,
-                num_prompt_tokens=1,
-                num_output_tokens=token,
-                num_cached_tokens=0,
-            )
-
-        w._publish([out(1)])
+        w._publish([token(first, 1)])
         time.sleep(0.3)
-        w._publish([out(2)])  # 300 ms a token: over the 100 ms target
+        w._publish([token(first, 2)])  # 300 ms a token: over the 100 ms target
         waiting = [client.submit("i", lane="interactive").id, client.submit("b", lane="batch").id]
         w._fill()
         assert [j for j, _ in engine.added] == [first]  # both wait in the queue
