@@ -27,6 +27,15 @@ def test_a_stream_maxlen_of_zero_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
         Settings()
 
 
+@pytest.mark.parametrize("value", ["-5", "fast", "nan"])
+def test_a_top_lane_target_that_is_no_time_is_refused(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PLURAI_TOP_LANE_TPOT_MS", value)
+    with pytest.raises(pydantic.ValidationError, match="top_lane_tpot_ms"):
+        Settings()
+
+
 URL = ["--url", "redis://127.0.0.1:1/0"]  # nothing is read from it
 
 
