@@ -964,9 +964,8 @@ def capacity(size: int, k: Constants, seed: int = 0, **kw: Any) -> float:
     n = max(16, 12 * size)
     reqs = generate(shape, n / 0.24, 0.24, seed)
     done = simulate(reqs, size, "pull", k, seed=seed, **kw)
-    ends = sorted(r.end_s for r in done if r.end_s is not None)
-    count = max(1, 3 * len(ends) // 4)
-    return round(count / ends[count - 1] / size, 4) if ends else 0.0
+    ends = [r.end_s for r in done if r.end_s is not None]
+    return round(sf.saturated_rate(ends) / size, 4)
 
 
 def fleet(

@@ -663,12 +663,10 @@ class Bench:
 
     def calibrate(self, stack: Stack) -> None:
         """Capacity: completed requests/s of a saturating burst of the mixed workload, while
-        it saturates: up to its third quarter of completions (the last few requests run
-        alone on an emptying stack, and would count as the stack's pace)."""
+        it saturates (sf.saturated_rate)."""
         results = self.burst(stack, "calibrate", max(16, 12 * stack.k), self.a.seed)
-        ends = sorted(r.end_s for r in results if r.ok and r.end_s is not None)
-        done = max(1, 3 * len(ends) // 4)
-        self.capacity = round(done / ends[done - 1], 3) if ends else 0.1
+        ends = [r.end_s for r in results if r.ok and r.end_s is not None]
+        self.capacity = round(sf.saturated_rate(ends), 3) if ends else 0.1
         print(f"  capacity {self.capacity} req/s ({len(ends)} requests)", file=sys.stderr)
 
     def run_sweep(self, stack: Stack) -> list[Run]:

@@ -67,6 +67,15 @@ def percentile(xs: Iterable[float], p: float) -> float:
     return xs[lo] + (h - lo) * (xs[hi] - xs[lo])
 
 
+def saturated_rate(ends: Iterable[float]) -> float:
+    """Completions per second of a saturating burst sent at time 0, while it saturates: its
+    first three quarters of completions over the time of the last of them (the last few
+    requests run alone on an emptying stack, and would count as the stack's pace)."""
+    done = sorted(ends)
+    count = max(1, 3 * len(done) // 4)
+    return count / done[count - 1] if done else 0.0
+
+
 def latency(results: list[Result]) -> dict:
     """TTFT, TPOT and end-to-end p50/p99 in ms over the requests that succeeded."""
     ok = [r for r in results if r.ok]

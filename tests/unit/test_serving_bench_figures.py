@@ -25,6 +25,7 @@ from bench.serving_figures import (
     percentile,
     prefill,
     results_from_vllm,
+    saturated_rate,
     slos_from_idle,
     stack_figures,
 )
@@ -424,3 +425,11 @@ def test_cpu_used_counts_the_processes_alive_at_the_end() -> None:
     after = {"engines": {2: 26.5, 4: 3.0}, "front": {3: 1.5}, "redis": {}}
     # engine 1 was killed (its time went with it), engine 4 started in between
     assert cpu_used(before, after) == {"engines": 9.5, "front": 0.5, "redis": 0}
+
+
+def test_the_saturated_rate_leaves_out_the_drain_tail() -> None:
+    # eight completions a second for 1.5 s, then the last few alone, slowly
+    ends = [0.125 * i for i in range(1, 13)] + [3.0, 5.0, 8.0, 12.0]
+    assert saturated_rate(ends) == pytest.approx(12 / 1.5)
+    assert saturated_rate([2.0]) == pytest.approx(0.5)
+    assert saturated_rate([]) == 0.0
