@@ -182,6 +182,11 @@ class Settings(_Sourced):
     # of any lane; they wait in the queue for a faster worker or for running jobs to end,
     # rather than slowing every running one further. 0: no target.
     top_lane_tpot_ms: float = Field(default=0.0, ge=0)
+    # The longest a top-lane request waits in the queue for that target: while no worker
+    # takes new work, one whose lane's oldest entry has waited this long takes that entry
+    # all the same (at most one per poll_ms), so holding work back never costs a request
+    # more than this of its time to first token. 0: no bound.
+    top_lane_wait_ms: float = Field(default=500.0, ge=0, allow_inf_nan=False)
     # Pull only what the engine can start soon: a worker takes a new request only while the
     # prompt tokens its engine holds not yet computed, plus the new prompt, stay within
     # this (a prompt alone always may; a top-lane request counts the top lane's prompts

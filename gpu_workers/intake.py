@@ -121,6 +121,13 @@ class Intake:
                 return valid
             block = False  # invalid entries were handled: look again without waiting
 
+    def take_waited(self, wait_ms: int) -> list[Entry]:
+        """At most one top-lane entry, and only while the lane's oldest waiting entry has
+        waited `wait_ms` or longer: what a worker that holds new work (the top lane's
+        target) still takes, so that no top-lane request waits unboundedly for one."""
+        got = self._read(False, self.lanes[:1], 1, wait_ms)
+        return [e for e in (self._check(*g) for g in got) if e is not None]
+
     def _turn_order(self, count: int) -> tuple[list[str], int]:
         """The lane order of the next pull and how many entries may be taken in it: never
         past a fair turn, which is a pull of its own, so every fair_every-th entry taken
@@ -142,10 +149,11 @@ class Intake:
         k = 1 + ((self._pulls + 1) // every - 1) % (n - 1)
         return self.lanes[k:] + self.lanes[:k]
 
-    def _read(self, block: bool, lanes: list[str], count: int = 1) -> list[Raw]:
+    def _read(self, block: bool, lanes: list[str], count: int = 1, wait_ms: int = 0) -> list[Raw]:
         """Up to `count` new entries, lane by lane in `lanes`' order, every shard of a lane
         before the next lane: one call (TAKE) for a model of one shard, whose lanes share a
-        hash tag. Each entry taken counts as a pull (lane_order)."""
+        hash tag. Each entry taken counts as a pull (lane_order). `wait_ms`: only from a
+        stream whose oldest waiting entry waited that long (jobs.take)."""
         got: list[Raw] = []
         shards = self._shard_order()
         if self.shards == 1:
@@ -153,7 +161,9 @@ class Intake:
         else:
             groups = [[self.stream(lane, shard)] for lane in lanes for shard in shards]
         for streams in groups:
-            call = jobs.take(streams=streams, consumer=self.id, count=count - len(got))
+            call = jobs.take(
+                streams=streams, consumer=self.id, count=count - len(got), wait_ms=wait_ms
+            )
             for i, entry_id, flat, *failed in jobs.run(self.r, call):
                 stream = streams[i - 1]
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))

@@ -76,6 +76,7 @@ class Worker:
         self.pace = Pace(settings.top_lane_slowdown, target_s=settings.top_lane_tpot_ms / 1000)
         self._lower_open = True  # the pace gate's state, logged when it changes
         self._slow = False  # whether the top lane is over its target, logged when it changes
+        self._next_waited = 0.0  # when to look for a top-lane entry waiting too long next
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
@@ -226,33 +227,40 @@ class Worker:
         limit = self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
         top = self.lanes[0]
         while added < limit and not self.stopping:
-            if self._top_lane_slow():
-                return  # new work waits in the queue while the top lane's tokens are slow
-            room = self._backlog_room(self.engine.prompt_backlog)
-            n = min(limit - added, max(room, self._backlog_room(self._top_backlog())))
-            if n <= 0:
-                return
-            if not self.held:
-                idle = not self.engine.has_unfinished() and not self.running
-                below_top = self._room_below_top() if room > 0 else 0
-                if 0 < below_top < n:  # never past the top lane's reserve
-                    n = below_top
-                self.held = self.intake.take(idle, below_top > 0, count=n)
+            slow = self._top_lane_slow()
+            if slow:
+                # new work waits in the queue while the top lane's tokens are slow, a
+                # top-lane entry no longer than top_lane_wait_ms
+                if not self.held or self.held[0].lane != top:
+                    self.held[:0] = self._waited_top()
+                if not self.held or self.held[0].lane != top:
+                    return
+            else:
+                room = self._backlog_room(self.engine.prompt_backlog)
+                n = min(limit - added, max(room, self._backlog_room(self._top_backlog())))
+                if n <= 0:
+                    return
                 if not self.held:
-                    return
-            elif self.held[0].lane != top and not self._startable(self.held[0], room):
-                # the lower-lane entries held must wait: a top-lane arrival need not
-                arrived = self.intake.take(False, False, count=n)
-                if not arrived:
-                    return
-                self.held[:0] = arrived
+                    idle = not self.engine.has_unfinished() and not self.running
+                    below_top = self._room_below_top() if room > 0 else 0
+                    if 0 < below_top < n:  # never past the top lane's reserve
+                        n = below_top
+                    self.held = self.intake.take(idle, below_top > 0, count=n)
+                    if not self.held:
+                        return
+                elif self.held[0].lane != top and not self._startable(self.held[0], room):
+                    # the lower-lane entries held must wait: a top-lane arrival need not
+                    arrived = self.intake.take(False, False, count=n)
+                    if not arrived:
+                        return
+                    self.held[:0] = arrived
             batch: list[tuple[Entry, Exception | None]] = []
             while self.held and added + len(batch) < limit:
                 entry, req = self.held[0], self.held[0].req
                 if self._duplicate(entry, batch):
                     self.held.pop(0)
                     continue
-                if entry.lane != top and not self._room_below_top():
+                if entry.lane != top and (slow or not self._room_below_top()):
                     break  # held until the top lane's reserve and pace allow it
                 if self.engine.has_unfinished() and not self._fits(req, entry.lane == top):
                     break
@@ -281,6 +289,16 @@ class Worker:
                 1000 * self.pace.target_s,
             )
         return slow
+
+    def _waited_top(self) -> list[Entry]:
+        """The top-lane entry that has waited top_lane_wait_ms in the queue, if one has
+        (asked at most once per poll_ms): taken even while this worker is over the target,
+        since every worker may be."""
+        wait, now = self.settings.top_lane_wait_ms, time.monotonic()
+        if wait <= 0 or now < self._next_waited:
+            return []
+        self._next_waited = now + self.settings.poll_ms / 1000
+        return self.intake.take_waited(round(wait))
 
     def _startable(self, entry: Entry, room: int) -> bool:
         """Whether a held lower-lane entry may start now (`room`: _backlog_room's)."""

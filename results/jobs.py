@@ -217,13 +217,15 @@ def submit(
     )
 
 
-def take(*, streams: list[str], consumer: str, count: int) -> Call:
+def take(*, streams: list[str], consumer: str, count: int, wait_ms: int = 0) -> Call:
     """Take up to `count` entries for `consumer` from `streams` (one shard's lanes, in the
     order to read them: each while it has entries, then the next; in each, preempted jobs'
     entries handed over (keys.HANDED_OVER) before new ones). Returns [stream index
     (1-based), entry id, fields] for each, and for a handed-over entry its failed
-    deliveries before as a fourth item."""
-    return Call("TAKE", streams, [keys.GROUP, consumer, count, keys.HANDED_OVER])
+    deliveries before as a fourth item. With `wait_ms`, a stream is read only while its
+    oldest waiting entry has waited that long."""
+    args: list[Any] = [keys.GROUP, consumer, count, keys.HANDED_OVER]
+    return Call("TAKE", streams, [*args, wait_ms] if wait_ms > 0 else args)
 
 
 def begin(

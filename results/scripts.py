@@ -122,18 +122,42 @@ return job_id
 )
 
 # KEYS: request streams of one shard (one hash tag), in the order to read them
-# ARGV: group, consumer, count, the hand-over consumer
+# ARGV: group, consumer, count, the hand-over consumer[, wait ms]
 # Takes up to count entries for the consumer: from the first stream while it has some,
 # then from the next; in a stream, first the entries of preempted jobs (pending to the
 # hand-over consumer, oldest first: they keep their place), then new ones (XREADGROUP, as
 # a worker's own read). One call instead of reads per lane. Returns {stream index
 # (1-based), entry id, fields} for each entry, in order, and for a handed-over one its
-# failed deliveries before (HAND_OVER) as a fourth item.
+# failed deliveries before (HAND_OVER) as a fourth item. With wait ms (> 0), a stream is
+# read only while its oldest waiting entry was added that long ago or more (by Redis's
+# clock, which made the entry ids).
 TAKE = """
 local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local wait = tonumber(ARGV[5] or '0')
+local cutoff = nil  -- with a wait: the newest entry time (ms) that may be taken
+if wait > 0 then
+  local t = redis.call('TIME')
+  cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - wait
+end
+local function added_ms(id) return tonumber(string.match(id, '^(%d+)')) end
+-- the id of the stream's oldest entry not delivered to the group yet, or nil
+local function next_new(stream)
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
+    if info['name'] == group then
+      local e = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
+      if e[1] then return e[1][1] end
+      return nil
+    end
+  end
+  return nil
+end
 local out = {}
 for i, stream in ipairs(KEYS) do
-  for _, p in ipairs(redis.call('XPENDING', stream, group, '-', '+', count - #out, handed)) do
+  local pending = redis.call('XPENDING', stream, group, '-', '+', count - #out, handed)
+  for _, p in ipairs(pending) do
+    if cutoff and added_ms(p[1]) > cutoff then break end
     local c = redis.call('XCLAIM', stream, group, consumer, 0, p[1])
     if c[1] and c[1][2] then
       out[#out + 1] = {i, c[1][1], c[1][2], p[4]}
@@ -143,10 +167,17 @@ for i, stream in ipairs(KEYS) do
   end
   local left = count - #out
   if left <= 0 then break end
-  local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', left,
-                         'STREAMS', stream, '>')
-  if got then
-    for _, e in ipairs(got[1][2]) do out[#out + 1] = {i, e[1], e[2]} end
+  local ready = true
+  if cutoff then  -- entries handed over were delivered before any new one: older
+    local id = next_new(stream)
+    ready = id ~= nil and added_ms(id) <= cutoff
+  end
+  if ready then
+    local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', left,
+                           'STREAMS', stream, '>')
+    if got then
+      for _, e in ipairs(got[1][2]) do out[#out + 1] = {i, e[1], e[2]} end
+    end
   end
 end
 return out

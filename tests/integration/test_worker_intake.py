@@ -298,3 +298,39 @@ def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
         assert not w.pace.over_target()
         w._fill()
         assert {j for j, _ in engine.added} == {first, *waiting}
+
+
+def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_url):
+    """top_lane_wait_ms: a worker over the target still takes the top lane's entry once it
+    has waited that long in the queue (every worker may be over it), and only that one:
+    younger top-lane entries and the lower lanes' wait on."""
+    settings = Settings(
+        redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100, top_lane_wait_ms=400
+    )
+    engine = Recorder()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        first = client.submit("i", lane="interactive").id
+        w._fill()
+        w._publish([token(first, 1)])
+        time.sleep(0.3)
+        w._publish([token(first, 2)])  # 300 ms a token: over the 100 ms target
+        late = client.submit("i", lane="interactive").id
+        batch = client.submit("b", lane="batch").id
+        w._fill()
+        assert [j for j, _ in engine.added] == [first]  # younger than 400 ms: it waits
+        time.sleep(0.45)
+        w._publish([token(first, 3)])  # still slow: 450 ms since the last token
+        assert w.pace.over_target()
+        younger = client.submit("i", lane="interactive").id
+        w._fill()
+        assert [j for j, _ in engine.added] == [first, late]
+        w._next_waited = 0.0  # the next look, however soon: the younger one is too young
+        w._fill()
+        assert [j for j, _ in engine.added] == [first, late]
+        r = connect(redis_url)
+        waiting = r.xrange(keys.request_stream("interactive"), count=10)
+        assert younger in {f[b"id"].decode() for _, f in waiting}
+        assert r.xlen(keys.request_stream("batch")) == 1
+        assert batch not in [j for j, _ in engine.added]

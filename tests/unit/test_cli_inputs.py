@@ -28,11 +28,18 @@ def test_a_stream_maxlen_of_zero_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("value", ["-5", "fast", "nan"])
-def test_a_top_lane_target_that_is_no_time_is_refused(
-    value: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", ["PLURAI_TOP_LANE_TPOT_MS", "PLURAI_TOP_LANE_WAIT_MS"])
+def test_a_top_lane_time_that_is_no_time_is_refused(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PLURAI_TOP_LANE_TPOT_MS", value)
-    with pytest.raises(pydantic.ValidationError, match="top_lane_tpot_ms"):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(pydantic.ValidationError, match=name.removeprefix("PLURAI_").lower()):
+        Settings()
+
+
+def test_an_endless_top_lane_wait_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLURAI_TOP_LANE_WAIT_MS", "inf")  # 0 is "no bound"
+    with pytest.raises(pydantic.ValidationError, match="top_lane_wait_ms"):
         Settings()
 
 
