@@ -4,6 +4,7 @@ the job's own priority second, several read in one call and begun in one pipelin
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -274,21 +275,28 @@ def test_a_top_lane_arrival_passes_lower_lane_entries_that_do_not_fit(redis_url)
         assert [e.job_id for e in w.held] == [held]
 
 
+def over_target(redis_url: str, client: Client, **settings: Any) -> tuple[Worker, Recorder, str]:
+    """A started worker (top_lane_tpot_ms=100) running one top-lane job whose tokens come
+    300 ms apart: over its target."""
+    s = Settings(redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100, **settings)
+    engine = Recorder()
+    w = Worker(engine, connect(redis_url), s, worker_id="w1")
+    w.start()
+    first = client.submit("i", lane="interactive").id
+    w._fill()
+    w._publish([token(first, 1)])
+    time.sleep(0.3)
+    w._publish([token(first, 2)])
+    return w, engine, first
+
+
 def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
     """top_lane_tpot_ms: while the top lane's tokens come slower than the target, the
     worker starts nothing new (of any lane): it stays in the queue; once they are fast
     again, the worker takes it."""
-    settings = Settings(redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100)
-    engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
     with Client(redis_url) as client:
-        first = client.submit("i", lane="interactive").id
-        w._fill()
+        w, engine, first = over_target(redis_url, client)
         assert [j for j, _ in engine.added] == [first]
-        w._publish([token(first, 1)])
-        time.sleep(0.3)
-        w._publish([token(first, 2)])  # 300 ms a token: over the 100 ms target
         waiting = [client.submit("i", lane="interactive").id, client.submit("b", lane="batch").id]
         w._fill()
         assert [j for j, _ in engine.added] == [first]  # both wait in the queue
@@ -304,18 +312,8 @@ def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_ur
     """top_lane_wait_ms: a worker over the target still takes the top lane's entry once it
     has waited that long in the queue (every worker may be over it), and only that one:
     younger top-lane entries and the lower lanes' wait on."""
-    settings = Settings(
-        redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100, top_lane_wait_ms=400
-    )
-    engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
     with Client(redis_url) as client:
-        first = client.submit("i", lane="interactive").id
-        w._fill()
-        w._publish([token(first, 1)])
-        time.sleep(0.3)
-        w._publish([token(first, 2)])  # 300 ms a token: over the 100 ms target
+        w, engine, first = over_target(redis_url, client, top_lane_wait_ms=400)
         late = client.submit("i", lane="interactive").id
         batch = client.submit("b", lane="batch").id
         w._fill()
