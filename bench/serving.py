@@ -6,7 +6,7 @@ life; the workload (serving_workload.py) and the figures (serving_figures.py) ar
 
     python bench/serving.py [--k 2] [--stacks plurai-vllm,plurai-native,round_robin,...]
         [--scenarios idle,sweep,flood,add,kill] [--duration 40] [--scales 0.3,0.6,0.9,1.3]
-        [--capacity REQ_S] [--model DIR] [--dtype auto] [--out DIR]
+        [--repeats 1] [--capacity REQ_S] [--model DIR] [--dtype auto] [--out DIR]
 
 Stacks (each started fresh, K engines, engine i bound to core i mod cores):
 - plurai-vllm: a Redis, `plurai gateway`, K `plurai worker --backend vllm` with the Redis KV
@@ -28,7 +28,9 @@ stall while kernels are built for their shapes):
 - sweep: the mixed workload (interactive chats on shared system prompts, growing multi-turn
   sessions, batch-lane document extraction; gamma arrivals, --burstiness) offered at each
   --scales multiple of the calibrated capacity; goodput is the highest offered rate whose
-  requests met their lane's SLO in >= 90% of cases. The capacity (--capacity, else measured
+  requests met their lane's SLO in >= 90% of cases (with --repeats R, the sweep goes round R
+  times with other seeds and a load's attainment pools its rounds: one 40 s gamma run is a few
+  bursts, and where they fall decides it). The capacity (--capacity, else measured
   once on the first stack with a saturating burst) is the same for every stack.
 - flood: steady interactive traffic at 0.5x capacity with a burst of batch extraction on top;
   the interactive lane's TTFT p99 is the figure.
@@ -672,10 +674,15 @@ class Bench:
     def run_sweep(self, stack: Stack) -> list[Run]:
         assert self.capacity is not None
         runs = []
-        for i, scale in enumerate(self.a.scales):
-            cfg = self.config(rate=self.capacity, scale=scale, seed=self.a.seed + 1 + i)
-            reqs = self.workload(f"sweep-{scale}", cfg)
-            runs.append(self.measure(stack, f"sweep@{scale}", reqs, cfg.offered_rate)[0])
+        # repeats go round the whole sweep again with other seeds (rounds, not back to back:
+        # a slow minute of the machine then lands on several loads, not on one)
+        for rep in range(self.a.repeats):
+            for i, scale in enumerate(self.a.scales):
+                seed = self.a.seed + 1 + i + 1000 * rep
+                cfg = self.config(rate=self.capacity, scale=scale, seed=seed)
+                name = f"sweep@{scale}" + (f"/{rep}" if rep else "")
+                reqs = self.workload(name.replace("@", "-").replace("/", "-"), cfg)
+                runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
         return runs
 
     def run_flood(self, stack: Stack) -> list[Run]:
@@ -792,12 +799,20 @@ def summary(runs: dict[str, list[Run]], slos: dict[str, sf.Slo]) -> dict[str, An
     out: dict[str, Any] = {}
     for name, rs in runs.items():
         by = {r.scenario: r for r in rs}
-        sweep = [r for r in rs if r.scenario.startswith("sweep@")]
-        offered = {r.offered_req_s: len(r.expected) for r in sweep}
-        pairs = [(r.offered_req_s, r.results) for r in sweep]
-        good = sf.goodput(pairs, slos, offered=offered) if sweep else None
+        # a load's repeats pooled: its attainment is over every request sent at that rate
+        pooled: dict[float, list[sf.Result]] = {}
+        offered: dict[float, int] = {}
+        for r in rs:
+            if r.scenario.startswith("sweep@"):
+                pooled.setdefault(r.offered_req_s, []).extend(r.results)
+                offered[r.offered_req_s] = offered.get(r.offered_req_s, 0) + len(r.expected)
+        good = sf.goodput(list(pooled.items()), slos, offered=offered) if pooled else None
         s: dict[str, Any] = {
             "goodput_req_s": good,
+            "sweep_attainment": {
+                str(rate): round(sf.attainment(res, slos, offered[rate]), 4)
+                for rate, res in sorted(pooled.items())
+            },
             "runs": {k: run_figures(v, slos) for k, v in by.items()},
         }
         if "flood" in by:
@@ -864,6 +879,12 @@ def main() -> None:
     p.add_argument("--drain", type=float, default=120.0, help="seconds after the last arrival")
     p.add_argument("--scales", default="0.3,0.6,0.9,1.3")
     p.add_argument("--capacity", type=float, default=None, help="req/s; default: measured")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="sweep rounds, each load with another seed; a load's attainment pools its rounds",
+    )
     p.add_argument("--burstiness", type=float, default=0.3)
     p.add_argument("--prompt", default="128-2048", help="tokens in, lo-hi")
     p.add_argument("--output", default="16-128", help="tokens out, lo-hi")
@@ -986,6 +1007,7 @@ def main() -> None:
             "output": a.output,
             "burstiness": a.burstiness,
             "duration_s": a.duration,
+            "repeats": a.repeats,
             "seed": a.seed,
         },
         "stacks": figures,

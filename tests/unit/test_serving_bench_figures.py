@@ -303,6 +303,29 @@ def test_goodput_is_the_highest_rate_at_90_percent() -> None:
     assert goodput([(1.0, run(1, 1))], slo) is None
 
 
+def test_summary_pools_a_loads_repeats() -> None:
+    from bench.serving import Run, summary
+
+    slo = {INTERACTIVE: Slo(ttft_s=1.0)}
+
+    def run(name: str, rate: float, hits: int, misses: int, lost: int = 0) -> Run:
+        rs = [res(i, ttft=0.5) for i in range(hits)]
+        rs += [res(100 + i, ttft=2.0) for i in range(misses)]
+        ids = [r.id for r in rs] + [f"lost{i}" for i in range(lost)]
+        return Run(name, rate, rs, dict.fromkeys(ids, INTERACTIVE), {})
+
+    runs = [
+        run("sweep@0.5", 1.0, 8, 2),  # 80% alone
+        run("sweep@1.0", 2.0, 10, 0),
+        run("sweep@0.5/1", 1.0, 10, 0),  # with its repeat: 18 of 20, 90%
+        run("sweep@1.0/1", 2.0, 7, 2, lost=1),  # 17 of 20: 85%
+    ]
+    s = summary({"x": runs}, slo)["x"]
+    assert s["goodput_req_s"] == 1.0
+    assert s["sweep_attainment"] == {"1.0": 0.9, "2.0": 0.85}
+    assert set(s["runs"]) == {"sweep@0.5", "sweep@1.0", "sweep@0.5/1", "sweep@1.0/1"}
+
+
 def test_prefill_and_stack_figures() -> None:
     slo = {INTERACTIVE: Slo(ttft_s=0.5), BATCH: Slo(e2e_s=5.0)}
     rs = [
