@@ -5,7 +5,8 @@ run and the fleets share one set of constants and are read together.
 
     python bench/policy_sim.py [--calibrate-from DIR] [--check-against DIR[,DIR]]
         [--check-budget 512] [--sizes 64,256,1000] [--scales 0.3,0.6,1.0,1.3,1.6]
-        [--duration 60] [--pull-budget 512] [--lookahead 0] [--seed 0]
+        [--duration 60] [--pull-budget 512] [--tpot-share 0.8] [--wait-ms 500]
+        [--lookahead 0] [--seed 0]
 
 Policies. Routers assign a request when it arrives: round_robin; power_of_two (two engines
 at random, the one with fewer outstanding requests); cache_aware (vllm-router's and the
@@ -18,7 +19,10 @@ KV room for prompt + max_tokens, and the prompts it holds with no token yet plus
 one fit the backlog bound B (--pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS; whole prompts,
 as the worker counts them, a top-lane request the top lane's only; one alone always
 fits); no lower-lane entry while a top-lane prompt it holds has no token yet (the
-worker's rule). Engines that found the queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
+worker's rule). With a top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS; --tpot-share of the
+SLO, or the measured run's), an engine whose top-lane tokens of the last second came slower
+than it, while top-lane sequences decode there, takes nothing new but the top lane's head
+once that has waited --wait-ms (PLURAI_TOP_LANE_WAIT_MS), one a poll (50 ms). Engines that found the queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
 the others pull again at the end of each step. --lookahead N lets a puller take, among
 the first N entries of the lane, the one with the most leading blocks on its device (an
 entry skipped N times is taken first). Prefix blocks on the engine's device are free;
@@ -98,6 +102,8 @@ from bench.serving_workload import arrival_times, flatten  # noqa: E402
 BLOCK = 16  # vLLM's block on a GPU
 STEP_TOKENS = 2048  # vLLM's max_num_batched_tokens
 MAX_SEQS = 256
+PACE_S = 1.0  # the worker's pace sums the top lane's tokens of the last second
+POLL_S = 0.05  # PLURAI_POLL_MS: how often a slow worker looks for a waited top-lane entry
 KV_TOKEN_BYTES = 2 * 12 * 4 * 64 * 4  # bench-llama: K and V, 12 layers, 4 heads of 64, fp32
 KV_TOKENS = (1 << 30) // KV_TOKEN_BYTES  # 1 GiB per engine, as the serving bench runs it
 LANES = ("interactive", "batch")
@@ -359,6 +365,12 @@ class Engine:
     tree: set = field(default_factory=set)  # the cache-aware router's view of its blocks
     speed: float = 1.0  # its steps' time factor (Constants.noise_sd)
     speed_until: float = 0.0
+    decoding_top: int = 0  # top-lane sequences among the decoding ones
+    # the top lane's tokens of the last PACE_S: (when, step time x tokens, tokens)
+    top_tokens: deque = field(default_factory=deque)
+    top_spent: float = 0.0
+    top_made: int = 0
+    next_waited: float = 0.0  # when a slow engine may look for a waited top-lane entry
 
 
 class Sim:
@@ -368,6 +380,8 @@ class Sim:
         policy: str,
         k: Constants,
         pull_budget: int = 512,
+        tpot_target_s: float = 0.0,
+        wait_s: float = 0.5,
         lookahead: int = 0,
         pool_blocks: int = 1 << 20,
         kv_tokens: int = KV_TOKENS,
@@ -377,6 +391,7 @@ class Sim:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.policy, self.k, self.budget, self.lookahead = policy, k, pull_budget, lookahead
+        self.target, self.wait = tpot_target_s, wait_s
         self.block, self.kv_blocks = block, kv_tokens // block
         self.engines = [Engine(i, Lru(self.kv_blocks)) for i in range(engines)]
         self.pool = Lru(pool_blocks) if policy == "pull" else None
@@ -526,8 +541,26 @@ class Sim:
             lane[j].skips += 1
         return best
 
+    def slow(self, e: Engine) -> bool:
+        """Over the top lane's target: its recent time per token (the worker's pace: the
+        last PACE_S of its top-lane tokens) while top-lane sequences decode here."""
+        return (
+            self.target > 0
+            and e.decoding_top > 0
+            and e.top_made > 0
+            and e.top_spent / e.top_made > self.target
+        )
+
     def pull(self, e: Engine, now: float) -> None:
-        """e takes entries while it has room; waits in line if the lanes are empty."""
+        """e takes entries while it has room; waits in line if the lanes are empty. While
+        slow, it takes only the top lane's head once that has waited `wait` (one a poll)."""
+        if self.slow(e):
+            top = self.lanes[0]
+            if self.wait > 0 and now >= e.next_waited and top:
+                e.next_waited = now + POLL_S
+                if now - top[0].arrival_s >= self.wait and self.fits(e, top[0]):
+                    self.assign(e, top.popleft(), now)
+            return
         while True:
             lane = next((q for q in self.lanes if q), None)
             if lane is None:
@@ -600,16 +633,26 @@ class Sim:
                 e.speed = math.exp(self.noise.gauss(-sd * sd / 2, sd))
                 e.speed_until = now + self.noise.expovariate(1 / k.noise_s)
             dt *= e.speed
-        self.push(now + dt, self.STEP, e, (chunks, e.decoding))
+        self.push(now + dt, self.STEP, e, (chunks, e.decoding, e.decoding_top, dt))
 
     def step_end(self, e: Engine, step: tuple, now: float) -> None:
-        chunks, decoded = step
+        chunks, decoded, top, dt = step
         e.steps += 1
         e.context += decoded
+        if top and self.target > 0:
+            e.top_tokens.append((now, dt * top, top))
+            e.top_spent += dt * top
+            e.top_made += top
+            while now - e.top_tokens[0][0] > PACE_S:
+                _, spent, made = e.top_tokens.popleft()
+                e.top_spent -= spent
+                e.top_made -= made
         fin = e.finishes
         while fin and fin[0][0] <= e.steps:
-            self.finish(e, heapq.heappop(fin)[2], now)
+            r = heapq.heappop(fin)[2]
+            self.finish(e, r, now)
             e.decoding -= 1
+            e.decoding_top -= r.lane == LANES[0]
         for r, take in chunks:
             r.left -= take
             if r.left:
@@ -626,6 +669,7 @@ class Sim:
                 self.finish(e, r, now)
             else:
                 e.decoding += 1
+                e.decoding_top += r.lane == LANES[0]
                 e.context += r.prompt + 1
                 self.n += 1
                 heapq.heappush(fin, (e.steps + r.output - 1, self.n, r))
@@ -697,13 +741,15 @@ class Measured:
     results: dict[str, dict[str, list[dict]]]  # stack -> run -> result rows
     budget: int = 512  # the plurai stack's pull budget (PLURAI_PREFILL_BACKLOG_TOKENS)
     block: int = BLOCK  # the measured engines' cache block
+    target_s: float = 0.0  # its top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS); 0: none
+    wait_s: float = 0.0  # its bound on a top-lane entry's wait (PLURAI_TOP_LANE_WAIT_MS)
     reqs: dict[tuple[str, str], list[Req]] = field(default_factory=dict)
 
     @property
     def sweeps(self) -> list[str]:
-        """The sweep runs, by scale."""
+        """The sweep runs, by scale (a scale's repeats, sweep@0.5#1, after it)."""
         runs = [r for r in self.workloads if r.startswith("sweep@")]
-        return sorted(runs, key=lambda r: float(r.split("@")[1]))
+        return sorted(runs, key=lambda r: (float(r.split("@")[1].split("#")[0]), r))
 
     @property
     def runs(self) -> list[str]:
@@ -752,7 +798,11 @@ def load(folder: str | Path, budget: int = 512) -> Measured:
     cached = [r["cached_tokens"] for rs in res.values() for rows in rs.values() for r in rows]
     block = math.gcd(*cached) if any(cached) else BLOCK
     budget = int(out.get("plurai_prefill_backlog_tokens") or budget)
-    return Measured(str(folder), out, work, res, budget, block)
+    # the top-lane target and its wait bound, where the run gave them (runs before the
+    # bound: none)
+    target = (out.get("plurai_top_lane_tpot_ms") or {}).get("plurai-vllm", 0) / 1000
+    wait = (out.get("plurai_top_lane_wait_ms") or 0) / 1000
+    return Measured(str(folder), out, work, res, budget, block, target, wait)
 
 
 def slos_of(m: Measured) -> dict[str, sf.Slo]:
@@ -830,7 +880,7 @@ def _tail_error(m: Measured, k: Constants) -> float:
             if run not in runs or run not in figures:
                 continue
             p99 = figures[run]["interactive"]["ttft_p99_ms"]
-            sim = results(_replay(m, stack, run, k, STACK_POLICY[stack], pull_budget=m.budget))
+            sim = results(_replay(m, stack, run, k, STACK_POLICY[stack]))
             got = p_ttft_s(sim, 99)
             if p99 and got:
                 err += math.log(1000 * got / p99) ** 2
@@ -854,7 +904,11 @@ def fit_noise(m: Measured, k: Constants) -> tuple[Constants, dict]:
 
 
 def _replay(m: Measured, stack: str, run: str, k: Constants, policy: str, **kw: Any) -> list[Req]:
+    """A run's requests through `policy`; pulling as plurai-vllm ran (its budget, target
+    and wait bound)."""
     kw.setdefault("block", m.block)
+    if policy == "pull":
+        kw = {"pull_budget": m.budget, "tpot_target_s": m.target_s, "wait_s": m.wait_s, **kw}
     return simulate(m.requests(stack, run), int(m.out.get("k", 2)), policy, k, **kw)
 
 
@@ -866,7 +920,7 @@ def _error(m: Measured, stack: str, k: Constants) -> float:
         if run not in m.results[stack]:
             continue
         measured = {r["id"]: sf.Result(**r) for r in m.results[stack][run]}
-        sim = _replay(m, stack, run, k, STACK_POLICY[stack], pull_budget=m.budget)
+        sim = _replay(m, stack, run, k, STACK_POLICY[stack])
         for s in results(sim):
             ref = measured.get(s.id)
             if ref is None or not ref.ok:
@@ -905,15 +959,17 @@ def check(m: Measured, k: Constants) -> dict:
         if stack not in m.results:
             continue
         runs = m.out["stacks"][stack]["runs"]
-        pairs, offered, figures, errors = [], {}, {}, []
+        pooled: dict[float, list[sf.Result]] = {}  # a load's repeats together
+        offered: dict[float, int] = {}
+        figures, errors = {}, []
         for run in m.runs:
             if run not in m.results[stack] or run not in runs:
                 continue
-            sim = results(_replay(m, stack, run, k, policy, pull_budget=m.budget))
+            sim = results(_replay(m, stack, run, k, policy))
             if run.startswith("sweep@"):
                 rate = runs[run]["offered_req_s"]
-                pairs.append((rate, sim))
-                offered[rate] = len(sim)
+                pooled.setdefault(rate, []).extend(sim)
+                offered[rate] = offered.get(rate, 0) + len(sim)
             lane = runs[run]["interactive"]
             p50, p99 = lane["ttft_p50_ms"], lane["ttft_p99_ms"]
             figures[f"interactive_ttft_p50_s@{run}"] = {
@@ -924,9 +980,9 @@ def check(m: Measured, k: Constants) -> dict:
             figures[f"interactive_ttft_p99_s@{run}"] = f
             if not f["ok"]:
                 errors.append(f"{run} interactive TTFT p99 ratio {f['ratio']}")
-        if pairs:
+        if pooled:
             measured = m.out["stacks"][stack]["goodput_req_s"]
-            g = within(sf.goodput(pairs, slos, offered=offered), measured)
+            g = within(sf.goodput(list(pooled.items()), slos, offered=offered), measured)
             figures["goodput_req_s"] = g
             if not g["ok"]:
                 errors.append(f"goodput {g['sim']} req/s against {g['measured']} measured")
@@ -1066,6 +1122,19 @@ def main() -> None:
     p.add_argument("--scales", default="0.3,0.6,1.0,1.3,1.6")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     p.add_argument("--pull-budget", type=int, default=512, help="admission budget B, tokens")
+    p.add_argument(
+        "--tpot-share",
+        type=float,
+        default=0.8,
+        help="pulling's top-lane TPOT target as a share of the interactive TPOT SLO, as "
+        "bench/serving.py sets PLURAI_TOP_LANE_TPOT_MS; 0: none",
+    )
+    p.add_argument(
+        "--wait-ms",
+        type=float,
+        default=500.0,
+        help="PLURAI_TOP_LANE_WAIT_MS: a top-lane entry waits for the target no longer",
+    )
     p.add_argument("--lookahead", type=int, default=0)
     p.add_argument("--pool-blocks", type=int, default=1 << 20, help="the shared pool's LRU size")
     p.add_argument("--seed", type=int, default=0)
@@ -1095,6 +1164,8 @@ def main() -> None:
             stacks = check(m, k)
             out["checks"][f] = {
                 "pull_budget": m.budget,
+                "top_lane_tpot_target_s": m.target_s,
+                "top_lane_wait_s": m.wait_s,
                 "runs": m.runs,
                 **check_summary(stacks),
                 "stacks": stacks,
@@ -1102,12 +1173,20 @@ def main() -> None:
             print(f"  checked against {f}: {out['checks'][f]['per_stack']}", file=sys.stderr)
         out["check_ok"] = all(c["ok"] for c in out["checks"].values())
     out["slos"] = {lane: asdict(s) for lane, s in slos.items()}
-    kw = dict(pull_budget=a.pull_budget, lookahead=a.lookahead, pool_blocks=a.pool_blocks)
+    target = a.tpot_share * (slos["interactive"].tpot_s or 0.0)
+    kw = dict(
+        pull_budget=a.pull_budget,
+        tpot_target_s=target,
+        wait_s=a.wait_ms / 1000,
+        lookahead=a.lookahead,
+        pool_blocks=a.pool_blocks,
+    )
     out["capacity_per_engine_req_s"] = {
         "measured": round(measured, 4),
         "simulated_k2": capacity(2, k, a.seed, **kw),
     }
     out["pull_budget"], out["lookahead"] = a.pull_budget, a.lookahead
+    out["top_lane_tpot_target_s"], out["top_lane_wait_s"] = round(target, 4), a.wait_ms / 1000
     out["sizes"] = {str(n): fleet(n, scales, k, slos, a.duration, a.seed, **kw) for n in sizes}
     out["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(out))

@@ -680,8 +680,8 @@ class Bench:
             for i, scale in enumerate(self.a.scales):
                 seed = self.a.seed + 1 + i + 1000 * rep
                 cfg = self.config(rate=self.capacity, scale=scale, seed=seed)
-                name = f"sweep@{scale}" + (f"/{rep}" if rep else "")
-                reqs = self.workload(name.replace("@", "-").replace("/", "-"), cfg)
+                name = f"sweep@{scale}" + (f"#{rep}" if rep else "")
+                reqs = self.workload(name.replace("@", "-"), cfg)
                 runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
         return runs
 
@@ -1002,6 +1002,7 @@ def main() -> None:
         "plurai_env": PLURAI_ENV,
         "plurai_top_lane_tpot_ms": tpot_targets,
         "plurai_prefill_backlog_tokens": Settings().prefill_backlog_tokens,
+        "plurai_top_lane_wait_ms": Settings().top_lane_wait_ms,
         "workload": {
             "prompt": a.prompt,
             "output": a.output,

@@ -126,6 +126,28 @@ def test_no_batch_prompt_joins_the_step_of_an_interactive_one() -> None:
     assert both[2].end_s is not None
 
 
+def test_over_the_top_lane_target_new_work_waits_the_bound_at_most() -> None:
+    """While its top-lane tokens come slower than the target, an engine takes nothing new
+    (the batch entry waits for the running chat to end), except a top-lane entry that has
+    waited the bound; with no target both start at once."""
+    running = req(0, 0.0, prompt=64, out=200)  # steps of 12 ms: over a 5 ms target
+    chat, batch = req(1, 0.5, prompt=64), req(2, 0.5, prompt=64, lane="batch")
+
+    def run(**kw):
+        reqs = [copy.copy(r) for r in (running, chat, batch)]
+        return ps.simulate(reqs, 1, "pull", K, pull_budget=2048, **kw)
+
+    free = run()
+    assert free[1].first_s < 0.5 + 0.1 + K.queue_front_s
+    assert free[2].first_s < 0.5 + 0.3 + K.queue_front_s  # once the chat's prompt is done
+    held = run(tpot_target_s=0.005, wait_s=0.0)  # no bound: both wait for the chat's end
+    assert held[1].first_s > held[0].end_s and held[2].first_s > held[0].end_s
+    bound = run(tpot_target_s=0.005, wait_s=0.3)
+    assert 0.5 + 0.3 + K.queue_front_s <= bound[1].first_s < 0.5 + 0.5 + K.queue_front_s
+    assert bound[1].first_s < bound[0].end_s
+    assert bound[2].first_s > bound[0].end_s  # a lower lane has no bound
+
+
 def test_pull_budget_splits_a_burst_across_idle_engines() -> None:
     burst = [req(i, 0.0, prompt=400) for i in range(4)]
     spread = ps.simulate(burst, 4, "pull", K, pull_budget=512)

@@ -317,13 +317,13 @@ def test_summary_pools_a_loads_repeats() -> None:
     runs = [
         run("sweep@0.5", 1.0, 8, 2),  # 80% alone
         run("sweep@1.0", 2.0, 10, 0),
-        run("sweep@0.5/1", 1.0, 10, 0),  # with its repeat: 18 of 20, 90%
-        run("sweep@1.0/1", 2.0, 7, 2, lost=1),  # 17 of 20: 85%
+        run("sweep@0.5#1", 1.0, 10, 0),  # with its repeat: 18 of 20, 90%
+        run("sweep@1.0#1", 2.0, 7, 2, lost=1),  # 17 of 20: 85%
     ]
     s = summary({"x": runs}, slo)["x"]
     assert s["goodput_req_s"] == 1.0
     assert s["sweep_attainment"] == {"1.0": 0.9, "2.0": 0.85}
-    assert set(s["runs"]) == {"sweep@0.5", "sweep@1.0", "sweep@0.5/1", "sweep@1.0/1"}
+    assert set(s["runs"]) == {"sweep@0.5", "sweep@1.0", "sweep@0.5#1", "sweep@1.0#1"}
 
 
 def test_prefill_and_stack_figures() -> None:
