@@ -43,6 +43,7 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "logprobs",
     "skip_special_tokens",
+    "speculate",
     "response_format",
     "regex",
     "choice",

@@ -249,7 +249,9 @@ class Settings(_Sourced):
     gateway_keepalive_s: float = Field(default=65.0, gt=0)
     gateway_max_header_bytes: int = Field(default=64 << 10, ge=1024)  # larger heads: 431
     gateway_stream_stall_s: float = Field(default=30.0, gt=0)
-    gateway_max_streams_per_key: int = Field(default=256, ge=0)
+    # a quarter of max_connections: one client's batch of streamed requests waits in the
+    # queue rather than being refused, and still leaves room for the others
+    gateway_max_streams_per_key: int = Field(default=1024, ge=0)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = (
         "text"  # json: one object per line (broker_config/logs.py)

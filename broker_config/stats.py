@@ -56,6 +56,8 @@ class WorkerInfo:
     generation_tokens: int = 0
     tokens_per_s: float = 0.0
     prefix_hit_rate: float = 0.0
+    spec_proposed: int = 0  # speculative decoding: tokens proposed and accepted
+    spec_accepted: int = 0
     metrics_port: int = 0  # 0: no /metrics endpoint
 
 

@@ -34,6 +34,9 @@ class StepOutput:
     num_cached_tokens: int
     logprobs: list[dict] | None = None  # one entry per new token when asked for
     error: str | None = None  # with finish_reason "error": the exception, type and text
+    # speculative decoding, this request's so far: tokens proposed, and of those accepted
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 class Backend(Protocol):

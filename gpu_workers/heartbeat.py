@@ -52,6 +52,9 @@ class Heartbeat:
             "kv_device_hits": s.get("prefix_hit_blocks", 0),
             "kv_host_hits": s.get("kv_host_hits", 0),
             "kv_redis_hits": s.get("kv_redis_hits", 0),
+            # speculative decoding: tokens proposed and accepted so far
+            "spec_proposed": s.get("spec_proposed_tokens", 0),
+            "spec_accepted": s.get("spec_accepted_tokens", 0),
             **figures,
         }
         beat["tokens_per_s"] = round(beat.get("tokens_per_s", 0.0), 2)

@@ -31,6 +31,8 @@ class Running:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    spec_proposed: int = 0  # speculative decoding: tokens proposed, and accepted
+    spec_accepted: int = 0
     first_token_s: float = 0.0  # wall clock, for the time-per-output-token histogram
     last_token_s: float = 0.0  # monotonic, when its latest tokens came (gpu_workers/pace.py)
     # The job's token stream may lack deltas (Redis failed while they were sent): its next
@@ -49,6 +51,7 @@ class Running:
         self.token_ids += out.new_token_ids
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
+        self.spec_proposed, self.spec_accepted = out.num_spec_proposed, out.num_spec_accepted
         if out.logprobs:
             self.logprobs += out.logprobs
         if out.text_delta:
@@ -109,6 +112,8 @@ class Running:
             token_ids=self.token_ids,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
+            spec_proposed=self.spec_proposed,
+            spec_accepted=self.spec_accepted,
             worker=worker,
             finished_ms=finished_ms,
             error_code=code,

@@ -211,6 +211,17 @@ class _EngineCollector(Collector):
             "plurai_preemptions", "Sequences preempted for KV blocks.", value=s["preemptions"]
         )
         yield CounterMetricFamily("plurai_engine_steps", "Engine steps run.", value=s["steps"])
+        if "spec_proposed_tokens" in s:
+            yield CounterMetricFamily(
+                "plurai_spec_proposed_tokens",
+                "Tokens proposed by speculative decoding (prompt lookup).",
+                value=s["spec_proposed_tokens"],
+            )
+            yield CounterMetricFamily(
+                "plurai_spec_accepted_tokens",
+                "Proposed tokens accepted (acceptance = accepted / proposed).",
+                value=s["spec_accepted_tokens"],
+            )
         if "kv_bad_entries" in s:
             yield CounterMetricFamily(
                 "plurai_kv_bad_entries",

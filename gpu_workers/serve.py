@@ -68,15 +68,44 @@ def _engine_option(text: str) -> tuple[str, Any]:
         return name, value
 
 
+SPEC_FIELDS = ("speculative", "num_speculative_tokens", "ngram_min", "ngram_max")
+
+
+def _vllm_speculative(options: dict[str, Any]) -> dict[str, Any] | None:
+    """The native engine's speculative-decoding choice (taken out of `options`) as vLLM's
+    speculative_config: prompt lookup is vLLM's "ngram" method. None: off."""
+    from gpu_workers.engine.config import EngineConfig
+
+    given = {k: options.pop(k) for k in SPEC_FIELDS if k in options}
+    if given.get("speculative", "off") == "off":
+        return None
+    try:  # the native engine's checks and defaults
+        c = EngineConfig(model="", **given)
+    except (TypeError, ValueError) as e:
+        raise StartError(Exit.USAGE, str(e)) from e
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": c.num_speculative_tokens,
+        "prompt_lookup_min": c.ngram_min,
+        "prompt_lookup_max": c.ngram_max,
+    }
+
+
 def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
     options = dict(args.engine)
     # The shared KV tier's Redis: the engine opens no connection of its own.
     kv_url = options.pop("kv_redis_url", None) or settings.kv_redis_url
     if getattr(args, "backend", "native") == "vllm":
+        vllm_options = dict(args.vllm)
+        spec = _vllm_speculative(options)
         if options:
             raise StartError(
-                Exit.USAGE, "--engine sets native engine fields; give vLLM's as --vllm"
+                Exit.USAGE,
+                "--engine sets native engine fields (and speculative decoding's, which vLLM "
+                f"takes too); give vLLM's as --vllm, not {sorted(options)}",
             )
+        if spec is not None:
+            vllm_options.setdefault("speculative_config", spec)
         try:
             from gpu_workers.vllm_backend.backend import VllmBackend
         except ImportError as e:
@@ -90,7 +119,7 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
                 settings.model_dir,
                 tensor_parallel=args.tp,
                 pipeline_parallel=args.pp,
-                options=dict(args.vllm),
+                options=vllm_options,
                 kv_redis_url=kv_url,
             )
         except ValueError as e:

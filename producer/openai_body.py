@@ -32,6 +32,7 @@ SAMPLING = (
     "ignore_eos",
     "skip_special_tokens",
     "stop_token_ids",
+    "speculate",
     # structured output: OpenAI's response_format, and Plurai's regex and choice
     "response_format",
     "regex",

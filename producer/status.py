@@ -46,7 +46,7 @@ def render(snap: stats.Snapshot) -> Group:
     workers = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD)
     workers.add_column("worker", no_wrap=True)
     workers.add_column("state")
-    for col in ("run", "wait", "KV used", "cached", "hits", "tok/s", "jobs", "beat"):
+    for col in ("run", "wait", "KV used", "cached", "hits", "spec", "tok/s", "jobs", "beat"):
         workers.add_column(col, justify="right", no_wrap=True)
     for w in snap.workers:
         pct = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.0f}%" if w.kv_blocks_total else "-"
@@ -58,6 +58,8 @@ def render(snap: stats.Snapshot) -> Group:
             f"{w.kv_blocks_used}/{w.kv_blocks_total} {pct}",
             str(w.kv_blocks_cached),
             f"{100 * w.prefix_hit_rate:.0f}%",
+            # the share of speculatively proposed tokens accepted; - when none proposed
+            f"{100 * w.spec_accepted / w.spec_proposed:.0f}%" if w.spec_proposed else "-",
             f"{w.tokens_per_s:.1f}",
             str(w.jobs_done),
             _age(w.beat_age_s),

@@ -78,6 +78,8 @@ class JobRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    spec_proposed: int | None = None  # speculative decoding's tokens proposed and accepted
+    spec_accepted: int | None = None
     lane: str | None = None
     priority: int | None = None
     worker: str | None = None
@@ -116,6 +118,8 @@ class JobRecord:
             prompt_tokens=_int(h, "prompt_tokens"),
             output_tokens=_int(h, "output_tokens"),
             cached_tokens=_int(h, "cached_tokens"),
+            spec_proposed=_int(h, "spec_proposed"),
+            spec_accepted=_int(h, "spec_accepted"),
             lane=h.get("lane"),
             priority=_int(h, "priority"),
             worker=h.get("worker"),
@@ -193,6 +197,8 @@ def final_fields(
     token_ids: list[int] | None = None,
     prompt_tokens: int = 0,
     cached_tokens: int = 0,
+    spec_proposed: int = 0,
+    spec_accepted: int = 0,
     worker: str = "",
     finished_ms: int,
     error_code: str = "",
@@ -217,6 +223,8 @@ def final_fields(
         "finished_ms",
         finished_ms,
     ]
+    if spec_proposed:  # only where the run speculated
+        out += ["spec_proposed", spec_proposed, "spec_accepted", spec_accepted]
     if error_code:
         out += ["error_code", error_code, "error_message", error_message]
     if logprobs is not None:

@@ -64,3 +64,24 @@ def gateway(redis_url: str, **settings: object):
 
     app = create_app(Settings(redis_url=redis_url, **settings), redis_url)  # type: ignore[arg-type]
     return TestClient(app, raise_server_exceptions=False)
+
+
+def oracle(monkeypatch, outputs: list[list[int]], vocab: int, wrong_every: int = 5) -> None:
+    """Make the speculator propose from known outputs instead of prompt lookup: after a
+    sequence's output so far (a prefix of one of `outputs`), the tokens that output goes on
+    with, every `wrong_every`-th of them changed, so that steps accept some proposals and
+    refuse others, at known places."""
+    from gpu_workers.engine.speculator import Speculator
+
+    def lookup(self, st, ids: list[int], k: int) -> list[int]:
+        for out in outputs:
+            for done in range(min(len(out), len(ids)), 0, -1):
+                if ids[len(ids) - done :] == out[:done]:
+                    nxt = out[done : done + k]
+                    return [
+                        (t + 1) % vocab if (done + j) % wrong_every == wrong_every - 1 else t
+                        for j, t in enumerate(nxt)
+                    ]
+        return []
+
+    monkeypatch.setattr(Speculator, "lookup", lookup)

@@ -141,6 +141,17 @@ class BlockManager:
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free().id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past the first `num_tokens` slots (grown for proposed
+        tokens that were rejected: they hold nothing cached)."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.id] = None
+                self.free.move_to_end(block.id, last=False)
+
     def _take_free(self) -> Block:
         """The least recently used free block, its cached content evicted (to a tier
         below, when there is one)."""

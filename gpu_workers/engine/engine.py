@@ -39,6 +39,7 @@ from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Completion, Sequence, Status, check_progress
+from gpu_workers.engine.speculator import Speculator
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
 from kv_store.redis_tier import RedisTier
@@ -76,7 +77,10 @@ class Engine:
             config.prefix_caching,
         )
         self.blocks.tiers = self._tiers(kv_redis)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.speculator = (
+            Speculator(config, self.max_model_len) if config.speculative != "off" else None
+        )
+        self.scheduler = Scheduler(config, self.blocks, self.speculator)
         self.eos_ids = self._eos_ids()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.sampler = Sampler(config.seed, self.grammars, self.runner.ops)
@@ -287,13 +291,20 @@ class Engine:
         logits, sampling = self.runner.run(seqs)
         if not sampling:
             return [], [], []
+        # a row per position a sequence samples at: one, or one more than it has proposals
+        rows: list[Sequence] = []
+        positions: list[int] = []
+        for s in sampling:
+            n = 1 + s.num_draft
+            rows += [s] * n
+            positions += range(s.num_output_tokens, s.num_output_tokens + n)
         # the shared generator's draws of a failed sampling are given back, so a rerun draws
         # the same (a seeded row's draw depends on its seed and position only)
         gen = self.sampler.generator
         shared = any(s.params.seed is None and not s.params.greedy for s in sampling)
         state = gen.get_state() if shared else None
         try:
-            tokens, logprobs = self.sampler(logits, sampling)
+            tokens, logprobs = self.sampler(logits, rows, positions)
         except Exception:
             if state is not None:
                 gen.set_state(state)
@@ -307,15 +318,34 @@ class Engine:
         tokens: list[int],
         logprobs: list[dict | None],
     ) -> list[StepOutput]:
-        """Book a successful run: computed tokens, prefix-cache blocks, new tokens."""
+        """Book a successful run: computed tokens, prefix-cache blocks, new tokens. `tokens`
+        and `logprobs` hold a row per position each sampling sequence sampled at; a
+        sequence's proposals are checked against them (speculator.py): the accepted ones'
+        KV stays computed, the rest is void."""
+        drawn = []
+        i = 0
+        for seq in sampling:
+            n = 1 + seq.num_draft
+            toks, lps = tokens[i : i + n], logprobs[i : i + n]
+            i += n
+            drawn.append((seq, toks, lps, n > 1))
+            if n > 1:
+                assert self.speculator is not None
+                m = self.speculator.verify(seq, toks)
+                seq.num_scheduled -= seq.num_draft - m
+                seq.drop_draft(keep=m)  # equal to the tokens drawn: their blocks commit
+                drawn[-1] = (seq, toks[: m + 1], lps[: m + 1], True)
         for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled
             seq.num_scheduled = 0
             self.blocks.commit(seq)
         outs = []
-        for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
+        for seq, toks, lps, proposed in drawn:
+            if proposed:
+                seq.drop_draft()  # booked again below, as drawn tokens
+                self.blocks.trim(seq, seq.num_computed_tokens + 1)
             try:
-                outs.append(self._append(seq, tok, lp))
+                outs.append(self._append(seq, toks, lps))
             except Exception as e:
                 if seq.status is Status.FINISHED:
                     raise  # it failed while being taken out: the bookkeeping is broken
@@ -361,28 +391,42 @@ class Engine:
             error=_describe(error),
         )
 
-    def _append(self, seq: Sequence, token: int, logprob: dict | None) -> StepOutput:
-        if logprob is not None:
-            # token texts for OpenAI-shaped answers: the gateway has no tokenizer
-            logprob["token"] = self.tokenizer.decode([token])
-            if "top" in logprob:
-                logprob["top_tokens"] = [self.tokenizer.decode([t]) for t, _ in logprob["top"]]
-            seq.logprobs.append(logprob)
-        reason, delta = self._record(seq, token)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict | None]) -> StepOutput:
+        """Book a step's drawn tokens on `seq` in order, up to the one it ends with."""
+        new: list[int] = []
+        lps: list[dict] = []
+        delta = ""
+        reason = None
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            if logprob is not None:
+                # token texts for OpenAI-shaped answers: the gateway has no tokenizer
+                logprob["token"] = self.tokenizer.decode([token])
+                if "top" in logprob:
+                    logprob["top_tokens"] = [self.tokenizer.decode([t]) for t, _ in logprob["top"]]
+                seq.logprobs.append(logprob)
+                lps.append(logprob)
+            reason, text = self._record(seq, token)
+            new.append(token)
+            delta += text
+            if reason:
+                break
         if reason:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             del self.seqs[seq.request_id]
+        st = seq.spec
         return StepOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=new,
             text_delta=delta,
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            logprobs=[logprob] if logprob is not None else None,
+            logprobs=lps or None,
+            num_spec_proposed=st.proposed if st is not None else 0,
+            num_spec_accepted=st.accepted if st is not None else 0,
         )
 
     def _record(self, seq: Sequence, token: int) -> tuple[str | None, str]:
@@ -483,6 +527,8 @@ class Engine:
             "waiting": self.num_waiting,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            "spec_proposed_tokens": self.speculator.proposed if self.speculator else 0,
+            "spec_accepted_tokens": self.speculator.accepted if self.speculator else 0,
             **tiers,
         }
 

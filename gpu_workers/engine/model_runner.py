@@ -128,33 +128,40 @@ class ModelRunner:
 
     def prepare(
         self, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[int]]:
-        """Inputs for one step. Decodes (one token) are laid out first, then prefill chunks."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[list[int]]]:
+        """Inputs for one step. Decodes are laid out first, then prefill chunks. A decode
+        with proposed tokens (speculator.py) is a decode row per token, each attending to
+        the cache up to itself: the proposals' K/V are written before attention reads it,
+        so row j sees the tokens before it, as a causal chunk would. Per sequence, the rows
+        whose logits it samples from: its last row once its chunk reaches its end, and one
+        per proposed token before that; none for a prefill chunk short of the end."""
         bs = self.block_size
-        decodes = [s for s in seqs if s.num_scheduled == 1]
-        prefills = [s for s in seqs if s.num_scheduled > 1]
+        decodes, prefills = split(seqs)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
+        sample_rows: list[list[int]] = []
         for s in decodes + prefills:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled
             ids += s.token_ids[start:end]
             pos += range(start, end)
             bt = s.block_table
             slots += [bt[p // bs] * bs + p % bs for p in range(start, end)]
-            sample_rows.append(len(ids) - 1 if end == len(s) else -1)
+            n = 1 + s.num_draft if end == len(s) else 0
+            sample_rows.append(list(range(len(ids) - n, len(ids))))
         dev = self.device
-        ctx = AttnContext(slot_mapping=torch.tensor(slots, device=dev), num_decode=len(decodes))
+        # a row per decode token: its sequence and the tokens it attends to
+        rows = [(s, s.num_computed_tokens + j + 1) for s in decodes for j in range(s.num_scheduled)]
+        ctx = AttnContext(slot_mapping=torch.tensor(slots, device=dev), num_decode=len(rows))
         if self.flash:
             self._flash_inputs(ctx, decodes + prefills)
         else:
             if decodes:
-                lens = [s.num_computed_tokens + 1 for s in decodes]
+                lens = [n for _, n in rows]
                 width = -(-max(lens) // bs)
                 table = [
                     s.block_table[:width] + [0] * (width - len(s.block_table[:width]))
-                    for s in decodes
+                    for s, _ in rows
                 ]
                 ctx.decode_blocks = torch.tensor(table, device=dev)
             if decodes and self.ops is not None:  # read in place: no mask, no gather
@@ -172,7 +179,7 @@ class ModelRunner:
                 gathered.append(ctx.decode_blocks.numel())
             if gathered:
                 ctx.scratch = self._scratch(max(gathered))
-            row = len(decodes)
+            row = len(rows)
             for s in prefills:
                 context = s.num_computed_tokens + s.num_scheduled
                 blocks = None
@@ -215,8 +222,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """One forward; returns logits [S, vocab] for the sequences that sample now, in order
-        (on rank 0; other ranks return what they computed, which nobody uses).
+        """One forward; returns the sequences that sample now, in order, and their logits
+        [rows, vocab]: 1 + num_draft rows each (on rank 0; other ranks return what they
+        computed, which nobody uses).
 
         With pipeline stages the step is cut into micro-batches (one per stage, at most one
         per sequence): a stage sends each micro-batch on as soon as it is done and goes on
@@ -261,18 +269,24 @@ class ModelRunner:
             )
             dist.recv(hidden, src=self.rank - self.tp.size)
         out = self.model(input_ids, positions, ctx, hidden)
-        order = [s for s in seqs if s.num_scheduled == 1] + [s for s in seqs if s.num_scheduled > 1]
-        picked = [(r, s) for r, s in zip(rows, order, strict=True) if r >= 0]
+        decodes, prefills = split(seqs)
+        order = decodes + prefills
+        picked = [(rs, s) for rs, s in zip(rows, order, strict=True) if rs]
         sampling = [s for _, s in picked]
-        logits = torch.empty(len(picked), self.vocab_size, device=self.device)
+        flat = [r for rs, _ in picked for r in rs]
+        logits = torch.empty(len(flat), self.vocab_size, device=self.device)
         if not self.stage.last:
             out = out.contiguous()  # kept alive with its send until the send completes
             return logits, sampling, [(dist.isend(out, dst=self.rank + self.tp.size), out)]
         sends = []
-        if picked:
-            logits = self.model.logits(
-                out[torch.tensor([r for r, _ in picked], device=self.device)]
-            )
+        if flat:
+            logits = self.model.logits(out[torch.tensor(flat, device=self.device)])
             if self.stage.count > 1 and self.tp.rank == 0:
                 sends.append((dist.isend(logits, dst=0), logits))
         return logits, sampling, sends
+
+
+def split(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """A step's decodes (one token, or one and its proposals) and prefill chunks."""
+    decodes = [s for s in seqs if s.num_scheduled == 1 + s.num_draft]
+    return decodes, [s for s in seqs if s.num_scheduled != 1 + s.num_draft]

@@ -40,6 +40,7 @@ class StepSeq:
     num_computed_tokens: int
     num_scheduled: int
     block_table: list[int] = field(default_factory=list)
+    num_draft: int = 0  # proposed tokens at the end (the last stage gives their logits)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -53,6 +54,7 @@ def encode_step(seqs: list) -> torch.Tensor:
             start,
             n,
             len(s),
+            s.num_draft,
             len(s.block_table),
             *s.token_ids[start : start + n],
             *s.block_table,
@@ -63,8 +65,8 @@ def encode_step(seqs: list) -> torch.Tensor:
 def decode_step(data: list[int]) -> list[StepSeq]:
     seqs, i = [], 1
     for _ in range(data[0]):
-        start, n, length, nb = data[i : i + 4]
-        i += 4
+        start, n, length, draft, nb = data[i : i + 5]
+        i += 5
         tokens = [0] * length
         tokens[start : start + n] = data[i : i + n]
         i += n
@@ -74,6 +76,7 @@ def decode_step(data: list[int]) -> list[StepSeq]:
                 num_computed_tokens=start,
                 num_scheduled=n,
                 block_table=data[i : i + nb],
+                num_draft=draft,
             )
         )
         i += nb

@@ -29,8 +29,11 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None
     ) -> tuple[list[int], list[dict | None]]:
+        """A token (and its logprobs when asked for) per row; `positions`: the index of the
+        output token each row draws (default: the sequence's next), for the rows of proposed
+        tokens (speculator.py), where a sequence has a row per position."""
         logits = logits.float().cpu()
         raw = logits
         params = [s.params for s in seqs]
@@ -49,7 +52,8 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows)
-            picked = self._sample(logits[rows], [seqs[i] for i in random_rows])
+            at = [positions[i] if positions else seqs[i].num_output_tokens for i in random_rows]
+            picked = self._sample(logits[rows], [seqs[i] for i in random_rows], at)
             tokens[rows] = picked
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, seqs, token_list)
@@ -96,7 +100,9 @@ class Sampler:
             view[i, width:] = -np.inf  # vocab padding beyond the model's vocabulary
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int]
+    ) -> torch.Tensor:
         params = [s.params for s in seqs]
         vocab = logits.shape[1]
         # shifted so each row's best logit is 0: a tiny temperature (even one that is 0 in
@@ -130,7 +136,7 @@ class Sampler:
             u[shared] = torch.rand(len(shared), generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
-                u[i] = seeded_uniform(s.params.seed, s.num_output_tokens)
+                u[i] = seeded_uniform(s.params.seed, positions[i])
         picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return picked.clamp(max=vocab - 1)
 

@@ -43,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus top N
     skip_special_tokens: bool = True
+    speculate: bool = True  # false: no speculative decoding for this request
     # structured output (gpu_workers/engine/grammar.py), at most one of the three:
     # {"type": "json_schema", "json_schema": {"schema": {...}, ...}}, {"type": "json_object"}
     # or {"type": "text"} (none) as OpenAI spells it; a regex the whole output matches; or a
@@ -104,8 +105,9 @@ class SamplingParams:
             is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids must be a list of token ids (integers >= 0)")
-        if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
-            raise bad("ignore_eos and skip_special_tokens must be booleans")
+        for name in ("ignore_eos", "skip_special_tokens", "speculate"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {_short(getattr(self, name))}")
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):

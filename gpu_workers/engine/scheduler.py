@@ -13,6 +13,9 @@ does not fit may likewise preempt running sequences of a strictly lower priority
 A waiting sequence of strictly better priority than every running one gets a step of its
 own: its (first chunk of) prefill runs without the running decodes, so its first token is
 not slowed by the batch it overtakes; the decodes continue at the next step.
+
+With a speculator (speculator.py), a decode may carry proposed tokens: they take budget
+and blocks like a prefill chunk, and are the first thing given up when blocks run short.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from __future__ import annotations
 from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.sequence import Sequence, Status
+from gpu_workers.engine.speculator import Speculator
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, blocks: BlockManager, speculator: Speculator | None = None
+    ) -> None:
         self.config = config
         self.blocks = blocks
+        self.speculator = speculator
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -55,11 +62,21 @@ class Scheduler:
                     self._aging()
                     return scheduled
         preempted = False
+        spec = self.speculator
+        decoding = sum(len(s) - s.num_computed_tokens == 1 for s in self.running) if spec else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
+            if spec is not None and n == 1 and len(seq) - seq.num_computed_tokens == 1:
+                # proposals only from budget that leaves every later running one a token
+                spec.draft(seq, budget - (len(self.running) - i), decoding)
+                n += seq.num_draft
             while not bm.can_grow(seq, seq.num_computed_tokens + n):
+                if seq.num_draft:  # proposals go first
+                    seq.drop_draft()
+                    n = 1
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -139,6 +156,7 @@ class Scheduler:
         return refund
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_draft()
         self.blocks.release(seq)
         seq.status = Status.WAITING
         seq.num_scheduled = 0

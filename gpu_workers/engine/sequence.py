@@ -37,6 +37,10 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_scheduled: int = 0  # tokens to compute in the current step
+    # speculative decoding (speculator.py): the last num_draft of token_ids are proposed
+    # tokens, there only while a step checks them
+    num_draft: int = 0
+    spec: Any = None  # the speculator's SpecState
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_committed_blocks: int = 0  # leading blocks already published to the prefix cache
@@ -79,11 +83,18 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_draft]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_draft
+
+    def drop_draft(self, keep: int = 0) -> None:
+        """Take back the proposed tokens after the first `keep`."""
+        cut = self.num_draft - keep
+        if cut > 0:
+            del self.token_ids[-cut:]
+            self.num_draft = keep
 
     @property
     def max_len(self) -> int:

@@ -412,6 +412,8 @@ class VllmBackend:
             "steps": self.steps,
             "prompt_tokens": f.prompt_tokens,
             "generated_tokens": f.generated_tokens,
+            "spec_proposed_tokens": f.spec_proposed,
+            "spec_accepted_tokens": f.spec_accepted,
             **tier,
         }
 

@@ -22,6 +22,8 @@ class Figures(StatLoggerBase):
         self.preemptions = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.spec_proposed = 0  # speculative decoding: draft tokens, and of those accepted
+        self.spec_accepted = 0
 
     def record(
         self,
@@ -39,6 +41,10 @@ class Figures(StatLoggerBase):
             self.prefix_hits += s.prefix_cache_stats.hits
             if s.connector_prefix_cache_stats is not None:
                 self.remote_hits += s.connector_prefix_cache_stats.hits
+            spec = getattr(s, "spec_decoding_stats", None)
+            if spec is not None:
+                self.spec_proposed += spec.num_draft_tokens
+                self.spec_accepted += spec.num_accepted_tokens
         if iteration_stats is not None:
             self.preemptions += iteration_stats.num_preempted_reqs
             self.prompt_tokens += iteration_stats.num_prompt_tokens

@@ -40,3 +40,17 @@ def test_vllm_backend_without_vllm_says_how_to_get_it() -> None:
 def test_vllm_option_values_are_json_or_text() -> None:
     a = args("--backend", "vllm", "--vllm", "enforce_eager=true", "--vllm", "dtype=bfloat16")
     assert dict(a.vllm) == {"enforce_eager": True, "dtype": "bfloat16"}
+
+
+def test_speculative_decoding_is_vllms_ngram_method() -> None:
+    opts = {"speculative": "ngram", "num_speculative_tokens": 3, "ngram_max": 5}
+    assert serve._vllm_speculative(opts) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    assert opts == {}  # taken out: the rest must be vLLM's own
+    assert serve._vllm_speculative({"speculative": "off", "ngram_min": 1}) is None
+    with pytest.raises(StartError, match="speculative must be"):
+        serve._vllm_speculative({"speculative": "eagle"})

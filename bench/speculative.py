@@ -1,0 +1,226 @@
+"""Speculative decoding (prompt lookup) in the native engine, with and without, on the same
+requests; vLLM's CPU build with its own n-gram speculation on them where it runs it.
+
+    python bench/speculative.py [--dtype fp32|bf16] [--k 4] [--runs 3] [--requests 32]
+        [--doc-size bench] [--train-steps 400] [--skip-vllm]
+
+Workloads (greedy, EOS ignored, so every run makes the same tokens):
+- documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps),
+  asked to copy a passage it was just given (the passage, a blank line, its first words:
+  the answer goes on with the passage) and to continue a passage the book holds further on
+  (the prompt quotes the book up to a point, then quotes it again from an earlier point:
+  the continuation is in the prompt). The output reuses the input, as in extraction,
+  quoting and rewriting.
+- random: bench/throughput.py's mixed workload on the random-weight bench model, where
+  proposals rarely match: speculation must cost nothing there.
+
+Figures per workload: single stream (one request at a time: decode tok/s, from each
+request's first token to its last) and batch (--requests at once: output tok/s); the share
+of proposed tokens accepted. vLLM: batch only (its offline `generate`), same requests.
+The last line is one JSON object with the ISA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.throughput import TCMALLOC, vllm_python  # noqa: E402
+from bench.workload import Request, bench_model, cpu_isa, mixed  # noqa: E402
+
+
+def doc_model(size: str, steps: int) -> Path:
+    """Trained for a number of steps, not seconds, so that every machine makes the same
+    model (made once; cached under models/)."""
+    from gpu_workers.models.factory import make_model
+    from gpu_workers.models.train import TrainConfig
+
+    cfg = TrainConfig(steps=steps, seconds=24 * 3600.0, context=192)
+    return make_model(ROOT / "models" / f"{size}-llama-book-{steps}", size=size, train=cfg)
+
+
+def documents(model: Path, n: int, max_tokens: int, seed: int = 0) -> list[Request]:
+    """Half copy requests (a passage, then its first words), half continuations (the book
+    up to a point, then from an earlier point on)."""
+    from transformers import AutoTokenizer
+
+    from gpu_workers.models.train import corpus_text, paragraphs
+
+    tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    paras = [p for p in paragraphs(corpus_text()) if 200 <= len(p) <= 500]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = rng.choice(paras)
+        if i % 2 == 0:
+            text = f"{p}\n\n{p[: len(p) // 5]}"
+        else:
+            cut = len(p) // 2
+            text = f"{p}\n\n{p[cut // 3 : cut]}"
+        ids = tok(text, add_special_tokens=False).input_ids
+        out.append(Request(ids, max_tokens))
+    return out
+
+
+def run_native(model: Path, reqs: list[Request], dtype: str, spec: str, k: int, batch: bool):
+    """(output tok/s: batch all at once, or decode tok/s one at a time; acceptance)."""
+    from gpu_workers.engine.engine import Engine, EngineConfig
+    from gpu_workers.engine.sampling_params import SamplingParams
+
+    max_len = max(len(r.prompt) + r.max_tokens for r in reqs) + 16
+    engine = Engine(
+        EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            speculative=spec,
+            num_speculative_tokens=k,
+            max_model_len=max(1024, max_len),
+        )
+    )
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
+    before = engine.stats()
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    made = 0
+    if batch:
+        start = time.perf_counter()
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
+            engine.add(f"b{i}", token_ids=r.prompt, params=p)
+        while engine.has_unfinished():
+            made += sum(len(o.new_token_ids) for o in engine.step())
+        rate = made / (time.perf_counter() - start)
+    else:
+        decode_s = 0.0
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
+            engine.add(f"s{i}", token_ids=r.prompt, params=p)
+            first = None
+            while engine.has_unfinished():
+                outs = engine.step()
+                n = sum(len(o.new_token_ids) for o in outs)
+                if n and first is None:
+                    first, n = time.perf_counter(), n - 1  # decode: after the first token
+                made += n
+            decode_s += time.perf_counter() - first
+        rate = made / decode_s
+    after = engine.stats()
+    engine.close()
+    proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return rate, (accepted / proposed if proposed else None)
+
+
+def run_vllm(model: Path, reqs: list[Request], dtype: str, k: int | None) -> dict:
+    """vLLM's offline generate of every request at once, with n-gram speculation (k
+    tokens) or none: output tok/s, or why it did not run."""
+    py = vllm_python()
+    if py is None:
+        return {"skipped": "no .venv-vllm (make vllm-install)"}
+    preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
+    preload += [t for t in TCMALLOC if Path(t).exists()]
+    max_len = max(len(r.prompt) + r.max_tokens for r in reqs) + 16
+    options: dict = {"max_model_len": max(1024, max_len)}
+    if k:
+        options["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "requests": [[r.prompt, r.max_tokens] for r in reqs],
+        "options": options,
+    }
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    env = {
+        **os.environ,
+        "LD_PRELOAD": " ".join(preload),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        run = subprocess.run(
+            [str(py), str(ROOT / "bench" / "vllm_peer.py"), f.name],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    if run.returncode != 0:
+        lines = [x for x in run.stderr.splitlines() if "Error" in x or "error" in x]
+        return {"failed": (lines[-1] if lines else run.stderr[-300:])[-300:]}
+    out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:])
+    return {"tok_s": round(out["tokens"] / out["seconds"], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--k", type=int, default=4, help="tokens proposed a step")
+    ap.add_argument("--runs", type=int, default=3, help="runs of each case; medians")
+    ap.add_argument("--requests", type=int, default=32, help="requests of the batch cases")
+    ap.add_argument("--single", type=int, default=8, help="requests of the single-stream cases")
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens out, documents")
+    ap.add_argument("--doc-size", default="bench", help="the documents' model: a factory size")
+    ap.add_argument("--train-steps", type=int, default=400, help="its training on the book")
+    ap.add_argument("--skip-vllm", action="store_true")
+    a = ap.parse_args()
+    started = time.monotonic()
+    book = doc_model(a.doc_size, a.train_steps)
+    rand = bench_model()
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(rand)).vocab_size
+    work = {
+        "documents": (book, documents(book, a.requests, a.max_tokens)),
+        "random": (rand, mixed(a.requests, vocab, 0)),
+    }
+    out: dict = {"bench": "speculative", "isa": cpu_isa(), "dtype": a.dtype, "k": a.k}
+    for name, (model, reqs) in work.items():
+        fig: dict = {"requests": len(reqs), "output_tokens": sum(r.max_tokens for r in reqs)}
+        for mode, batch, rs in (("single", False, reqs[: a.single]), ("batch", True, reqs)):
+            rates: dict[str, list[float]] = {"off": [], "ngram": []}
+            acc: list[float] = []
+            for _ in range(a.runs):  # interleaved, so a slow minute lands on both
+                for spec in rates:
+                    rate, accepted = run_native(model, rs, a.dtype, spec, a.k, batch)
+                    rates[spec].append(rate)
+                    if accepted is not None:
+                        acc.append(accepted)
+                    print(f"{name} {mode} {spec}: {rate:.1f} tok/s", file=sys.stderr)
+            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+            fig[mode] = {
+                "off_tok_s": round(off, 1),
+                "ngram_tok_s": round(on, 1),
+                "speedup": round(on / off, 3),
+                "acceptance": round(statistics.median(acc), 3) if acc else None,
+                "runs_off": [round(x, 1) for x in rates["off"]],
+                "runs_ngram": [round(x, 1) for x in rates["ngram"]],
+            }
+        if not a.skip_vllm:
+            v_off, v_on = run_vllm(model, reqs, a.dtype, None), run_vllm(model, reqs, a.dtype, a.k)
+            fig["vllm_batch"] = {"off": v_off, "ngram": v_on}
+            if "tok_s" in v_off and "tok_s" in v_on:
+                fig["vllm_batch"]["speedup"] = round(v_on["tok_s"] / v_off["tok_s"], 3)
+                fig["batch"]["ratio_vs_vllm_ngram"] = round(
+                    fig["batch"]["ngram_tok_s"] / v_on["tok_s"], 3
+                )
+        out[name] = fig
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
