@@ -232,8 +232,8 @@ class FailingSampler:
         self.generator = sampler.generator
         self.failed: list[list[str]] = []  # the request ids of each batch it raised on
 
-    def __call__(self, logits, seqs):
-        out = self.sampler(logits, seqs)
+    def __call__(self, logits, seqs, positions=None):
+        out = self.sampler(logits, seqs, positions)
         if any(s.request_id == self.bad for s in seqs):
             self.failed.append([s.request_id for s in seqs])
             raise ValueError("no logits for this row")
