@@ -46,13 +46,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
     chunked_prefill: bool = True
     prefix_caching: bool = True
-    # speculative decoding (speculator.py): ngram (prompt lookup) or off; tokens proposed
-    # a step, the n-gram sizes looked up, and the most decoding sequences a step speculates at
+    # speculative decoding (speculator.py): ngram (prompt lookup) or off; the most tokens
+    # proposed a step, and the n-gram sizes looked up
     speculative: str = "off"
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    spec_max_seqs: int = 32
     priority_aging_steps: int = (
         256  # a waiting request gains one priority level per this many steps
     )
@@ -94,8 +93,6 @@ class EngineConfig:
                 "ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= 16, got "
                 f"{self.ngram_min} and {self.ngram_max}"
             )
-        if self.spec_max_seqs < 0:
-            raise ValueError(f"spec_max_seqs must be >= 0, got {self.spec_max_seqs}")
         if self.kv_redis_ttl_s < 1:  # Redis refuses it: every write would fail, unseen
             raise ValueError(f"kv_redis_ttl_s must be >= 1, got {self.kv_redis_ttl_s}")
         if not 0 <= self.watermark < 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
@@ -267,19 +268,27 @@ class Engine:
     # -- stepping -----------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
         self.num_steps += 1
         if self.group is not None:
             self.group.check()
+        # the cost model learns from steps of decodes only (a prefill's rows cost otherwise)
+        decoding = all(s.num_scheduled == 1 + s.num_draft for s in seqs)
+        rows = sum(s.num_scheduled for s in seqs)
         try:
             sampled = self._run(seqs)
         except Exception as e:
             if not self.runner.in_lockstep:
                 raise  # the other ranks are mid-step: the group cannot go on
             return self._recover(seqs, e)
-        return self._advance(seqs, *sampled)
+        outs = self._advance(seqs, *sampled)
+        if self.speculator is not None and decoding:
+            made = sum(len(o.new_token_ids) for o in outs)
+            self.speculator.observe(rows, time.perf_counter() - start, made)
+        return outs
 
     def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """The batched part of a step: inputs, forward, sampling. It changes no bookkeeping,

@@ -63,14 +63,13 @@ class Scheduler:
                     return scheduled
         preempted = False
         spec = self.speculator
-        decoding = sum(len(s) - s.num_computed_tokens == 1 for s in self.running) if spec else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
             if spec is not None and n == 1 and len(seq) - seq.num_computed_tokens == 1:
                 # proposals only from budget that leaves every later running one a token
-                spec.draft(seq, budget - (len(self.running) - i), decoding)
+                spec.draft(seq, budget - (len(self.running) - i))
                 n += seq.num_draft
             while not bm.can_grow(seq, seq.num_computed_tokens + n):
                 if seq.num_draft:  # proposals go first

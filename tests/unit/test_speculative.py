@@ -12,7 +12,8 @@ import pytest
 
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.speculator import SpecState, Speculator
+from gpu_workers.engine.sequence import Sequence
+from gpu_workers.engine.speculator import SpecState, Speculator, row_cost
 from tests.conftest import FAMILIES
 from tests.helpers import oracle
 
@@ -52,6 +53,45 @@ def test_lookup_proposes_what_followed_the_latest_earlier_occurrence() -> None:
         for _ in range(40):
             assert spec.lookup(st, ids, 4) == brute(ids, 4), ids
             ids.append(rng.randrange(4))
+
+
+def test_row_cost_is_the_slope_over_the_time_per_token() -> None:
+    # 2 ms a step plus 0.5 ms a row; each step makes as many tokens as it has rows
+    steps = [(r, 0.002 + 0.0005 * r, r) for r in (4, 8, 16, 8, 4, 32)]
+    per_token = sum(s[1] for s in steps) / sum(s[2] for s in steps)
+    assert row_cost(steps) == pytest.approx(0.0005 / per_token)
+    assert row_cost([(8, 0.01, 8)] * 5) == 0.0  # rows never varied: nothing to tell
+    assert row_cost([(4, 0.02, 4), (8, 0.01, 8)]) == 0.0  # time fell as rows grew
+
+
+def test_proposals_only_while_they_pay(monkeypatch) -> None:
+    """A sequence proposes its j-th token while acceptance^j reaches the needed share;
+    one that cannot pays a pause (doubling), then tries one token."""
+    spec = Speculator(EngineConfig(model="x", num_speculative_tokens=4), max_model_len=1000)
+    monkeypatch.setattr(Speculator, "lookup", lambda self, st, ids, k: [7] * k)
+    seq = Sequence("r", list(range(20)), SamplingParams(max_tokens=100))
+
+    def drafted(acceptance: float, need: float) -> int:
+        seq.drop_draft()
+        seq.spec = SpecState(acceptance=acceptance)
+        spec.need = need
+        spec.draft(seq, room=100)
+        return seq.num_draft
+
+    assert drafted(0.9, 0.0) == 4  # a step whose time does not grow with rows
+    assert drafted(0.9, 0.75) == 2  # 0.9^2 = 0.81 pays, 0.9^3 = 0.73 does not
+    assert drafted(0.5, 0.6) == 0 and seq.spec.pause == 8
+    st = seq.spec
+    for _ in range(7):
+        spec.draft(seq, room=100)
+        assert seq.num_draft == 0
+    spec.draft(seq, room=100)  # the pause is over: one token to try
+    assert seq.num_draft == 1
+    spec.verify(seq, [3, 3])  # refused: the next pause is twice as long
+    assert st.acceptance < 0.5
+    seq.drop_draft()
+    spec.draft(seq, room=100)
+    assert seq.num_draft == 0 and st.pause == 16
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
