@@ -27,16 +27,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.throughput import TCMALLOC, vllm_python  # noqa: E402
+from bench.throughput import vllm_peer, vllm_python  # noqa: E402
 from bench.workload import Request, bench_model, cpu_isa, mixed  # noqa: E402
 
 
@@ -128,8 +126,6 @@ def run_vllm(model: Path, reqs: list[Request], dtype: str, k: int | None) -> dic
     py = vllm_python()
     if py is None:
         return {"skipped": "no .venv-vllm (make vllm-install)"}
-    preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
-    preload += [t for t in TCMALLOC if Path(t).exists()]
     max_len = max(len(r.prompt) + r.max_tokens for r in reqs) + 16
     options: dict = {"max_model_len": max(1024, max_len)}
     if k:
@@ -139,32 +135,11 @@ def run_vllm(model: Path, reqs: list[Request], dtype: str, k: int | None) -> dic
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 2,
         }
-    spec = {
-        "model": str(model),
-        "dtype": dtype,
-        "requests": [[r.prompt, r.max_tokens] for r in reqs],
-        "options": options,
-    }
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    env = {
-        **os.environ,
-        "LD_PRELOAD": " ".join(preload),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(spec, f)
-        f.flush()
-        run = subprocess.run(
-            [str(py), str(ROOT / "bench" / "vllm_peer.py"), f.name],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    if run.returncode != 0:
-        lines = [x for x in run.stderr.splitlines() if "Error" in x or "error" in x]
-        return {"failed": (lines[-1] if lines else run.stderr[-300:])[-300:]}
-    out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:])
+    out, stderr, _ = vllm_peer(py, model, reqs, dtype, threads, options)
+    if out is None:
+        lines = [x for x in stderr.splitlines() if "Error" in x or "error" in x]
+        return {"failed": (lines[-1] if lines else stderr[-300:])[-300:]}
     return {"tok_s": round(out["tokens"] / out["seconds"], 1)}
 
 

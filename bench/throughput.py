@@ -146,22 +146,19 @@ def vllm_python() -> Path | None:
     return Path(found) if Path(found).exists() else None
 
 
-def run_vllm(
-    model: Path, reqs: list[Request], dtype: str, threads: int
-) -> tuple[float, list[str]] | None:
-    """Seconds of vLLM's run and the libraries preloaded; None when vLLM is not installed."""
-    py = vllm_python()
-    if py is None:
-        print("vllm       skipped: no .venv-vllm (make vllm-install) nor PLURAI_VLLM_PYTHON")
-        return None
+def vllm_peer(
+    py: Path, model: Path, reqs: list[Request], dtype: str, threads: int, options: dict
+) -> tuple[dict | None, str, list[str]]:
+    """bench/vllm_peer.py on these requests with vLLM's EngineArgs `options`, with the
+    set-up vLLM's CPU docs recommend: its figures (None when it failed), its stderr, and
+    the libraries preloaded."""
     preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
     preload += [t for t in TCMALLOC if Path(t).exists()]
-    max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
     spec = {
         "model": str(model),
         "dtype": dtype,
         "requests": [[r.prompt, r.max_tokens] for r in reqs],
-        "options": {"max_model_len": max(1024, max_len)},
+        "options": options,
     }
     env = {
         **os.environ,
@@ -178,11 +175,28 @@ def run_vllm(
             capture_output=True,
             text=True,
         )
+    names = [Path(p).name for p in preload]
     if run.returncode != 0:
-        raise SystemExit(f"the vLLM peer failed:\n{run.stderr[-3000:]}")
+        return None, run.stderr, names
     out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:])
+    return out, run.stderr, names
+
+
+def run_vllm(
+    model: Path, reqs: list[Request], dtype: str, threads: int
+) -> tuple[float, list[str]] | None:
+    """Seconds of vLLM's run and the libraries preloaded; None when vLLM is not installed."""
+    py = vllm_python()
+    if py is None:
+        print("vllm       skipped: no .venv-vllm (make vllm-install) nor PLURAI_VLLM_PYTHON")
+        return None
+    max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
+    options = {"max_model_len": max(1024, max_len)}
+    out, stderr, preload = vllm_peer(py, model, reqs, dtype, threads, options)
+    if out is None:
+        raise SystemExit(f"the vLLM peer failed:\n{stderr[-3000:]}")
     assert out["tokens"] == sum(r.max_tokens for r in reqs), out
-    return out["seconds"], [Path(p).name for p in preload]
+    return out["seconds"], preload
 
 
 def main() -> None:
