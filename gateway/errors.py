@@ -6,6 +6,8 @@ turn it into its status, code and Retry-After. Anything else is a Plurai bug: a 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any
 
 import redis
@@ -47,6 +49,27 @@ def error(
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return JSONResponse(error_body(message, code, param, kind), status, headers=headers)
+
+
+class _Unavailable:
+    """Logs why Redis was unavailable to a request, at most once a second (an outage fails
+    every request: the count of the others goes with the next line)."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf
+        self.quiet = 0
+
+    def seen(self, path: str, e: Exception) -> None:
+        now = time.monotonic()
+        if now - self.last < 1.0:
+            self.quiet += 1
+            return
+        more = f" ({self.quiet} more since the last line)" if self.quiet else ""
+        log.warning("%s: 503, Redis unavailable: %s: %s%s", path, type(e).__name__, e, more)
+        self.last, self.quiet = now, 0
+
+
+_unavailable = _Unavailable()
 
 
 def unavailable(e: Exception | None = None) -> JSONResponse:
@@ -102,6 +125,8 @@ def _response(request: Request, e: Exception) -> Response:
         log.warning("%s: Redis refused a command: %s", request.url.path, e)
         return error(500, "the stored record is damaged", "internal")
     if isinstance(e, (redis.RedisError, OperationalError)):  # or an OOM refusal of a write
+        if not is_oom(e):
+            _unavailable.seen(request.url.path, e)
         return unavailable(e)
     # a bug: Starlette raises it on for the server to log, after this response
     return error(500, "internal error: a bug in Plurai (see the gateway's log)", "internal")

@@ -42,3 +42,22 @@ def test_no_redis_is_503_unavailable(api, method, path, body):
 def test_health_says_redis_is_down(api):
     r = api.get("/health")
     assert r.status_code == 503 and r.json() == {"status": "redis unavailable"}
+
+
+def test_why_is_logged_once_a_second(api, caplog, monkeypatch):
+    """An operator sees why requests got 503: the exception, in one line a second at most,
+    with the count of the requests it stood for."""
+    from gateway import errors
+
+    monkeypatch.setattr(errors, "_unavailable", errors._Unavailable())
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    with caplog.at_level("WARNING", logger="plurai.gateway"):
+        for _ in range(3):
+            assert api.post("/v1/completions", json=body).status_code == 503
+    lines = [r.getMessage() for r in caplog.records if "Redis unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "ConnectionError" in lines[0], lines
+    errors._unavailable.last -= 1.0  # a second later: the next line counts the two
+    with caplog.at_level("WARNING", logger="plurai.gateway"):
+        api.post("/v1/completions", json=body)
+    lines = [r.getMessage() for r in caplog.records if "Redis unavailable" in r.getMessage()]
+    assert len(lines) == 2 and "(2 more since the last line)" in lines[1], lines
