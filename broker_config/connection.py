@@ -274,22 +274,43 @@ def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
     return redis.Redis.from_url(url, decode_responses=decode, **options)
 
 
+ASYNC_MAX_CONNECTIONS = 1024  # an asyncio client's connections to a Redis at most
+ASYNC_POOL_WAIT_S = 30.0  # how long a command waits for one of them
+
+
 def connect_async(url: str, *, decode: bool = False) -> AsyncClient:
     c = parse_cluster(url)
     if c is not None:
         nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in c.hosts]
         return redis.asyncio.cluster.RedisCluster(
-            startup_nodes=nodes, decode_responses=decode, socket_keepalive=True, **c.node_kwargs
+            startup_nodes=nodes,
+            decode_responses=decode,
+            socket_keepalive=True,
+            max_connections=ASYNC_MAX_CONNECTIONS,  # per node
+            **c.node_kwargs,
         )
     s = parse_sentinel(url)
     if s is not None:
         sentinel = redis.asyncio.sentinel.Sentinel(s.hosts, sentinel_kwargs=s.sentinel_kwargs)
         return sentinel.master_for(
-            s.service, decode_responses=decode, socket_keepalive=True, **s.master_kwargs
+            s.service,
+            decode_responses=decode,
+            socket_keepalive=True,
+            max_connections=ASYNC_MAX_CONNECTIONS,
+            **s.master_kwargs,
         )
-    if _unix(url):
-        return redis.asyncio.Redis.from_url(url, decode_responses=decode)
-    return redis.asyncio.Redis.from_url(url, decode_responses=decode, socket_keepalive=True)
+    # redis-py's asyncio pool refuses the 101st concurrent command at once (MaxConnectionsError);
+    # a gateway under a flood has hundreds in flight, blocking reads among them, so a command
+    # waits for a connection of a larger pool instead (and fails only after ASYNC_POOL_WAIT_S)
+    extra = {} if _unix(url) else {"socket_keepalive": True}
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url,
+        decode_responses=decode,
+        max_connections=ASYNC_MAX_CONNECTIONS,
+        timeout=ASYNC_POOL_WAIT_S,
+        **extra,
+    )
+    return redis.asyncio.Redis(connection_pool=pool)
 
 
 def _unix(url: str) -> bool:
