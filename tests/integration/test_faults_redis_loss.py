@@ -4,13 +4,13 @@ result, backs off, and stores it once Redis is back (in-process, with a stand-in
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import redis
 
 from broker_config.connection import connect
 from broker_config.embedded import EmbeddedRedis
 from broker_config.settings import Settings
+from gpu_workers.backend import StepOutput
 from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
@@ -48,20 +48,19 @@ class OneStepEngine:
     def stats(self) -> dict:
         return {}
 
-    def step(self) -> list[SimpleNamespace]:
+    def step(self) -> list[StepOutput]:
         self.on_step()
         ids, self.ids = self.ids, []
         return [
-            SimpleNamespace(
+            StepOutput(
                 request_id=i,
                 new_token_ids=[5],
                 text_delta="done",
-                num_prompt_tokens=3,
-                num_cached_tokens=0,
-                logprobs=None,
                 finished=True,
                 finish_reason="stop",
-                error=None,
+                num_prompt_tokens=3,
+                num_output_tokens=1,
+                num_cached_tokens=0,
             )
             for i in ids
         ]
