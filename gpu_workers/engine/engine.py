@@ -275,9 +275,11 @@ class Engine:
         self.num_steps += 1
         if self.group is not None:
             self.group.check()
-        # the cost model learns from steps of decodes only (a prefill's rows cost otherwise)
-        decoding = all(s.num_scheduled == 1 + s.num_draft for s in seqs)
-        rows = sum(s.num_scheduled for s in seqs)
+        # the speculator's cost model learns from steps of decodes only (a prefill's rows
+        # cost otherwise); without one, nothing is counted
+        spec = self.speculator
+        decoding = spec is not None and all(s.num_scheduled == 1 + s.num_draft for s in seqs)
+        rows = sum(s.num_scheduled for s in seqs) if decoding else 0
         try:
             sampled = self._run(seqs)
         except Exception as e:
@@ -285,9 +287,9 @@ class Engine:
                 raise  # the other ranks are mid-step: the group cannot go on
             return self._recover(seqs, e)
         outs = self._advance(seqs, *sampled)
-        if self.speculator is not None and decoding:
+        if spec is not None and decoding:
             made = sum(len(o.new_token_ids) for o in outs)
-            self.speculator.observe(rows, time.perf_counter() - start, made)
+            spec.observe(rows, time.perf_counter() - start, made)
         return outs
 
     def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[dict | None]]:
@@ -301,12 +303,14 @@ class Engine:
         if not sampling:
             return [], [], []
         # a row per position a sequence samples at: one, or one more than it has proposals
-        rows: list[Sequence] = []
-        positions: list[int] = []
-        for s in sampling:
-            n = 1 + s.num_draft
-            rows += [s] * n
-            positions += range(s.num_output_tokens, s.num_output_tokens + n)
+        rows: list[Sequence] = sampling
+        positions: list[int] | None = None  # the sampler's default: each one's next
+        if any(s.num_draft for s in sampling):
+            rows, positions = [], []
+            for s in sampling:
+                n = 1 + s.num_draft
+                rows += [s] * n
+                positions += range(s.num_output_tokens, s.num_output_tokens + n)
         # the shared generator's draws of a failed sampling are given back, so a rerun draws
         # the same (a seeded row's draw depends on its seed and position only)
         gen = self.sampler.generator

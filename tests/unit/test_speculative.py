@@ -203,3 +203,12 @@ def test_engine_settings_are_checked() -> None:
         EngineConfig(model="x", ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(model="x", num_speculative_tokens=0)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, [True]])
+def test_speculate_must_be_a_boolean(bad) -> None:
+    from gpu_workers.engine.errors import ErrorCode, RequestError
+
+    with pytest.raises(RequestError, match="speculate must be a boolean") as e:
+        SamplingParams.from_dict({"max_tokens": 4, "speculate": bad})
+    assert e.value.code == ErrorCode.INVALID_PARAMS
