@@ -32,7 +32,7 @@ from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.grammar import GrammarError, Grammars
+from gpu_workers.engine.grammar import GrammarError, Grammars, Steer
 from gpu_workers.engine.kv_tiers import KVTiers
 from gpu_workers.engine.model_runner import ModelRunner
 from gpu_workers.engine.parallel import Group, encode_step, send_step
@@ -84,7 +84,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks, self.speculator)
         self.eos_ids = self._eos_ids()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        self.sampler = Sampler(config.seed, self.grammars, self.runner.ops)
+        self.sampler = Sampler(config.seed, self.grammars, self.runner.ops, self.max_model_len)
         self.prompts = Prompts(self.tokenizer, self.vocab_size, self.max_model_len)
         self.tokenize = self.prompts.tokenize
         self.seqs: dict[str, Sequence] = {}
@@ -181,6 +181,7 @@ class Engine:
             cache_salt=cache_salt,
         )
         seq.matcher = matcher
+        seq.steer = Steer() if matcher is not None else None
         seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         text = "" if output_ids is None else self._replay(seq, output_ids)
         self.seqs[request_id] = seq

@@ -12,6 +12,11 @@ figures): it refuses the JSON-schema keywords it cannot enforce (`if`/`then`, `n
 validate; and it depends on nothing, where xgrammar brings triton (about 1 GB) to a CPU
 install. Its masks cost more (tens of microseconds a row where xgrammar's take a few),
 still a small part of a step.
+
+Near the end of its max_tokens, a constrained output is steered to a completion
+(`Grammars.steer`): a drawn token after which the grammar could no longer be completed in
+the tokens left is replaced by the next token of a short completion, so an output ends
+`stop` and parses whenever its grammar allows a completion that short.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +48,15 @@ MAX_REPEAT = 10_000
 # JSON without optional whitespace: a weak or random model would otherwise fill max_tokens
 # with spaces and newlines between the tokens that matter
 JSON_OPTIONS = {"whitespace_flexible": False}
+# Steering: a drawn token is checked once fewer than STEER_MARGIN tokens more than a
+# completion's are left; before that a completion is looked for again after a quarter of
+# the tokens to spare, STEER_EVERY at least (a token can lengthen it: one that opens an
+# object with required fields). No completion longer than FINISH_MAX tokens is looked for.
+STEER_MARGIN = 16
+STEER_EVERY = 4
+FINISH_MAX = 512
+# the bytes that end the most: a string, an object, an array
+_CLOSERS = b'"}]'
 
 
 def spec(params: SamplingParams) -> tuple[str, str] | None:
@@ -190,6 +205,18 @@ def _escape(text: str) -> str:
     return "".join(out)
 
 
+@dataclass
+class Steer:
+    """A constrained sequence's steering state: `path`, a completion of the output from its
+    state after `at` output tokens (None: unknown), and when one was last looked for."""
+
+    at: int = -1
+    path: list[int] | None = None
+    searched: int = -(1 << 30)  # the output token count at the last search
+    length: int = 1 << 30  # the length it found (FINISH_MAX + 1: none)
+    replaced: int = 0  # drawn tokens replaced by a completion's
+
+
 class Grammars:
     """The engine's compiler and mask filler, built at the first constrained request."""
 
@@ -201,6 +228,10 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
+        # per token: its first byte's rank for completions (lower first) and its length
+        self._first: np.ndarray | None = None
+        self._rank: np.ndarray | None = None
+        self._length: np.ndarray | None = None
         self._lock = threading.Lock()  # matcher() may be called from an intake thread
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
 
@@ -278,6 +309,115 @@ class Grammars:
         # bit t of row i is token t (little-endian words, low bit first)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
         return allowed[:, : self.vocab_size].view(np.bool_)
+
+    def steer(self, seq: Any, token: int, left: int) -> int:
+        """The token `seq` appends: `token`, drawn from its grammar's mask, unless the grammar
+        could not be completed within the `left - 1` tokens left after it while it could
+        after another; then the next token of a completion. The completion is found again
+        only when needed: when the drawn token leaves it, and near the end."""
+        st: Steer = seq.steer
+        pos = seq.num_output_tokens
+        path = st.path if st.at == pos else None
+        if path is None:
+            slack = left - st.length - STEER_MARGIN
+            if slack > 0 and pos - st.searched < max(STEER_EVERY, slack // 4):
+                return token
+            path = self.finish(seq.matcher, min(left, FINISH_MAX))
+            st.searched, st.length = pos, FINISH_MAX + 1 if path is None else len(path)
+            if path is None:
+                st.at = -1
+                return token  # no completion short enough: the output ends at max_tokens
+        st.at, st.path = pos + 1, None
+        if path and token == path[0]:
+            st.path, st.length = path[1:], len(path) - 1
+            return token
+        if left - len(path) > STEER_MARGIN:
+            return token  # room enough whatever it opens: looked at again within a few
+        m = seq.matcher
+        if not m.consume_token(token):
+            return token  # not in the mask: the engine refuses it (a bug, not the output's)
+        try:
+            after = self.finish(m, left - 1)
+        finally:
+            m.rollback(1)
+        if after is not None:
+            st.path, st.length = after, len(after)
+            return token
+        st.path, st.length = path[1:], len(path) - 1
+        st.replaced += 1
+        return path[0]
+
+    def finish(self, m: Any, limit: int) -> list[int] | None:
+        """Tokens that complete the output from `m`'s state, the end of sequence token last
+        where the grammar needs one to stop ([] when it has stopped); None when none of at
+        most `limit` tokens was found. `m` is left as it was.
+
+        Greedy, not a search: the tokens llguidance says are forced, else the shortest
+        allowed token of the best first byte: one that closes (a string, an object, an
+        array), then one that was not allowed a token ago (the next part of a structure
+        rather than more of a run), then separators, punctuation, digits and letters. So it
+        may be longer than the shortest completion, which only makes steering start early.
+        """
+        if self._rank is None:
+            self._tables()
+        assert self._first is not None and self._rank is not None and self._length is not None
+        out: list[int] = []
+        consumed = 0
+        before = None  # the first bytes allowed a token ago
+        try:
+            while True:
+                if m.is_stopped():
+                    return out
+                if m.is_accepting():
+                    return out + self._eos[:1] if len(out) < limit and self._eos else None
+                if len(out) >= limit:
+                    return None
+                forced = m.compute_ff_tokens()
+                if forced:
+                    step, before = forced, None
+                else:
+                    ids = np.flatnonzero(self.allowed([m])[0])
+                    if not len(ids):
+                        return None
+                    ranks, firsts = self._rank[ids], self._first[ids]
+                    now = np.zeros(256, dtype=np.bool_)
+                    now[firsts] = True
+                    if before is not None:  # a first byte allowed a token ago ranks lower
+                        ranks = ranks + np.where(before[firsts] & (ranks >= 256), 1 << 12, 0)
+                    pick = ids[np.lexsort((self._length[ids], ranks))[0]]
+                    step, before = [int(pick)], now
+                for t in step:
+                    if not m.consume_token(t):
+                        return None
+                    consumed += 1
+                out += step
+        except GrammarError:
+            return None
+        finally:
+            if consumed:
+                m.rollback(consumed)
+
+    def _tables(self) -> None:
+        """Each token's first byte, that byte's rank for `finish`, and the token's length."""
+        assert self._tokenizer is not None
+        order = np.zeros(256, dtype=np.int64)
+        for b in range(256):
+            ch = chr(b)
+            group = 1 if ch in ",:" else 2 if not ch.isalnum() else 3 if ch.isdigit() else 4
+            order[b] = group << 8 | b
+        for i, b in enumerate(_CLOSERS):
+            order[b] = i  # before everything else
+        n = self.vocab_size
+        first = np.zeros(n, dtype=np.int64)
+        rank = np.full(n, 1 << 20, dtype=np.int64)  # special and empty tokens: never picked
+        length = np.zeros(n, dtype=np.int64)
+        for t in range(n):
+            if self._tokenizer.is_special_token(t):
+                continue
+            data = self._tokenizer.decode_bytes([t])
+            if data:
+                first[t], rank[t], length[t] = data[0], order[data[0]], len(data)
+        self._first, self._rank, self._length = first, rank, length
 
     def _bits(self, matchers: list[Any]) -> np.ndarray:
         """Each matcher's next-token bitmask, filled by llguidance's threads at once."""

@@ -1,7 +1,8 @@
 """Token sampling for a batch whose rows each carry their own parameters.
 
 Penalties, then the grammar masks of constrained rows (grammar.py), then temperature,
-top-k, top-p and min-p; greedy rows take the argmax.
+top-k, top-p and min-p; greedy rows take the argmax. A constrained row's token is then
+checked against the tokens left (`Grammars.steer`).
 Random rows draw by inverse CDF (one uniform number a row, on the row's cumulative
 probabilities). A seeded row's number is a function of its seed and the index of the output
 token being sampled only (`seeded_uniform`): a seeded request samples the same tokens
@@ -22,10 +23,17 @@ from gpu_workers.engine.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, seed: int, grammars: Grammars | None = None, ops: Any = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        grammars: Grammars | None = None,
+        ops: Any = None,
+        max_model_len: int = 1 << 62,
+    ) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.grammars = grammars
         self.ops = ops  # the fused CPU kernels (top-p), or None for numpy
+        self.max_model_len = max_model_len
 
     @torch.inference_mode()
     def __call__(
@@ -56,6 +64,12 @@ class Sampler:
             picked = self._sample(logits[rows], [seqs[i] for i in random_rows], at)
             tokens[rows] = picked
         token_list = tokens.tolist()
+        if constrained:
+            assert self.grammars is not None
+            for i in constrained:
+                s = seqs[i]
+                left = min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - len(s))
+                token_list[i] = self.grammars.steer(s, token_list[i], left)
         return token_list, self._logprobs(raw, seqs, token_list)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -63,6 +63,7 @@ class Sequence:
     # structured output: the llguidance matcher of its constraint (grammar.py), advanced
     # with each generated token; kept across preemption, as the generated tokens are
     matcher: Any = None
+    steer: Any = None  # and its steering to a completion near max_tokens (grammar.Steer)
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
     hash_root: bytes = field(init=False, default=b"")  # the first block's parent, from the salt
     # stop conditions prepared once, so checking a token costs O(1) whatever their sizes

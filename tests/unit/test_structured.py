@@ -171,6 +171,57 @@ def test_cut_off_output_says_length_and_stop_strings_still_apply(engine) -> None
     assert stopped.finish_reason == "stop" and stopped.text == whole.text.split('"owner"')[0]
 
 
+def unbounded(schema: dict) -> dict:
+    """`schema` with a required number and a required string, neither bounded: a random
+    model writes digits and characters until max_tokens unless steered to close them."""
+    out = json.loads(json.dumps(schema))
+    out["properties"] = {**out["properties"], "n": {"type": "number"}, "t": {"type": "string"}}
+    out["required"] = [*out["required"], "n", "t"]
+    return out
+
+
+def test_outputs_are_steered_to_end_within_max_tokens(engine) -> None:
+    schemas = [unbounded(s) for s in SCHEMAS.values()]
+    params = []
+    for i, schema in enumerate(schemas):
+        params.append(SamplingParams(max_tokens=200, response_format=rf(schema)))
+        params.append(
+            SamplingParams(max_tokens=200, temperature=1.0, seed=i, response_format=rf(schema))
+        )
+    out = engine.generate(prompts(len(params), seed=8), params)
+    for c, p in zip(out, params, strict=True):
+        assert c.finish_reason == "stop" and len(c.token_ids) <= 200, c.text
+        jsonschema.validate(json.loads(c.text), p.response_format["json_schema"]["schema"])
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_steering_acts_near_max_tokens_only(engine) -> None:
+    schema = unbounded(SCHEMAS["nested"])
+    ps = prompts(1, seed=9)
+    start = engine.grammars.matcher(SamplingParams(response_format=rf(schema)))
+    shortest = engine.grammars.finish(start, 1000)
+    assert shortest is not None
+    # exactly enough tokens for the completion found from the start
+    tight = engine.generate(
+        ps, SamplingParams(max_tokens=len(shortest), response_format=rf(schema))
+    )[0]
+    assert tight.finish_reason == "stop" and len(tight.token_ids) <= len(shortest)
+    jsonschema.validate(json.loads(tight.text), schema)
+    # one token fewer: no completion fits, and the output is the unsteered one, cut
+    long = engine.generate(ps, SamplingParams(max_tokens=400, response_format=rf(schema)))[0]
+    cut = engine.generate(
+        ps, SamplingParams(max_tokens=len(shortest) - 1, response_format=rf(schema))
+    )[0]
+    assert cut.finish_reason == "length" and cut.token_ids == long.token_ids[: len(cut.token_ids)]
+    # an output that ends well before max_tokens is not steered: a longer budget ends the same
+    bounded = [
+        engine.generate(ps, SamplingParams(max_tokens=n, response_format=rf(SCHEMAS["nested"])))[0]
+        for n in (300, 900)
+    ]
+    assert bounded[0].finish_reason == "stop" and len(bounded[0].token_ids) < 300 - 16
+    assert bounded[0].token_ids == bounded[1].token_ids
+
+
 def test_preempted_constrained_requests_resume_their_grammar(tiny_model, engine_factory) -> None:
     schemas = list(SCHEMAS.values())
     params = [
