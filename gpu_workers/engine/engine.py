@@ -78,12 +78,14 @@ class Engine:
             config.prefix_caching,
         )
         self.blocks.tiers = self._tiers(kv_redis)
-        self.speculator = (
-            Speculator(config, self.max_model_len) if config.speculative != "off" else None
-        )
-        self.scheduler = Scheduler(config, self.blocks, self.speculator)
         self.eos_ids = self._eos_ids()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self.speculator = (
+            Speculator(config, self.max_model_len, self.grammars)
+            if config.speculative != "off"
+            else None
+        )
+        self.scheduler = Scheduler(config, self.blocks, self.speculator)
         self.sampler = Sampler(config.seed, self.grammars, self.runner.ops, self.max_model_len)
         self.prompts = Prompts(self.tokenizer, self.vocab_size, self.max_model_len)
         self.tokenize = self.prompts.tokenize

@@ -207,13 +207,13 @@ def _escape(text: str) -> str:
 
 @dataclass
 class Steer:
-    """A constrained sequence's steering state: `path`, a completion of the output from its
-    state after `at` output tokens (None: unknown), and when one was last looked for."""
+    """A constrained sequence's steering state: the length of a completion of its output
+    found after `searched` output tokens (FINISH_MAX + 1: none), and that completion while
+    the output is still there."""
 
-    at: int = -1
+    searched: int = -(1 << 30)
+    length: int = 1 << 30
     path: list[int] | None = None
-    searched: int = -(1 << 30)  # the output token count at the last search
-    length: int = 1 << 30  # the length it found (FINISH_MAX + 1: none)
     replaced: int = 0  # drawn tokens replaced by a completion's
 
 
@@ -299,10 +299,12 @@ class Grammars:
                 self._cache.popitem(last=False)
             return m.deep_copy()
 
-    def allowed(self, matchers: list[Any]) -> np.ndarray:
-        """The tokens each matcher allows next, as a bool array [len(matchers), vocab].
-        Raises GrammarError for a matcher in an error state (it hit a resource limit)."""
-        bits = self._bits(matchers)
+    def allowed(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> np.ndarray:
+        """The tokens each matcher allows next, as a bool array [rows, vocab]; with
+        `drafts` (a list of proposed tokens per matcher, speculator.py) a matcher has a row
+        for each proposal too, its mask after the proposals before it. Raises GrammarError
+        for a matcher in an error state (it hit a resource limit)."""
+        bits = self._bits(matchers, drafts)
         for m in matchers:
             if m.is_error():
                 raise GrammarError(m.get_error())
@@ -313,26 +315,19 @@ class Grammars:
     def steer(self, seq: Any, token: int, left: int) -> int:
         """The token `seq` appends: `token`, drawn from its grammar's mask, unless the grammar
         could not be completed within the `left - 1` tokens left after it while it could
-        after another; then the next token of a completion. The completion is found again
-        only when needed: when the drawn token leaves it, and near the end."""
+        after another; then the next token of a completion. Near the end the completion is
+        found anew each token, so what is appended depends on the output so far alone."""
         st: Steer = seq.steer
+        if self.slack(seq, left) > 0 or st.length > FINISH_MAX:
+            return token  # room to spare, or no completion short enough
         pos = seq.num_output_tokens
-        path = st.path if st.at == pos else None
+        path = st.path if st.searched == pos else None
         if path is None:
-            slack = left - st.length - STEER_MARGIN
-            if slack > 0 and pos - st.searched < max(STEER_EVERY, slack // 4):
-                return token
-            path = self.finish(seq.matcher, min(left, FINISH_MAX))
-            st.searched, st.length = pos, FINISH_MAX + 1 if path is None else len(path)
+            path = self._search(seq, left)
             if path is None:
-                st.at = -1
-                return token  # no completion short enough: the output ends at max_tokens
-        st.at, st.path = pos + 1, None
-        if path and token == path[0]:
-            st.path, st.length = path[1:], len(path) - 1
+                return token
+        if not path or token == path[0]:
             return token
-        if left - len(path) > STEER_MARGIN:
-            return token  # room enough whatever it opens: looked at again within a few
         m = seq.matcher
         if not m.consume_token(token):
             return token  # not in the mask: the engine refuses it (a bug, not the output's)
@@ -341,11 +336,30 @@ class Grammars:
         finally:
             m.rollback(1)
         if after is not None:
-            st.path, st.length = after, len(after)
             return token
-        st.path, st.length = path[1:], len(path) - 1
         st.replaced += 1
         return path[0]
+
+    def slack(self, seq: Any, left: int) -> int:
+        """How many more tokens than a completion of `seq`'s output needs `left` holds,
+        less STEER_MARGIN: while that is positive any token may be drawn. The completion is
+        looked for again once a quarter of that has been drawn, and every STEER_EVERY
+        tokens near the end or while none is short enough (a token can lengthen it: one
+        that opens an object with required fields)."""
+        st: Steer = seq.steer
+        slack = left - st.length - STEER_MARGIN
+        due = max(STEER_EVERY, slack // 4)
+        if seq.num_output_tokens - st.searched >= due:
+            self._search(seq, left)
+            slack = left - st.length - STEER_MARGIN
+        return slack
+
+    def _search(self, seq: Any, left: int) -> list[int] | None:
+        st: Steer = seq.steer
+        path = self.finish(seq.matcher, min(left, FINISH_MAX))
+        st.searched, st.path = seq.num_output_tokens, path
+        st.length = len(path) if path is not None else FINISH_MAX + 1
+        return path
 
     def finish(self, m: Any, limit: int) -> list[int] | None:
         """Tokens that complete the output from `m`'s state, the end of sequence token last
@@ -419,12 +433,26 @@ class Grammars:
                 first[t], rank[t], length[t] = data[0], order[data[0]], len(data)
         self._first, self._rank, self._length = first, rank, length
 
-    def _bits(self, matchers: list[Any]) -> np.ndarray:
-        """Each matcher's next-token bitmask, filled by llguidance's threads at once."""
-        bits = np.zeros((len(matchers), self.words), dtype=np.int32)
+    def _bits(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> np.ndarray:
+        """Each matcher's next-token bitmask (and one after each of its proposals), filled
+        by llguidance's threads at once."""
         assert self._executor is not None
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bits.ctypes.data, self.words * 4, len(bits)
+        if not drafts or not any(drafts):
+            bits = np.zeros((len(matchers), self.words), dtype=np.int32)
+            self._executor.unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(matchers)],
+                bits.ctypes.data,
+                self.words * 4,
+                len(bits),
+            )
+            return bits
+        entries, row = [], 0
+        for m, d in zip(matchers, drafts, strict=True):
+            entries.append((m, row, d))
+            row += 1 + len(d)
+        bits = np.zeros((row, self.words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            entries, bits.ctypes.data, self.words * 4, row
         )
         return bits
 

@@ -53,7 +53,7 @@ class Sampler:
         if (penalized or constrained) and any(p.logprobs is not None for p in params):
             logits = logits.clone()
         if penalized:
-            logits = self._penalize(logits, seqs)
+            logits = self._penalize(logits, seqs, positions)
         if constrained:
             logits = self._constrain(logits, seqs, constrained)
         tokens = logits.argmax(dim=-1)
@@ -68,16 +68,23 @@ class Sampler:
             assert self.grammars is not None
             for i in constrained:
                 s = seqs[i]
+                if s.num_draft:
+                    continue  # far from its max_tokens: it proposes nothing near it
                 left = min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - len(s))
                 token_list[i] = self.grammars.steer(s, token_list[i], left)
         return token_list, self._logprobs(raw, seqs, token_list)
 
-    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _penalize(
+        self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None
+    ) -> torch.Tensor:
+        """Repetition, presence and frequency penalties, in place. A row of a proposed
+        position counts the proposals before it as generated."""
         logits = logits.contiguous()  # a vocab-padded slice (tensor parallel) is not
+        ahead = [_ahead(s, positions[i]) if positions else [] for i, s in enumerate(seqs)]
         rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
         if rep:  # every token seen so far, prompt included, as transformers does
             vocab = logits.shape[1]
-            ids = [_seen(seqs[i]) for i in rep]
+            ids = [_seen(seqs[i], ahead[i]) for i in rep]
             # the seen entries of all those rows as one flat index: only they change
             flat = torch.from_numpy(
                 np.concatenate([t + i * vocab for i, t in zip(rep, ids, strict=True)])
@@ -94,9 +101,14 @@ class Sampler:
             view[flat] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp(-_MAX, _MAX)
         for i, s in enumerate(seqs):
             p = s.params
-            if (p.presence_penalty or p.frequency_penalty) and s.output_counts:
-                ids = torch.tensor(list(s.output_counts), dtype=torch.long)
-                counts = torch.tensor(list(s.output_counts.values()), dtype=torch.float32)
+            if (p.presence_penalty or p.frequency_penalty) and (s.output_counts or ahead[i]):
+                seen = s.output_counts
+                if ahead[i]:
+                    seen = dict(seen)
+                    for t in ahead[i]:
+                        seen[t] = seen.get(t, 0) + 1
+                ids = torch.tensor(list(seen), dtype=torch.long)
+                counts = torch.tensor(list(seen.values()), dtype=torch.float32)
                 logits[i, ids] -= p.presence_penalty + p.frequency_penalty * counts
         return logits
 
@@ -106,12 +118,19 @@ class Sampler:
         """Only the tokens its grammar allows next keep their logits, per constrained row
         (numpy, in place: a few rows, where torch's indexing costs more than the work)."""
         assert self.grammars is not None
-        allowed = self.grammars.allowed([seqs[i].matcher for i in rows])
+        # a sequence with proposals has a row per position, in order: its masks are
+        # computed along its proposals, from its first row
+        first = [i for i in rows if i == 0 or seqs[i - 1] is not seqs[i]]
+        drafts = [seqs[i].token_ids[len(seqs[i].token_ids) - seqs[i].num_draft :] for i in first]
+        allowed = self.grammars.allowed([seqs[i].matcher for i in first], drafts)
         view = logits.numpy()
         width = allowed.shape[1]
-        for j, i in enumerate(rows):
-            np.copyto(view[i, :width], -np.inf, where=~allowed[j])
-            view[i, width:] = -np.inf  # vocab padding beyond the model's vocabulary
+        j = 0
+        for i in first:
+            for r in range(i, i + 1 + seqs[i].num_draft):
+                np.copyto(view[r, :width], -np.inf, where=~allowed[j])
+                view[r, width:] = -np.inf  # vocab padding beyond the model's vocabulary
+                j += 1
         return logits
 
     def _sample(
@@ -196,22 +215,36 @@ def seeded_uniform(seed: int, position: int) -> float:
     return (z >> 40) / (1 << 24)
 
 
-def _seen(s: Sequence) -> np.ndarray:
+def _ahead(s: Sequence, position: int) -> list[int]:
+    """The proposals of `s` before its output position `position` (speculator.py)."""
+    done = s.num_output_tokens
+    if position <= done:
+        return []
+    start = len(s.token_ids) - s.num_draft
+    return s.token_ids[start : start + position - done]
+
+
+def _seen(s: Sequence, ahead: list[int] | None = None) -> np.ndarray:
     """The distinct token ids `s` holds, gathered once and then extended as tokens arrive
     (plain Python and numpy: a decode step adds one token, where torch's per-call cost
-    would dominate)."""
+    would dominate); proposals are not held until drawn, but `ahead` ones are added."""
     if s.seen is None:
         s.seen = set()
         s.seen_ids = np.empty(max(64, 2 * len(s.token_ids)), dtype=np.int64)
     buf, n = s.seen_ids, s.seen_count
-    for t in s.token_ids[s.seen_len :]:
+    end = len(s.token_ids) - s.num_draft
+    for t in s.token_ids[s.seen_len : end]:
         if t not in s.seen:
             s.seen.add(t)
             if n == len(buf):
                 buf = s.seen_ids = np.concatenate([buf, np.empty_like(buf)])
             buf[n] = t
             n += 1
-    s.seen_len, s.seen_count = len(s.token_ids), n
+    s.seen_len, s.seen_count = end, n
+    if ahead:
+        extra = [t for t in dict.fromkeys(ahead) if t not in s.seen]
+        if extra:
+            return np.concatenate([buf[:n], np.array(extra, dtype=np.int64)])
     return buf[:n]
 
 

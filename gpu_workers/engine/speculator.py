@@ -25,9 +25,13 @@ is near 0 and every match is proposed; where it grows in proportion (a large bat
 CPU) it nears 1 and only near-certain proposals are. A sequence proposes its j-th token
 while its acceptance (the running share of proposals kept, each position given the ones
 before it) to the power j reaches that ratio; one that proposes nothing retries after a
-pause that doubles while it keeps failing. Requests with penalties or a grammar decode as
-usual (their logits at position j depend on the tokens before it), and a request can opt
-out (`speculate: false`).
+pause that doubles while it keeps failing. A request can opt out (`speculate: false`).
+
+Penalties and grammars hold: the logits at position j are penalized with the proposals
+before j counted as generated (sampler.py), and masked with the grammar's state after them
+(llguidance computes a row's masks along its proposals); proposals are cut where the
+grammar refuses one. A constrained sequence proposes nothing near its max_tokens, where it
+may be steered to a completion (grammar.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gpu_workers.engine.config import EngineConfig
+from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sequence import Sequence
 
 EMA = 0.25  # weight of a step's outcome in a sequence's running acceptance
@@ -59,8 +64,11 @@ class SpecState:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, max_model_len: int, grammars: Grammars | None = None
+    ) -> None:
         self.max_model_len = max_model_len
+        self.grammars = grammars
         self.k = config.num_speculative_tokens
         self.lo, self.hi = config.ngram_min, config.ngram_max
         self.proposed = 0  # totals over the engine's life
@@ -69,20 +77,10 @@ class Speculator:
         self.steps: deque[tuple[int, float, int]] = deque(maxlen=WINDOW)
         self.need = 0.0
 
-    def eligible(self, seq: Sequence) -> bool:
-        p = seq.params
-        return (
-            p.speculate
-            and seq.matcher is None
-            and p.repetition_penalty == 1.0
-            and not p.presence_penalty
-            and not p.frequency_penalty
-        )
-
     def draft(self, seq: Sequence, room: int) -> None:
         """Append up to `room` proposed tokens to a decoding `seq`, as many as pay (the
         cost model above); seq.num_draft says how many."""
-        if room <= 0 or not self.eligible(seq):
+        if room <= 0 or not seq.params.speculate:
             return
         st = seq.spec
         if st is None:
@@ -108,6 +106,13 @@ class Speculator:
                 return
             paying = 1
         tokens = self.lookup(st, seq.token_ids, paying) if paying else []
+        if tokens and seq.matcher is not None:
+            # the ones the grammar allows; none where the output may be steered to its end
+            tokens = tokens[: seq.matcher.validate_tokens(tokens)]
+            assert self.grammars is not None
+            left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+            if self.grammars.slack(seq, left) <= len(tokens):
+                tokens = []
         if tokens:
             seq.token_ids.extend(tokens)
             seq.num_draft = len(tokens)

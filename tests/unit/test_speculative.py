@@ -16,6 +16,7 @@ from gpu_workers.engine.sequence import Sequence
 from gpu_workers.engine.speculator import SpecState, Speculator, row_cost
 from tests.conftest import FAMILIES
 from tests.helpers import oracle
+from tests.unit.test_structured import SCHEMAS, rf, unbounded
 
 SPEC = dict(speculative="ngram", ngram_min=1, ngram_max=3, num_speculative_tokens=4)
 
@@ -145,11 +146,29 @@ def test_sampled_stops_logprobs_as_without(model_factory, engine_factory, monkey
         SamplingParams(max_tokens=30, ignore_eos=True, stop=[text[len(text) // 2 :][:3]]),
         SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[free[2].token_ids[9]]),
         SamplingParams(max_tokens=7, ignore_eos=True),
+        # the rows of proposed positions: penalized with the proposals before them counted,
+        # masked with the grammar's state after them; steered near max_tokens
+        SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(
+            max_tokens=30,
+            temperature=0.9,
+            seed=5,
+            presence_penalty=0.6,
+            frequency_penalty=0.4,
+            ignore_eos=True,
+        ),
+        SamplingParams(max_tokens=40, regex="[a-z]+( [a-z]+)*"),
+        SamplingParams(max_tokens=90, response_format=rf(unbounded(SCHEMAS["nested"]))),
+        SamplingParams(
+            max_tokens=90, temperature=1.0, seed=3, response_format=rf(unbounded(SCHEMAS["arrays"]))
+        ),
     ]
     for params in cases:
         a = run(off, ps, params)
         oracle(monkeypatch, [c.token_ids for c in a], off.vocab_size)
+        before = on.stats()["spec_accepted_tokens"]
         b = run(on, ps, params)
+        assert on.stats()["spec_accepted_tokens"] > before, params
         for x, y in zip(a, b, strict=True):
             assert (y.token_ids, y.text, y.finish_reason) == (x.token_ids, x.text, x.finish_reason)
             if params.logprobs is not None:
@@ -185,12 +204,11 @@ def test_unseeded_sampling_keeps_its_distribution(model_factory, engine_factory,
     assert chi2 < 20.5, (a, b)
 
 
-def test_opt_out_and_grammar_decode_as_usual(model_factory, engine_factory):
+def test_opt_out_decodes_as_usual(model_factory, engine_factory):
     path = model_factory("llama")
     engine = engine_factory(path, **SPEC)
     ps = looping(engine.vocab_size, [30], seed=5)
     run(engine, ps, SamplingParams(max_tokens=20, ignore_eos=True, speculate=False))
-    run(engine, ps, SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.2))
     assert engine.stats()["spec_proposed_tokens"] == 0
     run(engine, ps, SamplingParams(max_tokens=20, ignore_eos=True))
     assert engine.stats()["spec_proposed_tokens"] > 0
