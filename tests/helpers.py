@@ -6,12 +6,31 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import redis
 
 from broker_config import keys
 from broker_config.routes import registry_value
 from gpu_workers.engine.sampling_params import SamplingParams
+
+
+def gone(pid: int) -> bool:
+    """The process is not running: no such process, or a zombie nobody has reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all(gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -53,7 +53,7 @@ from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import check_progress
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
-from gpu_workers.vllm_backend import connector
+from gpu_workers.vllm_backend import connector, reaper
 from gpu_workers.vllm_backend.params import logprob_entries, resume_refusal, to_vllm
 from gpu_workers.vllm_backend.stats import Figures
 
@@ -176,6 +176,7 @@ class VllmBackend:
         if self.tier:  # read by the connector when the engine starts, below
             config.kv_transfer_config.kv_connector_extra_config["fingerprint"] = self.kv_fingerprint
         self.figures = Figures()
+        before = set(reaper.descendants(os.getpid())) if engine_process else set()
         self.engine = LLMEngine(
             vllm_config=config,
             executor_class=Executor.get_class(config),
@@ -183,6 +184,9 @@ class VllmBackend:
             stat_loggers=[lambda *_: self.figures],
             multiprocess_mode=engine_process,
         )
+        # the engine's processes die with this one, even by SIGKILL (reaper.py)
+        started = [p for p in reaper.descendants(os.getpid()) if p not in before]
+        self.reaper = reaper.start(started) if engine_process else None
         self.block_size = cache.block_size
         self.num_blocks = cache.num_gpu_blocks or 0
         self.max_model_len = config.model_config.max_model_len
@@ -422,3 +426,4 @@ class VllmBackend:
         shutdown = getattr(self.engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        reaper.stop(self.reaper)

@@ -16,8 +16,10 @@ import pytest
 import redis
 
 from broker_config import keys
+from gpu_workers.vllm_backend import reaper
 from producer.client import Client
 from results import records, wait
+from tests.helpers import wait_gone
 from tests.integration.faults import (
     FAST,
     LANES,
@@ -209,6 +211,8 @@ def test_sigkill_vllm_worker_jobs_complete_on_native(fleet: Fleet) -> None:
     while not (count_final(fleet.r, ids) >= 5 and pending(fleet.r, "vllm") > 0):
         assert time.monotonic() < give_up, "the vLLM worker never ran jobs"
         time.sleep(0.01)
+    engine = reaper.descendants(victim.pid)  # vLLM's engine core, and what it started
+    assert engine
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     stranded = {
@@ -229,6 +233,8 @@ def test_sigkill_vllm_worker_jobs_complete_on_native(fleet: Fleet) -> None:
     assert end_entries(fleet.r, ids) == [1] * 100
     assert drained(fleet.r)
     assert {rec.worker for rec in recs if rec.id in unfinished} == {"native"}
+    # the engine's processes died with the worker (reaper.py): none left holding memory
+    assert wait_gone(engine)
 
 
 def test_fresh_vllm_worker_loads_the_prefix_from_redis(fleet: Fleet) -> None:
