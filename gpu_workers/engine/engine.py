@@ -292,7 +292,7 @@ class Engine:
         outs = self._advance(seqs, *sampled)
         if spec is not None and decoding:
             made = sum(len(o.new_token_ids) for o in outs)
-            spec.observe(rows, time.perf_counter() - start, made)
+            spec.observe(rows, time.perf_counter() - start, made, len(seqs))
         return outs
 
     def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[dict | None]]:

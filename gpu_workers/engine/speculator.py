@@ -18,7 +18,7 @@ Documents that are quoted, copied from or continued give long matches.
 
 How many to propose is a cost model, so that no workload gets slower: a proposed token
 costs a row of the step, and pays only if it is accepted. The engine's steps give the
-time of one more row (a least-squares line of step time over rows, on recent steps) and
+time of one more row (the median slope of step time over rows, on recent steps) and
 the time per token made; their ratio is the acceptance a proposal needs. Where a step's
 time hardly grows with its rows (the memory-bandwidth floor: one sequence, or a few) that
 is near 0 and every match is proposed; where it grows in proportion (a large batch on a
@@ -39,11 +39,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sequence import Sequence
 
 EMA = 0.25  # weight of a step's outcome in a sequence's running acceptance
+BLOCK = 8  # decode steps run with proposals on, or off, between two choices
+MAX_GAP = 64  # blocks between two tries of the mode that lost, at most
 PAUSE_STEPS = 8  # the first pause of a sequence whose proposals do not pay; then doubled
 MAX_PAUSE_STEPS = 256
 WINDOW = 64  # recent steps the row cost is fitted on
@@ -63,6 +67,18 @@ class SpecState:
     accepted: int = 0
 
 
+@dataclass
+class Modes:
+    """At one batch size: seconds per token made with proposals on and off (running
+    means over blocks of steps), which is cheaper, and when to try the other again."""
+
+    on: float | None = None
+    off: float | None = None
+    best: bool = True  # proposals on
+    gap: int = 1  # blocks between two tries of the other
+    since: int = 0  # blocks since the last try
+
+
 class Speculator:
     def __init__(
         self, config: EngineConfig, max_model_len: int, grammars: Grammars | None = None
@@ -76,11 +92,16 @@ class Speculator:
         # (rows, seconds, tokens made) of recent steps, and the acceptance a proposal needs
         self.steps: deque[tuple[int, float, int]] = deque(maxlen=WINDOW)
         self.need = 0.0
+        # whether this block of steps proposes, and the blocks' figures per batch size
+        # (by its bit length: 1, 2-3, 4-7, ...)
+        self.on = True
+        self.modes: dict[int, Modes] = {}
+        self.block: list[tuple[float, int]] = []
 
     def draft(self, seq: Sequence, room: int) -> None:
         """Append up to `room` proposed tokens to a decoding `seq`, as many as pay (the
         cost model above); seq.num_draft says how many."""
-        if room <= 0 or not seq.params.speculate:
+        if room <= 0 or not self.on or not seq.params.speculate:
             return
         st = seq.spec
         if st is None:
@@ -154,26 +175,66 @@ class Speculator:
                 st.next_pause = PAUSE_STEPS
         return m
 
-    def observe(self, rows: int, seconds: float, made: int) -> None:
-        """A step's rows (tokens computed), time and tokens made: the cost model's input."""
+    def observe(self, rows: int, seconds: float, made: int, seqs: int) -> None:
+        """A decode step's rows (tokens computed), time, tokens made and sequences: the
+        cost model's input, and the measure of whether proposing pays at all."""
         self.steps.append((rows, seconds, made))
         if len(self.steps) % REFIT == 0 or len(self.steps) == WINDOW:
-            self.need = row_cost(self.steps)
+            cost = row_cost(self.steps)
+            if cost is not None:
+                self.need = cost
+        self.block.append((seconds, made))
+        if len(self.block) >= BLOCK:
+            self._choose(seqs.bit_length())
+
+    def _choose(self, size: int) -> None:
+        """End a block: book its seconds per token to its mode at this batch size, then
+        run the next block in the cheaper mode, or try the other one: at once while it
+        is unknown, then after a gap of blocks that doubles each time it loses again.
+
+        The row cost above shapes how many tokens a sequence proposes, but misses what
+        proposing costs a step besides rows (lookups, verification, bookkeeping): on a
+        small model a batch can make fewer tokens a second with proposals that seem to
+        pay. So whether to propose at all is measured, the two modes side by side."""
+        cost = sum(s for s, _ in self.block) / max(1, sum(m for _, m in self.block))
+        self.block = []
+        m = self.modes.setdefault(size, Modes())
+        tried = self.on != m.best
+        mine = m.on if self.on else m.off
+        # a tried mode's last figure is blocks old: this block's stands alone
+        mine = cost if mine is None or tried else mine + 0.5 * (cost - mine)
+        if self.on:
+            m.on = mine
+        else:
+            m.off = mine
+        other = m.off if self.on else m.on
+        if tried:
+            if other is None or mine < other:
+                m.best, m.gap = self.on, 1
+            else:
+                m.gap = min(2 * m.gap, MAX_GAP)
+            m.since = 0
+        else:
+            m.since += 1
+        unknown = (m.off if m.best else m.on) is None
+        self.on = not m.best if unknown or m.since >= m.gap else m.best
 
 
-def row_cost(steps: deque[tuple[int, float, int]] | list[tuple[int, float, int]]) -> float:
-    """The time of one more row of a step over the time per token made, on these steps:
-    the slope of a least-squares line of seconds over rows (0 where rows never varied, or
-    where the time fell as rows grew), divided by seconds per token."""
-    n = len(steps)
+def row_cost(steps: deque[tuple[int, float, int]] | list[tuple[int, float, int]]) -> float | None:
+    """The time of one more row of a step over the time per token made, on these steps;
+    None where their rows never varied (nothing to tell). The slope is Theil-Sen's, the
+    median of the slopes between every two steps of different rows: a step's time is
+    noisy (a collection, a kernel built for a new row count, another process) and a few
+    slow steps would tilt a least-squares line, enough to propose where it does not pay."""
     made = sum(s[2] for s in steps)
-    if n < 2 or made <= 0:
-        return 0.0
-    mx = sum(s[0] for s in steps) / n
-    my = sum(s[1] for s in steps) / n
-    var = sum((s[0] - mx) ** 2 for s in steps)
-    if var <= 0:
-        return 0.0
-    slope = sum((s[0] - mx) * (s[1] - my) for s in steps) / var
-    per_token = sum(s[1] for s in steps) / made
+    if len(steps) < 2 or made <= 0:
+        return None
+    a = np.array([(s[0], s[1]) for s in steps], dtype=np.float64)
+    i, j = np.triu_indices(len(a), k=1)
+    dx = a[j, 0] - a[i, 0]
+    varied = dx != 0
+    if not varied.any():
+        return None
+    slope = float(np.median((a[j, 1] - a[i, 1])[varied] / dx[varied]))
+    per_token = float(a[:, 1].sum()) / made
     return max(0.0, slope) / per_token if per_token > 0 else 0.0

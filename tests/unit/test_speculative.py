@@ -61,7 +61,13 @@ def test_row_cost_is_the_slope_over_the_time_per_token() -> None:
     steps = [(r, 0.002 + 0.0005 * r, r) for r in (4, 8, 16, 8, 4, 32)]
     per_token = sum(s[1] for s in steps) / sum(s[2] for s in steps)
     assert row_cost(steps) == pytest.approx(0.0005 / per_token)
-    assert row_cost([(8, 0.01, 8)] * 5) == 0.0  # rows never varied: nothing to tell
+    # a few slow steps (a collection, a kernel built for a new row count) tilt no line
+    noisy = (
+        steps + [(4, 0.05, 4), (5, 0.04, 5)] + [(r, 0.002 + 0.0005 * r, r) for r in range(6, 20)]
+    )
+    per_token = sum(s[1] for s in noisy) / sum(s[2] for s in noisy)
+    assert row_cost(noisy) == pytest.approx(0.0005 / per_token)
+    assert row_cost([(8, 0.01, 8)] * 5) is None  # rows never varied: nothing to tell
     assert row_cost([(4, 0.02, 4), (8, 0.01, 8)]) == 0.0  # time fell as rows grew
 
 
@@ -93,6 +99,31 @@ def test_proposals_only_while_they_pay(monkeypatch) -> None:
     seq.drop_draft()
     spec.draft(seq, room=100)
     assert seq.num_draft == 0 and st.pause == 16
+
+
+def test_proposing_at_all_is_measured_per_batch_size() -> None:
+    """Blocks of steps run with proposals on or off, each batch size in its cheaper mode
+    (seconds per token made), the other tried at once, then after gaps that double while
+    it keeps losing."""
+    spec = Speculator(EngineConfig(model="x"), max_model_len=1000)
+    # one sequence: 2 ms a token with proposals, 3 ms without; 32: the other way round
+    cost = {(1, True): 0.002, (1, False): 0.003, (32, True): 0.003, (32, False): 0.002}
+
+    def run(seqs: int, steps: int) -> float:
+        on = 0
+        for _ in range(steps):
+            on += spec.on
+            spec.observe(seqs, cost[seqs, spec.on] * seqs, seqs, seqs)
+        return on / steps
+
+    assert run(1, 16) == 0.5  # a block of each
+    assert run(1, 800) > 0.93  # the other mode is tried now and then, ever less often
+    assert run(32, 16) == 0.5  # another batch size, measured on its own
+    assert run(32, 2000) < 0.05
+    assert spec.modes[6].gap == 64 and spec.modes[1].best and not spec.modes[6].best
+    # when the costs turn, the next try finds it, and the mode changes
+    cost[32, True] = 0.001
+    assert run(32, 1200) > 0.5
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
@@ -204,7 +235,8 @@ def test_unseeded_sampling_keeps_its_distribution(model_factory, engine_factory,
     assert chi2 < 20.5, (a, b)
 
 
-def test_opt_out_decodes_as_usual(model_factory, engine_factory):
+def test_opt_out_decodes_as_usual(model_factory, engine_factory, monkeypatch):
+    monkeypatch.setattr(Speculator, "_choose", lambda self, size: self.block.clear())
     path = model_factory("llama")
     engine = engine_factory(path, **SPEC)
     ps = looping(engine.vocab_size, [30], seed=5)
