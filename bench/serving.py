@@ -258,6 +258,7 @@ class PluraiStack(Stack):
         self.kv_redis: subprocess.Popen | None = None
         self.r: redis.Redis | None = None
         self.tpot_ms = 0.0  # PLURAI_TOP_LANE_TPOT_MS, the operator's objective; 0: none
+        self.since_ms = 0  # job records created up to then are in an earlier run's figures
 
     def start(self) -> None:
         self.url = self.redis.start()
@@ -355,14 +356,32 @@ class PluraiStack(Stack):
         return out
 
     def extra(self) -> dict[str, Any]:
-        """Blocks served from each KV tier so far, summed over the live workers."""
+        """Blocks served from each KV tier so far, summed over the live workers; and per
+        lane, how long the jobs finished since the last call waited in the queue (from
+        their records: created to started), the part of a time to first token spent
+        before any worker took the job."""
         assert self.r is not None
         names = ("kv_device_hits", "kv_host_hits", "kv_redis_hits")
-        out = dict.fromkeys(names, 0)
+        out: dict[str, Any] = dict.fromkeys(names, 0)
         for w in self.serving().values():
             beat = self.r.hmget(keys.worker(w.id), names)
             for name, v in zip(names, beat, strict=True):
                 out[name] += int(v or 0)
+        waits: dict[str, list[float]] = {}
+        newest = self.since_ms
+        for key in self.r.scan_iter(match=keys.job("*"), count=1000):
+            lane, created, started = self.r.hmget(key, "lane", "created_ms", "started_ms")
+            if lane is None or created is None or started is None:
+                continue
+            if int(created) <= self.since_ms:
+                continue
+            newest = max(newest, int(created))
+            waits.setdefault(lane.decode(), []).append(int(started) - int(created))
+        self.since_ms = newest
+        out["queue_wait_ms"] = {
+            lane: {"p50": sf.percentile(w, 50), "p99": sf.percentile(w, 99), "n": len(w)}
+            for lane, w in sorted(waits.items())
+        }
         return out
 
     def stop(self) -> None:

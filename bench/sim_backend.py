@@ -133,11 +133,13 @@ class SimBackend:
             s.need for s in self._waiting.values()
         )
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int, priority: int | None = None) -> bool:
+    def can_admit(
+        self, prompt_tokens: int, max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
         # it never preempts: `priority` changes nothing
         if len(self._running) + len(self._waiting) >= self.max_num_seqs:
             return False
-        need = prompt_tokens + min(max_tokens, self.max_model_len)
+        need = prompt_tokens + min(max_tokens, self.max_model_len) + spare
         return self._reserved() + need <= self.kv_tokens
 
     def _admit(self) -> None:

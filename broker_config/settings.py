@@ -165,7 +165,8 @@ class Settings(_Sourced):
     # Fairness across lanes: every fair_every-th take starts at the next lower lane in turn
     # instead of the highest, so lower lanes progress under sustained high-lane load.
     fair_every: int = 8
-    # Sequence slots of a worker's engine that lower lanes leave free for the top lane.
+    # Top-lane requests a worker's engine keeps room for beside lower lanes' work: sequence
+    # slots, and KV for that many of the top lane's recent mean size (while it runs here).
     top_lane_reserve: int = 4
     # A worker whose engine is full of lower-lane work still takes a top-lane entry when it
     # fits beside the top lane's own jobs: the engine preempts lower-lane jobs to run it

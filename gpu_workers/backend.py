@@ -74,11 +74,14 @@ class Backend(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int, priority: int | None = None) -> bool:
+    def can_admit(
+        self, prompt_tokens: int, max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
         """Whether a request of this size fits beside the ones already added (sequence
-        slots and KV blocks, each assumed to run to its max_tokens). With `priority`: beside
-        those of that priority or better only, since the backend preempts the others (they
-        keep their output and go on when room frees)."""
+        slots and KV blocks, each assumed to run to its max_tokens), with the KV of `spare`
+        more tokens left free (what better-priority arrivals are kept). With `priority`:
+        beside those of that priority or better only, since the backend preempts the
+        others (they keep their output and go on when room frees)."""
         ...
 
     def preempted(self) -> list[str]:

@@ -78,6 +78,7 @@ class Worker:
         self._slow = False  # whether the top lane is over its target, logged when it changes
         self._next_waited = 0.0  # when to look for a top-lane entry waiting too long next
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
+        self._top_size = 0.0  # mean prompt plus max_tokens of the top lane's (moving)
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
@@ -266,6 +267,10 @@ class Worker:
                     break
                 size = self._prompt_size or req.prompt_tokens
                 self._prompt_size = size + (req.prompt_tokens - size) / 8
+                if entry.lane == top:
+                    whole = req.prompt_tokens + req.envelope.max_tokens
+                    size = self._top_size or whole
+                    self._top_size = size + (whole - size) / 8
                 batch.append((self.held.pop(0), self._add(entry)))
             if not batch:
                 if self.held:  # the next one does not fit now
@@ -318,7 +323,18 @@ class Worker:
         # a top-lane request may take what lower lanes' jobs hold: the engine preempts them
         preempt = top and self.settings.preempt
         priority = protocol.engine_priority(0, protocol.MAX_PRIORITY) if preempt else None
-        return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens, priority)
+        spare = 0 if top else self._top_kv_reserve()
+        return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens, priority, spare)
+
+    def _top_kv_reserve(self) -> int:
+        """Tokens of KV that lower-lane work leaves free for the top lane: room for
+        top_lane_reserve of its requests of the recent mean size, while it has run here
+        within the pace window. Without it a batch flood fills the cache and a top-lane
+        arrival waits for batch jobs to finish: vLLM preempts only to let running
+        requests grow, never to admit a waiting one, whatever its priority."""
+        if not self._top_size or time.monotonic() - self.pace.top_seen_s > self.pace.window_s:
+            return 0
+        return self.settings.top_lane_reserve * round(self._top_size)
 
     def _top_backlog(self) -> int:
         """Prompt tokens of this worker's top-lane jobs that have no token yet."""

@@ -227,11 +227,14 @@ class Engine:
     def _blocks_needed(self, seq_len: int) -> int:
         return self.blocks.blocks_for(min(seq_len, self.max_model_len))
 
-    def can_admit(self, prompt_len: int, max_tokens: int, priority: int | None = None) -> bool:
+    def can_admit(
+        self, prompt_len: int, max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
         """Whether a request of this size fits beside everything already in the engine,
-        assuming each runs to its max_tokens, with a watermark of blocks kept free. With
-        `priority`: beside the requests of that priority or better only; the scheduler
-        preempts the others to run it (their blocks count as free)."""
+        assuming each runs to its max_tokens, with a watermark of blocks and the blocks of
+        `spare` more tokens kept free. With `priority`: beside the requests of that
+        priority or better only; the scheduler preempts the others to run it (their blocks
+        count as free)."""
         reserved = held = kept = 0
         for seq in self.seqs.values():
             if priority is not None and seq.priority > priority:
@@ -240,7 +243,7 @@ class Engine:
             kept += 1
             reserved += max(0, self._blocks_needed(seq.max_len) - len(seq.block_table))
         watermark = int(self.config.watermark * self.blocks.num_blocks)
-        room = self.blocks.num_free + held - reserved - watermark
+        room = self.blocks.num_free + held - reserved - watermark - self._blocks_needed(spare)
         return (
             kept < self.config.max_num_seqs and self._blocks_needed(prompt_len + max_tokens) <= room
         )

@@ -353,10 +353,13 @@ class VllmBackend:
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_admit(self, prompt_tokens: int, max_tokens: int, priority: int | None = None) -> bool:
+    def can_admit(
+        self, prompt_tokens: int, max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
         """Whether a request of this size fits: vLLM has nothing waiting, a sequence slot is
         free, and the blocks in use now plus what every request here may still grow by (to
-        its max_tokens) plus this one leave the watermark free. With `priority`, the
+        its max_tokens) plus this one and the blocks of `spare` tokens leave the watermark
+        free. With `priority`, the
         requests of a worse priority neither take a slot nor grow here: vLLM schedules the
         new one first and preempts the worst running request when blocks run short (it
         keeps its output and is recomputed)."""
@@ -368,7 +371,9 @@ class VllmBackend:
         for r in mine:
             held = self._blocks(r.num_prompt + r.num_output) if r.num_output > r.num_given else 0
             growth += self._blocks(r.max_len) - held
-        need = self._blocks(min(prompt_tokens + max_tokens, self.max_model_len))
+        need = self._blocks(min(prompt_tokens + max_tokens, self.max_model_len)) + self._blocks(
+            spare
+        )
         return used + growth + need <= self.num_blocks * (1 - self.watermark)
 
     def preempted(self) -> list[str]:

@@ -253,7 +253,9 @@ def test_no_lower_lane_prompt_joins_a_top_lane_prompt_not_computed_yet(redis_url
 class Full(Recorder):
     """Has room for top-priority requests only: lower ones do not fit now."""
 
-    def can_admit(self, _prompt: int, _max_tokens: int, priority: int | None = None) -> bool:
+    def can_admit(
+        self, _prompt: int, _max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
         return priority is not None
 
 
@@ -273,6 +275,45 @@ def test_a_top_lane_arrival_passes_lower_lane_entries_that_do_not_fit(redis_url)
         w._fill()
         assert [rid for rid, _ in engine.added] == ["busy", top]
         assert [e.job_id for e in w.held] == [held]
+
+
+class Sizes(Recorder):
+    """Has room for anything, and records the room each admission asked to keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[int | None, int]] = []
+
+    def can_admit(
+        self, _prompt: int, _max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
+        self.asked.append((priority, spare))
+        return True
+
+
+def test_lower_lanes_leave_kv_for_the_top_lanes_reserve(redis_url):
+    """Lower-lane entries are admitted only with the KV of top_lane_reserve top-lane
+    requests (their recent prompt plus max_tokens) left free, once the top lane runs here:
+    vLLM never preempts to admit a waiting request, so a cache full of batch work would
+    keep an interactive arrival waiting for it."""
+    settings = Settings(
+        redis_url=redis_url, takes_per_step=1, fair_every=0, top_lane_reserve=3, preempt=False
+    )
+    engine = Sizes()
+    engine.added.append(("busy", 0))  # the engine runs something: admissions are checked
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        client.submit("b", lane="batch", max_tokens=10)
+        w._fill()
+        assert engine.asked[-1] == (None, 0)  # no top-lane job seen: nothing kept back
+        top = client.submit(token_ids=[5] * 30, lane="interactive", max_tokens=70).id
+        w._fill()
+        assert engine.asked[-1] == (None, 0)  # the top lane's own entry keeps nothing
+        w._publish([token(top, 1)])  # its prompt is computed: lower lanes may go on
+        client.submit("b", lane="batch", max_tokens=10)
+        w._fill()
+        assert engine.asked[-1] == (None, 3 * 100)
 
 
 def over_target(redis_url: str, client: Client, **settings: Any) -> tuple[Worker, Recorder, str]:
