@@ -259,6 +259,7 @@ class PluraiStack(Stack):
         self.r: redis.Redis | None = None
         self.tpot_ms = 0.0  # PLURAI_TOP_LANE_TPOT_MS, the operator's objective; 0: none
         self.since_ms = 0  # job records created up to then are in an earlier run's figures
+        self.queue_waits: dict[str, int] = {}  # ms each request of the last run queued
 
     def start(self) -> None:
         self.url = self.redis.start()
@@ -345,7 +346,8 @@ class PluraiStack(Stack):
         return w is not None and (w.running > 0 or w.jobs_done > 0)
 
     def body(self, req: ServingRequest) -> dict[str, Any]:
-        return {**super().body(req), "lane": req.lane}
+        # the request's id travels in its job record, for the queue waits (extra)
+        return {**super().body(req), "lane": req.lane, "metadata": {"bench_id": req.id}}
 
     def cpu(self) -> dict[str, dict[int, float]]:
         out = super().cpu()
@@ -369,14 +371,19 @@ class PluraiStack(Stack):
                 out[name] += int(v or 0)
         waits: dict[str, list[float]] = {}
         newest = self.since_ms
+        self.queue_waits = {}
         for key in self.r.scan_iter(match=keys.job("*"), count=1000):
-            lane, created, started = self.r.hmget(key, "lane", "created_ms", "started_ms")
+            fields = ("lane", "created_ms", "started_ms", "metadata")
+            lane, created, started, meta = self.r.hmget(key, fields)
             if lane is None or created is None or started is None:
                 continue
             if int(created) <= self.since_ms:
                 continue
             newest = max(newest, int(created))
-            waits.setdefault(lane.decode(), []).append(int(started) - int(created))
+            wait = int(started) - int(created)
+            waits.setdefault(lane.decode(), []).append(wait)
+            with contextlib.suppress(ValueError, AttributeError):
+                self.queue_waits[json.loads(meta)["bench_id"]] = wait
         self.since_ms = newest
         out["queue_wait_ms"] = {
             lane: {"p50": sf.percentile(w, 50), "p99": sf.percentile(w, 99), "n": len(w)}
@@ -498,6 +505,22 @@ def client_late_ms(reqs: list[ServingRequest], results: list[sf.Result]) -> dict
     if not late:
         return {"p50": 0.0, "max": 0.0}
     return {"p50": round(late[len(late) // 2], 1), "max": round(late[-1], 1)}
+
+
+def slowest_share(results: list[sf.Result], waits: dict[str, int]) -> dict[str, Any]:
+    """Of the slowest 5% of interactive first tokens (at least one): how many, their TTFT,
+    and the share of it spent in the queue (created to started), as medians: where the
+    tail of a time to first token is, the queue or the engine."""
+    its = sorted(
+        (r for r in results if r.lane == INTERACTIVE and r.ttft is not None and r.id in waits),
+        key=lambda r: r.ttft or 0.0,
+    )
+    tail = its[len(its) - max(1, len(its) // 20) :] if its else []
+    if not tail:
+        return {"n": 0}
+    ttft = sf.percentile([1000 * (r.ttft or 0.0) for r in tail], 50)
+    share = sf.percentile([waits[r.id] / max(1e-9, 1000 * (r.ttft or 0.0)) for r in tail], 50)
+    return {"n": len(tail), "ttft_ms": round(ttft, 1), "queue_share": round(share, 3)}
 
 
 async def _one(
@@ -633,10 +656,13 @@ class Bench:
         cpu["load_generator"] = round(client_cpu_s() - client, 2)
         expected = {r.id: r.lane for r in reqs if r.id not in unsent}
         extra = {**stack.extra(), "client_late_ms": client_late_ms(reqs, results)}
+        waits = getattr(stack, "queue_waits", {})
+        if waits:
+            extra["slowest_interactive"] = slowest_share(results, waits)
         run = Run(scenario, round(rate, 3), results, expected, cpu, extra)
         with open(stack.logs / f"{scenario}.results.jsonl", "w") as f:
             for r in sorted(results, key=lambda x: x.id):
-                f.write(json.dumps(asdict(r)) + "\n")
+                f.write(json.dumps({**asdict(r), "queue_wait_ms": waits.get(r.id)}) + "\n")
         ok = sum(r.ok for r in results)
         sent = len(expected)
         print(f"  {stack.name} {scenario} @ {rate:.2f} req/s: {ok}/{sent} ok", file=sys.stderr)

@@ -456,3 +456,17 @@ def test_the_saturated_rate_leaves_out_the_drain_tail() -> None:
     assert saturated_rate(ends) == pytest.approx(12 / 1.5)
     assert saturated_rate([2.0]) == pytest.approx(0.5)
     assert saturated_rate([]) == 0.0
+
+
+def test_the_slowest_interactive_first_tokens_split_into_queue_and_engine() -> None:
+    from bench.serving import slowest_share
+
+    def res(i: int, ttft: float, lane: str = "interactive") -> Result:
+        return Result(f"r{i}", lane, 0.0, ttft, ttft + 1.0, 8, True)
+
+    # 40 interactive requests: the two slowest (5%) waited 3 of 4 s and 1 of 5 s queued
+    results = [res(i, 0.1) for i in range(38)] + [res(38, 4.0), res(39, 5.0), res(40, 9.0, "batch")]
+    waits = {f"r{i}": 10 for i in range(38)} | {"r38": 3000, "r39": 1000, "r40": 9000}
+    got = slowest_share(results, waits)
+    assert got == {"n": 2, "ttft_ms": 4500.0, "queue_share": pytest.approx(0.475)}
+    assert slowest_share([res(0, 0.2, "batch")], {"r0": 5}) == {"n": 0}
