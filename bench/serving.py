@@ -259,7 +259,9 @@ class PluraiStack(Stack):
         self.r: redis.Redis | None = None
         self.tpot_ms = 0.0  # PLURAI_TOP_LANE_TPOT_MS, the operator's objective; 0: none
         self.since_ms = 0  # job records created up to then are in an earlier run's figures
-        self.queue_waits: dict[str, int] = {}  # ms each request of the last run queued
+        # per request of the last run: ms queued (created to started) and ms from then to
+        # the worker's first token (None: none)
+        self.queue_waits: dict[str, tuple[int, int | None]] = {}
 
     def start(self) -> None:
         self.url = self.redis.start()
@@ -373,8 +375,8 @@ class PluraiStack(Stack):
         newest = self.since_ms
         self.queue_waits = {}
         for key in self.r.scan_iter(match=keys.job("*"), count=1000):
-            fields = ("lane", "created_ms", "started_ms", "metadata")
-            lane, created, started, meta = self.r.hmget(key, fields)
+            fields = ("lane", "created_ms", "started_ms", "metadata", "first_token_ms")
+            lane, created, started, meta, first = self.r.hmget(key, fields)
             if lane is None or created is None or started is None:
                 continue
             if int(created) <= self.since_ms:
@@ -382,8 +384,9 @@ class PluraiStack(Stack):
             newest = max(newest, int(created))
             wait = int(started) - int(created)
             waits.setdefault(lane.decode(), []).append(wait)
-            with contextlib.suppress(ValueError, AttributeError):
-                self.queue_waits[json.loads(meta)["bench_id"]] = wait
+            engine = int(first) - int(started) if first is not None else None
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+                self.queue_waits[json.loads(meta)["bench_id"]] = (wait, engine)
         self.since_ms = newest
         out["queue_wait_ms"] = {
             lane: {"p50": sf.percentile(w, 50), "p99": sf.percentile(w, 99), "n": len(w)}
@@ -507,10 +510,13 @@ def client_late_ms(reqs: list[ServingRequest], results: list[sf.Result]) -> dict
     return {"p50": round(late[len(late) // 2], 1), "max": round(late[-1], 1)}
 
 
-def slowest_share(results: list[sf.Result], waits: dict[str, int]) -> dict[str, Any]:
+def slowest_share(
+    results: list[sf.Result], waits: dict[str, tuple[int, int | None]]
+) -> dict[str, Any]:
     """Of the slowest 5% of interactive first tokens (at least one): how many, their TTFT,
-    and the share of it spent in the queue (created to started), as medians: where the
-    tail of a time to first token is, the queue or the engine."""
+    and the shares of it spent in the queue (created to started) and in the worker's
+    engine (started to the worker's first token; the rest is delivery: Redis, gateway,
+    client), as medians: where the tail of a time to first token is."""
     its = sorted(
         (r for r in results if r.lane == INTERACTIVE and r.ttft is not None and r.id in waits),
         key=lambda r: r.ttft or 0.0,
@@ -518,9 +524,17 @@ def slowest_share(results: list[sf.Result], waits: dict[str, int]) -> dict[str, 
     tail = its[len(its) - max(1, len(its) // 20) :] if its else []
     if not tail:
         return {"n": 0}
-    ttft = sf.percentile([1000 * (r.ttft or 0.0) for r in tail], 50)
-    share = sf.percentile([waits[r.id] / max(1e-9, 1000 * (r.ttft or 0.0)) for r in tail], 50)
-    return {"n": len(tail), "ttft_ms": round(ttft, 1), "queue_share": round(share, 3)}
+
+    def ms(r: sf.Result) -> float:
+        return max(1e-9, 1000 * (r.ttft or 0.0))
+
+    engine = [waits[r.id][1] / ms(r) for r in tail if waits[r.id][1] is not None]
+    return {
+        "n": len(tail),
+        "ttft_ms": round(sf.percentile([ms(r) for r in tail], 50), 1),
+        "queue_share": round(sf.percentile([waits[r.id][0] / ms(r) for r in tail], 50), 3),
+        "engine_share": round(sf.percentile(engine, 50), 3) if engine else None,
+    }
 
 
 async def _one(
@@ -662,7 +676,9 @@ class Bench:
         run = Run(scenario, round(rate, 3), results, expected, cpu, extra)
         with open(stack.logs / f"{scenario}.results.jsonl", "w") as f:
             for r in sorted(results, key=lambda x: x.id):
-                f.write(json.dumps({**asdict(r), "queue_wait_ms": waits.get(r.id)}) + "\n")
+                queued, engine = waits.get(r.id, (None, None))
+                times = {"queue_wait_ms": queued, "engine_first_token_ms": engine}
+                f.write(json.dumps({**asdict(r), **times}) + "\n")
         ok = sum(r.ok for r in results)
         sent = len(expected)
         print(f"  {stack.name} {scenario} @ {rate:.2f} req/s: {ok}/{sent} ok", file=sys.stderr)

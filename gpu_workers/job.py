@@ -33,7 +33,10 @@ class Running:
     cached_tokens: int = 0
     spec_proposed: int = 0  # speculative decoding: tokens proposed, and accepted
     spec_accepted: int = 0
-    first_token_s: float = 0.0  # wall clock, for the time-per-output-token histogram
+    # wall clock, when this run made its first token (0: not yet), for the record and the
+    # time-per-output-token histogram; a resumed run counts from the tokens it took over
+    first_token_s: float = 0.0
+    resumed: int = 0  # output tokens taken over from a previous run
     last_token_s: float = 0.0  # monotonic, when its latest tokens came (gpu_workers/pace.py)
     # The job's token stream may lack deltas (Redis failed while they were sent): its next
     # write is a reset followed by the whole text so far.
@@ -101,6 +104,7 @@ class Running:
     def resume(self, saved: progress.Progress, text: str) -> None:
         """Take over the output a previous run made (its stream and progress have it all)."""
         self.token_ids = list(saved.token_ids)
+        self.resumed = len(self.token_ids)
         self.logprobs = list(saved.logprobs or [])
         self.text = [text] if text else []
         self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
@@ -116,6 +120,7 @@ class Running:
             spec_accepted=self.spec_accepted,
             worker=worker,
             finished_ms=finished_ms,
+            first_token_ms=round(self.first_token_s * 1000),  # 0 (left out): none
             error_code=code,
             error_message=message,
             logprobs=self.logprobs if asked else None,

@@ -556,10 +556,11 @@ class Worker:
                 del self.running[out.request_id]
                 errors.append((run.entry, out.error))
                 continue
-            if out.new_token_ids and not run.token_ids:
+            if out.new_token_ids and not run.first_token_s:
                 run.first_token_s = now
-                ttft = max(0.0, now - run.entry.entered_s)
-                self.metrics.ttft.labels(run.entry.lane).observe(ttft)
+                if not run.resumed:  # a resumed job's first token came in an earlier run
+                    ttft = max(0.0, now - run.entry.entered_s)
+                    self.metrics.ttft.labels(run.entry.lane).observe(ttft)
             if out.new_token_ids and run.entry.lane == self.lanes[0]:
                 made = top_made.get(out.request_id, (run, 0))[1]
                 top_made[out.request_id] = (run, made + len(out.new_token_ids))
@@ -620,8 +621,8 @@ class Worker:
         m.prompt_tokens.inc(run.prompt_tokens)
         m.cached_tokens.inc(run.cached_tokens)
         m.e2e.labels(lane).observe(max(0.0, now - entry.entered_s))
-        n = len(run.token_ids)
-        if n > 1:
+        n = len(run.token_ids) - run.resumed  # the tokens of this run
+        if n > 1 and run.first_token_s:
             m.tpot.labels(lane).observe((now - run.first_token_s) / (n - 1))
         log.debug(
             "job finished",

@@ -85,6 +85,7 @@ class JobRecord:
     worker: str | None = None
     created_ms: int | None = None
     started_ms: int | None = None
+    first_token_ms: int | None = None  # when the worker had the run's first token
     finished_ms: int | None = None
     metadata: dict[str, Any] | None = None
     logprobs: list[dict[str, Any]] | None = None
@@ -125,6 +126,7 @@ class JobRecord:
             worker=h.get("worker"),
             created_ms=_int(h, "created_ms"),
             started_ms=_int(h, "started_ms"),
+            first_token_ms=_int(h, "first_token_ms"),
             finished_ms=_int(h, "finished_ms"),
             metadata=_json(h, "metadata"),
             logprobs=_json(h, "logprobs"),
@@ -201,6 +203,7 @@ def final_fields(
     spec_accepted: int = 0,
     worker: str = "",
     finished_ms: int,
+    first_token_ms: int = 0,
     error_code: str = "",
     error_message: str = "",
     logprobs: list[dict[str, Any]] | None = None,
@@ -223,6 +226,8 @@ def final_fields(
         "finished_ms",
         finished_ms,
     ]
+    if first_token_ms:  # only where the run made a token
+        out += ["first_token_ms", first_token_ms]
     if spec_proposed:  # only where the run speculated
         out += ["spec_proposed", spec_proposed, "spec_accepted", spec_accepted]
     if error_code:

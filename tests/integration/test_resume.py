@@ -174,6 +174,15 @@ def test_a_cut_job_resumes_to_the_uninterrupted_output(redis_url, engines, case,
     # the second run generated only what the first had not written out
     resumed_tokens = two.metrics.resumed_tokens._value.get()
     assert cut <= resumed_tokens <= rec.output_tokens
+    # the second run's times count from its own first token, not from the epoch
+    tpot = [s.value for m in two.metrics.tpot.collect() for s in m.samples]
+    sums = [
+        s.value for m in two.metrics.tpot.collect() for s in m.samples if s.name.endswith("_sum")
+    ]
+    assert sums and all(v < 60 for v in sums), tpot
+    if resumed_tokens < rec.output_tokens:
+        assert rec.first_token_ms is not None and rec.started_ms is not None
+        assert rec.first_token_ms >= rec.started_ms - 50
     if body.get("stream", True):
         assert b"reset" not in stream_types(r, job.id)
         assert stream_text(r, job.id) == (rec.text, rec.token_ids)

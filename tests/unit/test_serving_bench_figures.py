@@ -464,9 +464,16 @@ def test_the_slowest_interactive_first_tokens_split_into_queue_and_engine() -> N
     def res(i: int, ttft: float, lane: str = "interactive") -> Result:
         return Result(f"r{i}", lane, 0.0, ttft, ttft + 1.0, 8, True)
 
-    # 40 interactive requests: the two slowest (5%) waited 3 of 4 s and 1 of 5 s queued
+    # 40 interactive requests: the two slowest (5%) waited 3 of 4 s and 1 of 5 s queued,
+    # then 0.5 s and 3 s to the worker's first token
     results = [res(i, 0.1) for i in range(38)] + [res(38, 4.0), res(39, 5.0), res(40, 9.0, "batch")]
-    waits = {f"r{i}": 10 for i in range(38)} | {"r38": 3000, "r39": 1000, "r40": 9000}
+    waits = {f"r{i}": (10, 50) for i in range(38)}
+    waits |= {"r38": (3000, 500), "r39": (1000, 3000), "r40": (9000, None)}
     got = slowest_share(results, waits)
-    assert got == {"n": 2, "ttft_ms": 4500.0, "queue_share": pytest.approx(0.475)}
-    assert slowest_share([res(0, 0.2, "batch")], {"r0": 5}) == {"n": 0}
+    assert got == {
+        "n": 2,
+        "ttft_ms": 4500.0,
+        "queue_share": pytest.approx(0.475),
+        "engine_share": pytest.approx((0.125 + 0.6) / 2, abs=1e-3),
+    }
+    assert slowest_share([res(0, 0.2, "batch")], {"r0": (5, None)}) == {"n": 0}
