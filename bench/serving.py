@@ -243,6 +243,8 @@ class Stack:
     def extra(self) -> dict[str, Any]:
         return {}
 
+    wall0 = 0.0  # the last replay's start on the wall clock
+
 
 class PluraiStack(Stack):
     kind = "plurai"
@@ -259,9 +261,9 @@ class PluraiStack(Stack):
         self.r: redis.Redis | None = None
         self.tpot_ms = 0.0  # PLURAI_TOP_LANE_TPOT_MS, the operator's objective; 0: none
         self.since_ms = 0  # job records created up to then are in an earlier run's figures
-        # per request of the last run: ms queued (created to started) and ms from then to
-        # the worker's first token (None: none)
-        self.queue_waits: dict[str, tuple[int, int | None]] = {}
+        # per request of the last run, from its record: created_ms, ms queued (created to
+        # started) and ms from then to the worker's first token (engine_ms; None: none)
+        self.queue_waits: dict[str, dict[str, int | None]] = {}
 
     def start(self) -> None:
         self.url = self.redis.start()
@@ -384,9 +386,13 @@ class PluraiStack(Stack):
             newest = max(newest, int(created))
             wait = int(started) - int(created)
             waits.setdefault(lane.decode(), []).append(wait)
-            engine = int(first) - int(started) if first is not None else None
+            times = {
+                "created_ms": int(created),
+                "queue_ms": wait,
+                "engine_ms": int(first) - int(started) if first is not None else None,
+            }
             with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                self.queue_waits[json.loads(meta)["bench_id"]] = (wait, engine)
+                self.queue_waits[json.loads(meta)["bench_id"]] = times
         self.since_ms = newest
         out["queue_wait_ms"] = {
             lane: {"p50": sf.percentile(w, 50), "p99": sf.percentile(w, 99), "n": len(w)}
@@ -510,31 +516,32 @@ def client_late_ms(reqs: list[ServingRequest], results: list[sf.Result]) -> dict
     return {"p50": round(late[len(late) // 2], 1), "max": round(late[-1], 1)}
 
 
-def slowest_share(
-    results: list[sf.Result], waits: dict[str, tuple[int, int | None]]
-) -> dict[str, Any]:
+def slowest_share(results: list[sf.Result], times: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Of the slowest 5% of interactive first tokens (at least one): how many, their TTFT,
-    and the shares of it spent in the queue (created to started) and in the worker's
-    engine (started to the worker's first token; the rest is delivery: Redis, gateway,
-    client), as medians: where the tail of a time to first token is."""
+    and the shares of it (medians) spent in the gateway's intake (send to the job's
+    record), the queue (record to a worker's start), the engine (start to the worker's
+    first token); the rest is delivery (Redis, the gateway's stream, the client): where
+    the tail of a time to first token is. `times`: per request id, what the records say
+    (intake_ms, queue_ms, engine_ms; None where unknown)."""
     its = sorted(
-        (r for r in results if r.lane == INTERACTIVE and r.ttft is not None and r.id in waits),
+        (r for r in results if r.lane == INTERACTIVE and r.ttft is not None and r.id in times),
         key=lambda r: r.ttft or 0.0,
     )
     tail = its[len(its) - max(1, len(its) // 20) :] if its else []
     if not tail:
         return {"n": 0}
-
-    def ms(r: sf.Result) -> float:
-        return max(1e-9, 1000 * (r.ttft or 0.0))
-
-    engine = [waits[r.id][1] / ms(r) for r in tail if waits[r.id][1] is not None]
-    return {
+    out: dict[str, Any] = {
         "n": len(tail),
-        "ttft_ms": round(sf.percentile([ms(r) for r in tail], 50), 1),
-        "queue_share": round(sf.percentile([waits[r.id][0] / ms(r) for r in tail], 50), 3),
-        "engine_share": round(sf.percentile(engine, 50), 3) if engine else None,
+        "ttft_ms": round(sf.percentile([1000 * (r.ttft or 0.0) for r in tail], 50), 1),
     }
+    for part in ("intake", "queue", "engine"):
+        shares = [
+            times[r.id][f"{part}_ms"] / max(1e-9, 1000 * (r.ttft or 0.0))
+            for r in tail
+            if times[r.id].get(f"{part}_ms") is not None
+        ]
+        out[f"{part}_share"] = round(sf.percentile(shares, 50), 3) if shares else None
+    return out
 
 
 async def _one(
@@ -607,6 +614,7 @@ async def replay(
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as http:
         t0 = time.monotonic()
+        stack.wall0 = time.time()  # t0 on the wall clock, which job records use
         tasks = {r.id: asyncio.create_task(_one(http, stack, r, t0, stop)) for r in reqs}
         side = asyncio.create_task(during(t0, stop)) if during else None
         last = max((r.arrival_s for r in reqs), default=0.0)
@@ -671,14 +679,16 @@ class Bench:
         expected = {r.id: r.lane for r in reqs if r.id not in unsent}
         extra = {**stack.extra(), "client_late_ms": client_late_ms(reqs, results)}
         waits = getattr(stack, "queue_waits", {})
+        for r in results:  # the gateway's intake: from the send to the job's record
+            if r.id in waits:
+                created = waits[r.id]["created_ms"] or 0
+                waits[r.id]["intake_ms"] = round(created - 1000 * (stack.wall0 + r.sent_s))
         if waits:
             extra["slowest_interactive"] = slowest_share(results, waits)
         run = Run(scenario, round(rate, 3), results, expected, cpu, extra)
         with open(stack.logs / f"{scenario}.results.jsonl", "w") as f:
             for r in sorted(results, key=lambda x: x.id):
-                queued, engine = waits.get(r.id, (None, None))
-                times = {"queue_wait_ms": queued, "engine_first_token_ms": engine}
-                f.write(json.dumps({**asdict(r), **times}) + "\n")
+                f.write(json.dumps({**asdict(r), **waits.get(r.id, {})}) + "\n")
         ok = sum(r.ok for r in results)
         sent = len(expected)
         print(f"  {stack.name} {scenario} @ {rate:.2f} req/s: {ok}/{sent} ok", file=sys.stderr)

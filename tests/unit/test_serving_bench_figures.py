@@ -465,15 +465,18 @@ def test_the_slowest_interactive_first_tokens_split_into_queue_and_engine() -> N
         return Result(f"r{i}", lane, 0.0, ttft, ttft + 1.0, 8, True)
 
     # 40 interactive requests: the two slowest (5%) waited 3 of 4 s and 1 of 5 s queued,
-    # then 0.5 s and 3 s to the worker's first token
+    # then 0.5 s and 3 s to the worker's first token; the second's intake is not known
     results = [res(i, 0.1) for i in range(38)] + [res(38, 4.0), res(39, 5.0), res(40, 9.0, "batch")]
-    waits = {f"r{i}": (10, 50) for i in range(38)}
-    waits |= {"r38": (3000, 500), "r39": (1000, 3000), "r40": (9000, None)}
-    got = slowest_share(results, waits)
+    times = {f"r{i}": {"intake_ms": 1, "queue_ms": 10, "engine_ms": 50} for i in range(38)}
+    times["r38"] = {"intake_ms": 200, "queue_ms": 3000, "engine_ms": 500}
+    times["r39"] = {"intake_ms": None, "queue_ms": 1000, "engine_ms": 3000}
+    times["r40"] = {"intake_ms": 0, "queue_ms": 9000, "engine_ms": None}
+    got = slowest_share(results, times)
     assert got == {
         "n": 2,
         "ttft_ms": 4500.0,
+        "intake_share": 0.05,
         "queue_share": pytest.approx(0.475),
         "engine_share": pytest.approx((0.125 + 0.6) / 2, abs=1e-3),
     }
-    assert slowest_share([res(0, 0.2, "batch")], {"r0": (5, None)}) == {"n": 0}
+    assert slowest_share([res(0, 0.2, "batch")], {"r0": {"queue_ms": 5}}) == {"n": 0}
