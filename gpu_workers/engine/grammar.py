@@ -214,7 +214,6 @@ class Steer:
     searched: int = -(1 << 30)
     length: int = 1 << 30
     path: list[int] | None = None
-    replaced: int = 0  # drawn tokens replaced by a completion's
 
 
 class Grammars:
@@ -337,7 +336,6 @@ class Grammars:
             m.rollback(1)
         if after is not None:
             return token
-        st.replaced += 1
         return path[0]
 
     def slack(self, seq: Any, left: int) -> int:

@@ -70,8 +70,9 @@ class Sampler:
                 s = seqs[i]
                 if s.num_draft:
                     continue  # far from its max_tokens: it proposes nothing near it
-                left = min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - len(s))
-                token_list[i] = self.grammars.steer(s, token_list[i], left)
+                token_list[i] = self.grammars.steer(
+                    s, token_list[i], s.tokens_left(self.max_model_len)
+                )
         return token_list, self._logprobs(raw, seqs, token_list)
 
     def _penalize(

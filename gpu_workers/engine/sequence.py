@@ -102,6 +102,10 @@ class Sequence:
         """Length this sequence can reach: prompt plus max_tokens."""
         return self.num_prompt_tokens + self.params.max_tokens
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """Output tokens it may still make: to its max_tokens, within max_model_len."""
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - len(self))
+
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1

@@ -112,12 +112,8 @@ class Speculator:
             if st.pause:
                 return
             probe = True  # the pause is over: one token, to learn whether proposals pay now
-        n = min(
-            self.k,
-            room,
-            seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is drawn
-            self.max_model_len - len(seq) - 1,
-        )
+        left = seq.tokens_left(self.max_model_len)
+        n = min(self.k, room, left - 1)  # the last token is drawn
         paying = 0
         while paying < n and st.acceptance ** (paying + 1) >= self.need:
             paying += 1
@@ -131,7 +127,6 @@ class Speculator:
             # the ones the grammar allows; none where the output may be steered to its end
             tokens = tokens[: seq.matcher.validate_tokens(tokens)]
             assert self.grammars is not None
-            left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
             if self.grammars.slack(seq, left) <= len(tokens):
                 tokens = []
         if tokens:
