@@ -28,6 +28,7 @@ def test_a_good_record_parses():
     [
         ("prompt_tokens", "x", "not an integer"),
         ("priority", "1.5", "not an integer"),
+        ("first_token_ms", "soon", "not an integer"),
         ("token_ids", "[1,", "not JSON"),
         ("metadata", "[" * 100_000, "not JSON"),  # nested past the parser's depth
         ("logprobs", "{nope}", "not JSON"),
