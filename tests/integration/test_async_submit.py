@@ -1,0 +1,71 @@
+"""Concurrent submits on one AsyncClient (a gateway's burst of requests) go to Redis
+together, in a few pipelines on one connection, and each call still gets its own jobs or
+its own refusal."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker_config import keys
+from broker_config.settings import Settings
+from producer import AsyncClient, QueueFull
+
+
+def test_a_burst_of_submits_shares_round_trips_and_a_connection(shared_redis_url, r):
+    async def burst() -> list[str]:
+        async with AsyncClient(shared_redis_url) as client:
+            await client.submit("warm: scripts loaded, routes read")
+            opened = int(r.info("stats")["total_connections_received"])
+            jobs = await asyncio.gather(
+                *(client.submit(f"request {i}", lane="interactive") for i in range(300))
+            )
+            # one submit at a time in flight: a connection each would be ~300 here
+            assert int(r.info("stats")["total_connections_received"]) - opened <= 3
+            return [j.id for j in jobs]
+
+    ids = asyncio.run(burst())
+    assert len(set(ids)) == 300
+    queued = r.xrange(keys.request_stream("interactive"))
+    assert len(queued) == 300  # every one queued, in the order the calls were made
+    for i, (_, fields) in enumerate(queued):
+        assert r.hget(keys.job(ids[i]), "state") == b"queued"
+        assert fields  # an entry of its own
+
+
+def test_a_call_refused_in_a_shared_pipeline_leaves_the_others_queued(shared_redis_url, r):
+    limit = 5
+    settings = Settings(max_queued_per_lane=limit, queue_full_retry_s=2)
+
+    async def burst() -> list[object]:
+        async with AsyncClient(shared_redis_url, settings=settings) as client:
+            await client.submit("warm", lane="standard")
+            calls = [client.submit(f"b{i}", lane="batch") for i in range(2 * limit)]
+            calls += [client.submit("other lane", lane="interactive")]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    out = asyncio.run(burst())
+    queued, refused = out[: 2 * limit], out[-1:]
+    full = [x for x in queued if isinstance(x, QueueFull)]
+    assert len(full) == limit and len(queued) - len(full) == limit
+    assert all(f.accepted == [] for f in full)  # each refusal is its own call's alone
+    assert not isinstance(refused[0], BaseException)  # the other lane's call is queued
+    assert r.xlen(keys.request_stream("batch")) == limit
+    assert r.xlen(keys.request_stream("interactive")) == 1
+
+
+def test_redis_down_fails_every_waiting_call(redis_url):
+    from redis import Redis
+
+    async def burst() -> list[object]:
+        async with AsyncClient(redis_url) as client:
+            await client.submit("warm")
+            Redis.from_url(redis_url).shutdown(nosave=True)
+            calls = [client.submit(f"x{i}") for i in range(20)]
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+
+    out = asyncio.run(burst())
+    assert all(isinstance(x, Exception) for x in out)  # none hangs, none is a job
+    with pytest.raises(Exception):
+        Redis.from_url(redis_url).ping()
