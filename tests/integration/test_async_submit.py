@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
+from redis import Redis, RedisError
 
 from broker_config import keys
 from broker_config.settings import Settings
@@ -56,7 +56,6 @@ def test_a_call_refused_in_a_shared_pipeline_leaves_the_others_queued(shared_red
 
 
 def test_redis_down_fails_every_waiting_call(redis_url):
-    from redis import Redis
 
     async def burst() -> list[object]:
         async with AsyncClient(redis_url) as client:
@@ -66,6 +65,4 @@ def test_redis_down_fails_every_waiting_call(redis_url):
             return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
 
     out = asyncio.run(burst())
-    assert all(isinstance(x, Exception) for x in out)  # none hangs, none is a job
-    with pytest.raises(Exception):
-        Redis.from_url(redis_url).ping()
+    assert all(isinstance(x, RedisError) for x in out)  # none hangs, none is a job
