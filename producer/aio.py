@@ -132,7 +132,11 @@ class AsyncClient:
                         done.set_exception(e)
 
     async def _send_plans(self, plans: list[Plan]) -> None:
-        """Run the plans as producer.submit says, their commands in one pipeline a step."""
+        """Run the plans as producer.submit says, their commands in one pipeline a step;
+        with PLURAI_SUBMIT_REPLICAS one WAIT, after them all, answers for every plan (a
+        WAIT each would wait its timeout once per call while a replica is behind)."""
+        for plan in plans[:-1]:
+            plan.wait = False
         commands = [list(plan.commands()) for plan in plans]
         replies = iter(await self._run(c for cs in commands for c in cs))
         lost = [
@@ -145,6 +149,8 @@ class AsyncClient:
                 if cs:
                     plan.rerun([next(again) for _ in cs])
         cleanup = [c for plan in plans for c in plan.settle()]
+        for plan in plans[:-1]:
+            plan.acked = plans[-1].acked
         if cleanup:
             await self._run(cleanup)
 

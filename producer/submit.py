@@ -65,6 +65,9 @@ class Plan(Generic[J]):
         self.missing: list[int] = []
         self.ids: list[J] = []
         self.error: Exception | None = None
+        # whether its commands end with the WAIT: a pipeline of several plans has one, at
+        # its end, whose reply the others take as their `acked`
+        self.wait = True
 
     def commands(self) -> Iterator[list[Any]]:
         """Every command of the first round trip, in order; the submissions are built the
@@ -80,7 +83,7 @@ class Plan(Generic[J]):
                 self.subs.append(sub)
                 yield from sub.commands(self.split)
         s = self.settings
-        if s.submit_replicas:
+        if s.submit_replicas and self.wait:
             yield ["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms]
 
     def lost(self, replies: list[Any]) -> list[list[Any]]:
@@ -104,7 +107,7 @@ class Plan(Generic[J]):
         nothing, to send before `jobs()` (also when refused: a record QUEUED wrote would
         read "queued" for days)."""
         s, replies = self.settings, self.replies
-        if s.submit_replicas:
+        if s.submit_replicas and self.wait:
             self.acked = replies.pop()
         replies = replies[len(self.listed) :]
         self.ids, cleanup, self.error = submitted(

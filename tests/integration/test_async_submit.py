@@ -11,6 +11,7 @@ from redis import Redis, RedisError
 from broker_config import keys
 from broker_config.settings import Settings
 from producer import AsyncClient, QueueFull
+from producer.errors import NotReplicated
 
 
 def test_a_burst_of_submits_shares_round_trips_and_a_connection(shared_redis_url, r):
@@ -66,3 +67,25 @@ def test_redis_down_fails_every_waiting_call(redis_url):
 
     out = asyncio.run(burst())
     assert all(isinstance(x, RedisError) for x in out)  # none hangs, none is a job
+
+
+def test_calls_sharing_a_pipeline_share_its_one_wait_for_replicas(shared_redis_url, r):
+    # no replica: each WAIT waits its whole timeout, so one a call would add up per call
+    settings = Settings(submit_replicas=1, submit_replicas_timeout_ms=200)
+
+    def waits() -> int:
+        return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+    async def burst() -> list[object]:
+        async with AsyncClient(shared_redis_url, settings=settings) as client:
+            await asyncio.gather(client.submit("warm"), return_exceptions=True)
+            before = waits()
+            out = await asyncio.gather(
+                *(client.submit(f"r{i}") for i in range(20)), return_exceptions=True
+            )
+            assert waits() - before <= 2  # one per pipeline, not one per call
+            return out
+
+    out = asyncio.run(burst())
+    assert all(isinstance(x, NotReplicated) for x in out)  # every call learns it
+    assert r.xlen(keys.request_stream("standard")) == 21  # queued all the same
