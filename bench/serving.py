@@ -213,6 +213,7 @@ class Stack:
     name: str
     base: str  # the OpenAI base URL, .../v1
     kind: str  # plurai | router
+    wall0 = 0.0  # the last replay's start on the wall clock, which job records use
 
     def __init__(self, spec: EngineSpec, k: int, logs: Path) -> None:
         self.spec, self.k, self.logs = spec, k, logs
@@ -243,8 +244,6 @@ class Stack:
 
     def extra(self) -> dict[str, Any]:
         return {}
-
-    wall0 = 0.0  # the last replay's start on the wall clock
 
 
 class PluraiStack(Stack):
@@ -621,7 +620,7 @@ async def replay(
         connector=connector, timeout=timeout, read_bufsize=1 << 20
     ) as http:
         t0 = time.monotonic()
-        stack.wall0 = time.time()  # t0 on the wall clock, which job records use
+        stack.wall0 = time.time()
         tasks = {r.id: asyncio.create_task(_one(http, stack, r, t0, stop)) for r in reqs}
         side = asyncio.create_task(during(t0, stop)) if during else None
         last = max((r.arrival_s for r in reqs), default=0.0)
