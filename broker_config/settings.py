@@ -180,8 +180,9 @@ class Settings(_Sourced):
     top_lane_slowdown: float = Field(default=3.0, ge=0)
     # The top lane's target time per output token (ms), your latency objective less a
     # margin: while a worker's top-lane tokens come slower than this, it starts no new job
-    # of any lane; they wait in the queue for a faster worker or for running jobs to end,
-    # rather than slowing every running one further. 0: no target.
+    # of the lower lanes, nor of the top lane unless lower-lane jobs run on it; they wait
+    # in the queue for a faster worker or for running jobs to end, rather than slowing
+    # every running one further. 0: no target.
     top_lane_tpot_ms: float = Field(default=0.0, ge=0)
     # The longest a top-lane request waits in the queue for that target: while no worker
     # takes new work, one whose lane's oldest entry has waited this long takes that entry

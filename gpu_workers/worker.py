@@ -229,7 +229,7 @@ class Worker:
         top = self.lanes[0]
         while added < limit and not self.stopping:
             slow = self._top_lane_slow()
-            if slow:
+            if slow and not self._lower_running():
                 # new work waits in the queue while the top lane's tokens are slow, a
                 # top-lane entry no longer than top_lane_wait_ms
                 if not self.held or self.held[0].lane != top:
@@ -243,13 +243,13 @@ class Worker:
                     return
                 if not self.held:
                     idle = not self.engine.has_unfinished() and not self.running
-                    below_top = self._room_below_top() if room > 0 else 0
+                    below_top = self._room_below_top() if room > 0 and not slow else 0
                     if 0 < below_top < n:  # never past the top lane's reserve
                         n = below_top
                     self.held = self.intake.take(idle, below_top > 0, count=n)
                     if not self.held:
                         return
-                elif self.held[0].lane != top and not self._startable(self.held[0], room):
+                elif self.held[0].lane != top and (slow or not self._startable(self.held[0], room)):
                     # the lower-lane entries held must wait: a top-lane arrival need not
                     arrived = self.intake.take(False, False, count=n)
                     if not arrived:
@@ -278,9 +278,17 @@ class Worker:
                 continue  # every one was a second entry of a running job
             added += self._start(batch)
 
+    def _lower_running(self) -> bool:
+        """Whether jobs of lanes below the top one run here. While they do, a top lane over
+        its target is slowed by them too: lower lanes wait (they take nothing new), the top
+        lane's arrivals do not (holding them would put batch work ahead of interactive)."""
+        top = self.lanes[0]
+        return any(r.entry.lane != top for r in self.running.values())
+
     def _top_lane_slow(self) -> bool:
         """Whether the top lane's tokens come slower here than its target (top_lane_tpot_ms)
-        while top-lane jobs make tokens: then this worker starts nothing new."""
+        while top-lane jobs make tokens: then this worker starts nothing new of the lower
+        lanes, nor of the top lane unless lower-lane jobs run here (`_lower_running`)."""
         top = self.lanes[0]
         slow = self.pace.over_target() and any(
             r.entry.lane == top and r.token_ids for r in self.running.values()

@@ -349,6 +349,32 @@ def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
         assert {j for j, _ in engine.added} == {first, *waiting}
 
 
+def test_over_the_target_beside_lower_lane_jobs_the_top_lane_still_starts(redis_url):
+    """A worker over the top lane's target while a batch job runs on it: the batch job
+    slows the top lane too, so the lower lanes wait and a top-lane arrival starts at once
+    (held, it would wait behind batch work it outranks)."""
+    with Client(redis_url) as client:
+        w, engine, first = over_target(redis_url, client, top_lane_slowdown=0)
+        now = time.monotonic()
+        w.pace.tokens(0.05, 20, now + 1.5)  # fast for a while: a batch job starts
+        running = client.submit("b", lane="batch").id
+        w._fill()
+        w.pace.tokens(3.0, 1, now + 1.6)  # the top lane is slow again
+        assert w.pace.over_target()
+        assert [j for j, _ in engine.added] == [first, running]
+        batch = client.submit("b", lane="batch").id
+        top = client.submit("i", lane="interactive").id
+        w._fill()
+        assert [j for j, _ in engine.added] == [first, running, top]
+        r = connect(redis_url)
+        assert [f[b"id"].decode() for _, f in r.xrange(keys.request_stream("batch"))][-1] == batch
+        assert batch not in [j for j, _ in engine.added]
+        w.running.pop(running)  # the batch job ended: over the target, the top lane waits
+        later = client.submit("i", lane="interactive").id
+        w._fill()
+        assert later not in [j for j, _ in engine.added]
+
+
 def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_url):
     """top_lane_wait_ms: a worker over the target still takes the top lane's entry once it
     has waited that long in the queue (every worker may be over it), and only that one:
