@@ -1,8 +1,9 @@
-"""Speculative decoding (prompt lookup) in the native engine, with and without, on the same
-requests; vLLM's CPU build with its own n-gram speculation on them where it runs it.
+"""Speculative decoding (prompt lookup, and a draft model) in the native engine, with and
+without, on the same requests; vLLM's CPU build with its own n-gram speculation on them
+where it runs it.
 
     python bench/speculative.py [--dtype fp32|bf16] [--k 4] [--runs 3] [--requests 32]
-        [--doc-size small] [--train-steps 600] [--skip-vllm]
+        [--doc-size small] [--draft-size tiny] [--train-steps 600] [--skip-vllm]
 
 Workloads (greedy, EOS ignored, so every run makes the same tokens):
 - documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps),
@@ -11,8 +12,11 @@ Workloads (greedy, EOS ignored, so every run makes the same tokens):
   (the prompt quotes the book up to a point, then quotes it again from an earlier point:
   the continuation is in the prompt). The output reuses the input, as in extraction,
   quoting and rewriting.
+  A draft model proposes too: the factory's --draft-size Llama trained the same way (the
+  sizes share the tokenizer).
 - random: bench/throughput.py's mixed workload on the random-weight bench model, where
-  proposals rarely match: speculation must cost nothing there.
+  proposals rarely match: speculation must cost nothing there (prompt lookup only: the
+  factory has no smaller model with the bench model's tokenizer).
 
 Figures per workload: single stream (one request at a time: decode tok/s, from each
 request's first token to its last) and batch (--requests at once: output tok/s); the share
@@ -154,41 +158,56 @@ def main() -> None:
     # the bench size trains at ~10 s a step on one core: hours to learn the book; the small
     # one learns it in ~2 minutes (made once, under models/)
     ap.add_argument("--doc-size", default="small", help="the documents' model: a factory size")
-    ap.add_argument("--train-steps", type=int, default=600, help="its training on the book")
+    ap.add_argument("--draft-size", default="tiny", help="the draft model's factory size")
+    ap.add_argument("--train-steps", type=int, default=600, help="their training on the book")
     ap.add_argument("--skip-vllm", action="store_true")
     a = ap.parse_args()
     started = time.monotonic()
     book = doc_model(a.doc_size, a.train_steps)
+    draft = doc_model(a.draft_size, a.train_steps)
     rand = bench_model()
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(rand)).vocab_size
+    ngram = {"ngram": "ngram"}
     work = {
-        "documents": (book, documents(book, a.requests, a.max_tokens)),
-        "random": (rand, mixed(a.requests, vocab, 0)),
+        "documents": (
+            book,
+            documents(book, a.requests, a.max_tokens),
+            ngram | {"draft": f"draft:{draft}"},
+        ),
+        "random": (rand, mixed(a.requests, vocab, 0), ngram),
     }
     out: dict = {"bench": "speculative", "isa": cpu_isa(), "dtype": a.dtype, "k": a.k}
-    for name, (model, reqs) in work.items():
+    out["draft_model"] = f"{a.draft_size}-llama-book-{a.train_steps}"
+    for name, (model, reqs, specs) in work.items():
         fig: dict = {"requests": len(reqs), "output_tokens": sum(r.max_tokens for r in reqs)}
+        modes = {"off": "off"} | specs
         for mode, batch, rs in (("single", False, reqs[: a.single]), ("batch", True, reqs)):
-            rates: dict[str, list[float]] = {"off": [], "ngram": []}
-            acc: list[float] = []
-            for _ in range(a.runs):  # interleaved, so a slow minute lands on both
-                for spec in rates:
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            acc: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(a.runs):  # interleaved, so a slow minute lands on every mode
+                for m, spec in modes.items():
                     rate, accepted = run_native(model, rs, a.dtype, spec, a.k, batch)
-                    rates[spec].append(rate)
+                    rates[m].append(rate)
                     if accepted is not None:
-                        acc.append(accepted)
-                    print(f"{name} {mode} {spec}: {rate:.1f} tok/s", file=sys.stderr)
-            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+                        acc[m].append(accepted)
+                    print(f"{name} {mode} {m}: {rate:.1f} tok/s", file=sys.stderr)
+            off = statistics.median(rates["off"])
             fig[mode] = {
                 "off_tok_s": round(off, 1),
-                "ngram_tok_s": round(on, 1),
-                "speedup": round(on / off, 3),
-                "acceptance": round(statistics.median(acc), 3) if acc else None,
                 "runs_off": [round(x, 1) for x in rates["off"]],
-                "runs_ngram": [round(x, 1) for x in rates["ngram"]],
             }
+            for m in specs:
+                on = statistics.median(rates[m])
+                # prompt lookup's figures keep their names; the draft's are prefixed
+                pre = "" if m == "ngram" else f"{m}_"
+                fig[mode] |= {
+                    f"{m}_tok_s": round(on, 1),
+                    f"{pre}speedup": round(on / off, 3),
+                    f"{pre}acceptance": round(statistics.median(acc[m]), 3) if acc[m] else None,
+                    f"runs_{m}": [round(x, 1) for x in rates[m]],
+                }
         if not a.skip_vllm:
             v_off, v_on = run_vllm(model, reqs, a.dtype, None), run_vllm(model, reqs, a.dtype, a.k)
             fig["vllm_batch"] = {"off": v_off, "ngram": v_on}

@@ -73,7 +73,8 @@ SPEC_FIELDS = ("speculative", "num_speculative_tokens", "ngram_min", "ngram_max"
 
 def _vllm_speculative(options: dict[str, Any]) -> dict[str, Any] | None:
     """The native engine's speculative-decoding choice (taken out of `options`) as vLLM's
-    speculative_config: prompt lookup is vLLM's "ngram" method. None: off."""
+    speculative_config: prompt lookup is vLLM's "ngram" method, a draft model its
+    "draft_model". None: off."""
     from gpu_workers.engine.config import EngineConfig
 
     given = {k: options.pop(k) for k in SPEC_FIELDS if k in options}
@@ -83,6 +84,12 @@ def _vllm_speculative(options: dict[str, Any]) -> dict[str, Any] | None:
         c = EngineConfig(model="", **given)
     except (TypeError, ValueError) as e:
         raise StartError(Exit.USAGE, str(e)) from e
+    if c.draft_model:
+        return {
+            "method": "draft_model",
+            "model": c.draft_model,
+            "num_speculative_tokens": c.num_speculative_tokens,
+        }
     return {
         "method": "ngram",
         "num_speculative_tokens": c.num_speculative_tokens,

@@ -46,8 +46,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
     chunked_prefill: bool = True
     prefix_caching: bool = True
-    # speculative decoding (speculator.py): ngram (prompt lookup) or off; the most tokens
-    # proposed a step, and the n-gram sizes looked up
+    # speculative decoding (speculator.py): ngram (prompt lookup), draft:<dir> (a smaller
+    # model with the same tokenizer, drafter.py) or off; the most tokens proposed a step,
+    # and the n-gram sizes looked up
     speculative: str = "off"
     num_speculative_tokens: int = 4
     ngram_min: int = 2
@@ -73,6 +74,12 @@ class EngineConfig:
     # this token id in its prompt (the engine's recovery from a failing step is tested so)
     fault_token_id: int | None = None
 
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's directory, for speculative=draft:<dir>."""
+        kind, _, path = self.speculative.partition(":")
+        return path if kind == "draft" and path else None
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -82,8 +89,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be >= 1")
         if self.kernels not in (None, "auto", "native", "torch"):
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
-        if self.speculative not in ("off", "ngram"):
-            raise ValueError(f"speculative must be ngram or off, got {self.speculative!r}")
+        if self.speculative not in ("off", "ngram") and not self.draft_model:
+            raise ValueError(
+                f"speculative must be ngram, draft:<model dir> or off, got {self.speculative!r}"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"

@@ -31,6 +31,7 @@ from gpu_workers.backend import StepOutput
 from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
+from gpu_workers.engine.drafter import Drafter
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.grammar import GrammarError, Grammars, Steer
 from gpu_workers.engine.kv_tiers import KVTiers
@@ -80,8 +81,11 @@ class Engine:
         self.blocks.tiers = self._tiers(kv_redis)
         self.eos_ids = self._eos_ids()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        drafter = None
+        if config.draft_model:
+            drafter = Drafter(config, self.runner.num_blocks, self.max_model_len)
         self.speculator = (
-            Speculator(config, self.max_model_len, self.grammars)
+            Speculator(config, self.max_model_len, self.grammars, drafter)
             if config.speculative != "off"
             else None
         )

@@ -63,6 +63,8 @@ class Scheduler:
                     return scheduled
         preempted = False
         spec = self.speculator
+        if spec is not None:
+            spec.prepare(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -172,4 +174,6 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         seq.status = Status.FINISHED

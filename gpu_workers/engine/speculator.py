@@ -14,7 +14,9 @@ overwritten by later steps, and their blocks are given back (`BlockManager.trim`
 
 Proposals come from prompt lookup: the latest earlier place where the sequence's last n
 tokens (ngram_max down to ngram_min) occurred, and the tokens that followed it there.
-Documents that are quoted, copied from or continued give long matches.
+Documents that are quoted, copied from or continued give long matches. Or from a draft
+model (drafter.py): before the scheduler runs, the sequences that would propose get the
+draft's most likely next tokens, all of them in k batched forwards.
 
 How many to propose is a cost model, so that no workload gets slower: a proposed token
 costs a row of the step, and pays only if it is accepted. The engine's steps give the
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpu_workers.engine.config import EngineConfig
+from gpu_workers.engine.drafter import Drafter
 from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sequence import Sequence
 
@@ -62,6 +65,8 @@ class SpecState:
     indexed: int = 0  # n-grams ending before this position are in `index`
     acceptance: float = 0.8  # running share of proposed positions kept
     pause: int = 0  # steps left without proposals
+    pending: list[int] = field(default_factory=list)  # the draft model's proposals,
+    pending_at: int = -1  # made when the sequence had this many tokens
     next_pause: int = PAUSE_STEPS
     proposed: int = 0
     accepted: int = 0
@@ -81,10 +86,15 @@ class Modes:
 
 class Speculator:
     def __init__(
-        self, config: EngineConfig, max_model_len: int, grammars: Grammars | None = None
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        grammars: Grammars | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.max_model_len = max_model_len
         self.grammars = grammars
+        self.drafter = drafter  # None: prompt lookup
         self.k = config.num_speculative_tokens
         self.lo, self.hi = config.ngram_min, config.ngram_max
         self.proposed = 0  # totals over the engine's life
@@ -97,6 +107,42 @@ class Speculator:
         self.on = True
         self.modes: dict[int, Modes] = {}
         self.block: list[tuple[float, int]] = []
+
+    def prepare(self, running: list[Sequence]) -> None:
+        """With a draft model: proposals for the decoding sequences of `running` that will
+        propose this step (draft() takes them), as many as the one that wants most."""
+        if self.drafter is None or not self.on:
+            return
+        seqs, k = [], 0
+        for seq in running:
+            if len(seq) - seq.num_computed_tokens != 1 or not seq.params.speculate:
+                continue
+            st = seq.spec
+            if st is None:
+                st = seq.spec = SpecState()
+            want = 1 if st.pause == 1 else 0 if st.pause else self._paying(st, self.k)
+            want = min(want, seq.tokens_left(self.max_model_len) - 1)
+            if want > 0:
+                seqs.append(seq)
+                k = max(k, want)
+        if not seqs:
+            return
+        by_id = {s.request_id: s for s in seqs}
+        for rid, tokens in self.drafter.propose(seqs, k).items():
+            seq = by_id[rid]
+            seq.spec.pending, seq.spec.pending_at = tokens, len(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        """seq has finished: the draft model's cache gives its blocks back."""
+        if self.drafter is not None:
+            self.drafter.forget(seq.request_id)
+
+    def _paying(self, st: SpecState, n: int) -> int:
+        """How many of up to n proposals pay at the sequence's acceptance (see above)."""
+        paying = 0
+        while paying < n and st.acceptance ** (paying + 1) >= self.need:
+            paying += 1
+        return paying
 
     def draft(self, seq: Sequence, room: int) -> None:
         """Append up to `room` proposed tokens to a decoding `seq`, as many as pay (the
@@ -114,15 +160,17 @@ class Speculator:
             probe = True  # the pause is over: one token, to learn whether proposals pay now
         left = seq.tokens_left(self.max_model_len)
         n = min(self.k, room, left - 1)  # the last token is drawn
-        paying = 0
-        while paying < n and st.acceptance ** (paying + 1) >= self.need:
-            paying += 1
+        paying = self._paying(st, n)
         if n > 0 and paying == 0:
             if not probe:  # a proposal would not pay: a pause, then one to try
                 st.pause, st.next_pause = st.next_pause, min(2 * st.next_pause, MAX_PAUSE_STEPS)
                 return
             paying = 1
-        tokens = self.lookup(st, seq.token_ids, paying) if paying else []
+        if self.drafter is None:
+            tokens = self.lookup(st, seq.token_ids, paying) if paying else []
+        else:  # prepare()'s, made for this length
+            tokens = st.pending[:paying] if st.pending_at == len(seq) else []
+            st.pending = []
         if tokens and seq.matcher is not None:
             # the ones the grammar allows; none where the output may be steered to its end
             tokens = tokens[: seq.matcher.validate_tokens(tokens)]

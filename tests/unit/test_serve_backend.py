@@ -54,3 +54,14 @@ def test_speculative_decoding_is_vllms_ngram_method() -> None:
     assert serve._vllm_speculative({"speculative": "off", "ngram_min": 1}) is None
     with pytest.raises(StartError, match="speculative must be"):
         serve._vllm_speculative({"speculative": "eagle"})
+    with pytest.raises(StartError, match="speculative must be"):
+        serve._vllm_speculative({"speculative": "draft:"})
+
+
+def test_a_draft_model_is_vllms_draft_model_method() -> None:
+    opts = {"speculative": "draft:/models/small", "num_speculative_tokens": 3}
+    assert serve._vllm_speculative(opts) == {
+        "method": "draft_model",
+        "model": "/models/small",
+        "num_speculative_tokens": 3,
+    }
