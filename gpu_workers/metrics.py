@@ -214,7 +214,7 @@ class _EngineCollector(Collector):
         if "spec_proposed_tokens" in s:
             yield CounterMetricFamily(
                 "plurai_spec_proposed_tokens",
-                "Tokens proposed by speculative decoding (prompt lookup).",
+                "Tokens proposed by speculative decoding (prompt lookup or a draft model).",
                 value=s["spec_proposed_tokens"],
             )
             yield CounterMetricFamily(
