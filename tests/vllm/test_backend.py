@@ -10,7 +10,7 @@ import pytest
 from gpu_workers.backend import RequestError, StepOutput
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
-from tests.vllm.conftest import MAX_MODEL_LEN, MAX_SEQS
+from tests.vllm.conftest import MAX_MODEL_LEN, MAX_SEQS, OPTIONS
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 
@@ -172,3 +172,33 @@ def test_stats_carry_what_metrics_and_status_read(backend, native) -> None:
     assert {k for k in native.stats() if not k.startswith("kv_")} - {"blocks_cached"} <= set(s)
     assert s["prefix_hit_blocks"] >= 1 and s["prefix_lookup_blocks"] >= s["prefix_hit_blocks"]
     assert s["steps"] > 0 and s["generated_tokens"] > 0
+
+
+def test_a_draft_model_changes_no_greedy_token(backend, small_model: Path) -> None:
+    """`--engine speculative=draft:<dir>` becomes vLLM's draft_model method (serve.py):
+    the model drafting for itself, its proposals are checked and kept, and the greedy
+    tokens are those of the engine without speculation."""
+    from gpu_workers.serve import _vllm_speculative
+    from gpu_workers.vllm_backend.backend import VllmBackend
+
+    spec = _vllm_speculative({"speculative": f"draft:{small_model}", "num_speculative_tokens": 3})
+    drafted = VllmBackend(
+        str(small_model),
+        options={**OPTIONS, "max_num_seqs": MAX_SEQS, "speculative_config": spec},
+        engine_process=False,
+    )
+    try:
+        requests = {
+            f"d{i}": {"prompt": p, "params": {"max_tokens": 24, "ignore_eos": True}}
+            for i, p in enumerate(["The river ran", "She said that", "a b c a b c a b"])
+        }
+        want = run(backend, requests)
+        got = run(drafted, requests)
+        tokens = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in want.items()}
+        assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()} == (
+            tokens
+        )
+        stats = drafted.stats()
+        assert stats["spec_accepted_tokens"] > 0
+    finally:
+        drafted.close()
