@@ -254,7 +254,10 @@ class PluraiStack(Stack):
         self.backend, _, variant = backend.partition("-")
         self.tier = variant != "notier"  # plurai-vllm-notier: without the Redis KV tier
         self.name = f"plurai-{backend}"
-        self.redis = EmbeddedRedis(logs / "redis")
+        # in a session of its own, as the gateway, workers and KV Redis are (spawn): in the
+        # load generator's, the kernel's per-session CPU share (autogroup) put the queue's
+        # Redis and the client in one share, and the client fell seconds behind at bursts
+        self.redis = EmbeddedRedis(logs / "redis", own_session=True)
         self.url = ""
         self.kv_url = ""  # the KV tier's Redis; "": none
         self.kv_redis: subprocess.Popen | None = None

@@ -84,8 +84,16 @@ def running_url(data_dir: Path) -> str | None:
 
 class EmbeddedRedis:
     def __init__(
-        self, data_dir: Path | str, port: int | None = None, start_timeout_s: float = 10.0
+        self,
+        data_dir: Path | str,
+        port: int | None = None,
+        start_timeout_s: float = 10.0,
+        own_session: bool = False,
     ):
+        """`own_session`: redis-server in a session of its own, apart from this process's
+        terminal signals and, where the kernel groups by session (autogroup), its CPU
+        share (a benchmark's load generator must not share one with the stack it loads)."""
+        self.own_session = own_session
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self.start_timeout_s = start_timeout_s
@@ -130,6 +138,7 @@ class EmbeddedRedis:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                start_new_session=self.own_session,
             )
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline and self.proc.poll() is None:
