@@ -251,10 +251,19 @@ class _Cluster(redis.cluster.RedisCluster):
         return super().determine_slot(*args)
 
 
+# redis-py 8 gives a connection a 5 s read timeout unless told otherwise (earlier versions
+# none): a blocking read that waits its whole time (the gateway's shared XREAD blocks 5 s; a
+# worker's XREADGROUP block_ms; WAIT for replicas) then failed as a timeout, and a gateway
+# whose streams all waited in the queue for 15 s answered them 503. Plurai's blocking
+# commands wait at most BLOCK_LIMIT_MS (settings); this bound is for a dead connection.
+SOCKET_TIMEOUT_S = 60.0
+
+
 def connect(url: str, *, decode: bool = False, **options: Any) -> Client:
     """A client of the URL's Redis; `options`: more of redis-py's connection settings
     (socket_timeout, retry, ...). A RedisCluster for a redis+cluster:// URL (see
     is_cluster); it connects to a node at once."""
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
     if not _unix(url):  # a Unix socket connection takes no TCP options
         options.setdefault("socket_keepalive", True)
     c = parse_cluster(url)
@@ -298,6 +307,7 @@ def connect_async(url: str, *, decode: bool = False) -> AsyncClient:
         return redis.asyncio.cluster.RedisCluster(
             startup_nodes=nodes,
             decode_responses=decode,
+            socket_timeout=SOCKET_TIMEOUT_S,
             socket_keepalive=True,
             max_connections=ASYNC_MAX_CONNECTIONS,  # per node
             **c.node_kwargs,
@@ -308,6 +318,7 @@ def connect_async(url: str, *, decode: bool = False) -> AsyncClient:
         return sentinel.master_for(
             s.service,
             decode_responses=decode,
+            socket_timeout=SOCKET_TIMEOUT_S,
             socket_keepalive=True,
             max_connections=ASYNC_MAX_CONNECTIONS,
             **s.master_kwargs,
@@ -321,6 +332,7 @@ def connect_async(url: str, *, decode: bool = False) -> AsyncClient:
         decode_responses=decode,
         max_connections=ASYNC_MAX_CONNECTIONS,
         timeout=ASYNC_POOL_WAIT_S,
+        socket_timeout=SOCKET_TIMEOUT_S,
         **DRIVER,
         **extra,
     )

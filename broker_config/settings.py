@@ -28,6 +28,9 @@ from broker_config.protocol import Limits, model_name
 
 CONFIG_ENV = "PLURAI_CONFIG"
 DEFAULT_METRICS_PORT = 9400
+# The longest any blocking Redis command of Plurai's may wait (a worker's XREADGROUP, WAIT
+# for replicas): well under the connections' read timeout (connection.SOCKET_TIMEOUT_S).
+BLOCK_LIMIT_MS = 30_000
 
 
 def config_file() -> str | None:
@@ -116,7 +119,7 @@ class Settings(_Sourced):
     # the job (WAIT), else the SDK raises NotReplicated; 0: the primary's word is enough
     # (a failover can then lose a job submitted just before it: docs/operations.md)
     submit_replicas: int = Field(default=0, ge=0)
-    submit_replicas_timeout_ms: int = Field(default=1000, ge=1)
+    submit_replicas_timeout_ms: int = Field(default=1000, ge=1, le=BLOCK_LIMIT_MS)
     stream_flush_tokens: int = Field(default=16, ge=1)
     stream_flush_ms: int = Field(default=100, ge=0)
     dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead
@@ -136,7 +139,7 @@ class Settings(_Sourced):
     max_metadata_bytes: int = Field(default=Limits.metadata_bytes, ge=2)
     max_logprobs: int = Field(default=Limits.logprobs, ge=0, le=20)
     max_grammar_bytes: int = Field(default=Limits.grammar_bytes, ge=2)
-    block_ms: int = 200  # how long an idle worker blocks in XREADGROUP
+    block_ms: int = Field(default=200, ge=1, le=BLOCK_LIMIT_MS)  # an idle worker's XREADGROUP wait
     poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
     # SIGTERM: how long running jobs run on before they are handed back with their progress
     # (other workers resume them where they stopped)
