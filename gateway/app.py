@@ -74,6 +74,7 @@ class Gateway:
         # without API keys, only a gateway listening on loopback serves (open)
         self.loopback = auth.loopback(settings.gateway_host)
         self.keyed = (False, -1.0)  # whether keys exist, and when that was read
+        self.keys_read: asyncio.Future[bool] | None = None  # that read, while in flight
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -134,8 +135,10 @@ class Gateway:
         second; the key itself on every request, so a revoked key fails at once."""
         r = self.client.redis
         exist, at = self.keyed
-        if time.monotonic() - at > 1.0:
-            exist = await apikeys.any_keys_async(r)
+        if time.monotonic() - at > 1.0:  # one read at a time, the others wait for it
+            if self.keys_read is None or self.keys_read.done():
+                self.keys_read = asyncio.ensure_future(apikeys.any_keys_async(r))
+            exist = await asyncio.shield(self.keys_read)
             self.keyed = (exist, time.monotonic())
         if not exist:
             if self.loopback:

@@ -50,6 +50,7 @@ class AsyncClient:
         )
         self.listeners = wait.AsyncListeners(self.redis)  # pub/sub connections kept for waits
         self.routes = Routes(self.settings)
+        self.reading: asyncio.Future[None] | None = None  # the routes' read in flight
         self.queued: deque[tuple[Plan, asyncio.Future]] = deque()  # sends not yet in flight
         self.sending: asyncio.Task | None = None  # the task sending them
         if self.settings.submit_replicas and is_cluster(self.redis):
@@ -82,9 +83,17 @@ class AsyncClient:
         return out
 
     async def fresh_routes(self) -> Routes:
+        """The model directory, read again once it is REFRESH_S old: by one read at a
+        time, which the calls that find it stale meanwhile wait for (a burst of requests
+        had each read it, on a connection of its own)."""
         if self.routes.stale():
-            self.routes.load(await self.routes.read_async(self.redis))
+            if self.reading is None or self.reading.done():
+                self.reading = asyncio.ensure_future(self._read_routes())
+            await asyncio.shield(self.reading)  # a caller that leaves stops no one's read
         return self.routes
+
+    async def _read_routes(self) -> None:
+        self.routes.load(await self.routes.read_async(self.redis))
 
     async def send(
         self,

@@ -1,6 +1,7 @@
 """Concurrent submits on one AsyncClient (a gateway's burst of requests) go to Redis
 together, in a few pipelines on one connection, and each call still gets its own jobs or
-its own refusal."""
+its own refusal; the readings a burst needs first (the model directory, whether API keys
+exist) are read once for all of it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def test_a_burst_of_submits_shares_round_trips_and_a_connection(shared_redis_url
     for i, (_, fields) in enumerate(queued):
         assert r.hget(keys.job(ids[i]), "state") == b"queued"
         assert fields  # an entry of its own
+
+
+def test_a_burst_that_finds_the_routes_stale_reads_them_once(shared_redis_url, r):
+    async def burst() -> None:
+        async with AsyncClient(shared_redis_url) as client:
+            await client.submit("warm: scripts loaded, routes read")
+            client.routes._read_at -= 60  # the reading has aged past REFRESH_S
+            before = int(r.info("commandstats")["cmdstat_hgetall"]["calls"])
+            opened = int(r.info("stats")["total_connections_received"])
+            await asyncio.gather(
+                *(client.submit(f"request {i}", lane="interactive") for i in range(300))
+            )
+            assert int(r.info("commandstats")["cmdstat_hgetall"]["calls"]) - before == 1
+            assert int(r.info("stats")["total_connections_received"]) - opened <= 3
+
+    asyncio.run(burst())
+    assert r.xlen(keys.request_stream("interactive")) == 300
 
 
 def test_a_call_refused_in_a_shared_pipeline_leaves_the_others_queued(shared_redis_url, r):
@@ -89,3 +107,26 @@ def test_calls_sharing_a_pipeline_share_its_one_wait_for_replicas(shared_redis_u
     out = asyncio.run(burst())
     assert all(isinstance(x, NotReplicated) for x in out)  # every call learns it
     assert r.xlen(keys.request_stream("standard")) == 21  # queued all the same
+
+
+def test_a_gateways_burst_reads_whether_keys_exist_once(shared_redis_url, r):
+    """The gateway reads whether API keys exist at most once a second: a burst that finds
+    that reading old waits for one read, not one each."""
+    from starlette.requests import Request
+
+    from gateway.app import Gateway
+
+    async def burst() -> None:
+        gw = Gateway(Settings(redis_url=shared_redis_url), shared_redis_url)
+        gw.client = AsyncClient(shared_redis_url)
+        try:
+            scope = {"type": "http", "headers": [], "method": "POST", "path": "/"}
+            before = int(r.info("commandstats").get("cmdstat_exists", {"calls": 0})["calls"])
+            keys_found = await asyncio.gather(*(gw.authorize(Request(scope)) for _ in range(200)))
+            assert keys_found == [None] * 200  # an open gateway on loopback: no key needed
+            after = int(r.info("commandstats")["cmdstat_exists"]["calls"])
+            assert after - before == 1
+        finally:
+            await gw.client.aclose()
+
+    asyncio.run(burst())
