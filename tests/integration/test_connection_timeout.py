@@ -39,3 +39,12 @@ def test_every_blocking_wait_is_under_the_read_timeout():
     assert BLOCK_LIMIT_MS / 1000 + 10 <= SOCKET_TIMEOUT_S
     s = Settings()
     assert s.block_ms <= BLOCK_LIMIT_MS and s.submit_replicas_timeout_ms <= BLOCK_LIMIT_MS
+
+
+def test_a_blocking_wait_past_the_bound_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    for field in ("block_ms", "submit_replicas_timeout_ms"):
+        with pytest.raises(ValidationError, match=field):
+            Settings(**{field: BLOCK_LIMIT_MS + 1})
