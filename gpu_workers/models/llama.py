@@ -21,8 +21,10 @@ from gpu_workers.engine.placement import TP, Stage
 from gpu_workers.layers.attention import AttnContext, PagedAttention
 from gpu_workers.layers.linear import Linear
 from gpu_workers.layers.norm import RMSNorm
+from gpu_workers.layers.quant_linear import QuantLinear, make_linear
 from gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
 from gpu_workers.models.files import NATIVE
+from gpu_workers.models.quant_formats import QWeight, Scheme, scheme
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the step's positions
 
@@ -31,7 +33,7 @@ class Attention(nn.Module):
     """Heads are split across tensor-parallel ranks; KV heads too, or replicated when there
     are fewer KV heads than ranks. o_proj is row-parallel: one all-reduce."""
 
-    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None) -> None:
+    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None, quant: Scheme | None) -> None:
         super().__init__()
         self.tp = tp
         self.ops = ops
@@ -54,8 +56,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = bias or cfg.model_type == "qwen2"
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.qkv_proj = make_linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, quant
+        )
+        self.o_proj = make_linear(
+            self.q_size, cfg.hidden_size, bias and cfg.model_type != "qwen2", quant
+        )
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -100,7 +106,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """gate/up column-parallel, down row-parallel: one all-reduce."""
 
-    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None) -> None:
+    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None, quant: Scheme | None) -> None:
         super().__init__()
         self.tp = tp
         self.ops = ops
@@ -110,8 +116,8 @@ class MLP(nn.Module):
                 f"intermediate_size {cfg.intermediate_size} does not split over {tp.size} ranks"
             )
         self.inter = cfg.intermediate_size // tp.size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.inter, bias, quant)
+        self.down_proj = make_linear(self.inter, cfg.hidden_size, bias, quant)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
@@ -127,12 +133,12 @@ class DecoderLayer(nn.Module):
     """Takes and returns (x, residual): each residual add is done by the norm after it
     (one fused op with the kernels); the first layer's residual is None."""
 
-    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None) -> None:
+    def __init__(self, cfg: Any, tp: TP, ops: ModuleType | None, quant: Scheme | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, tp, ops)
+        self.self_attn = Attention(cfg, tp, ops, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, tp, ops)
+        self.mlp = MLP(cfg, tp, ops, quant)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: AttnContext
@@ -175,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         first, end = stage.layers
         # ops: the fused CPU kernels (gpu_workers.kernels), or None for the torch path
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, ops) for _ in range(first, end))
+        # the decoder's linears are quantized when the checkpoint is (never lm_head)
+        self.quant = quant = scheme(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, ops, quant) for _ in range(first, end))
         attn = self.layers[0].self_attn
         self.rotary = Rotary(attn.head_dim, max_positions, rope_params(cfg))
         if stage.first:
@@ -221,8 +229,12 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | QWeight]]) -> None:
+        """Loads the checkpoint's tensors (a quantized linear's weight as one QWeight)."""
         params = dict(self.named_parameters())
+        quantized = {
+            f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantLinear)
+        }
         loaded: set[str] = set()
         for name, w in tensors:
             name = self._local_name(name.removeprefix("model."))
@@ -232,13 +244,21 @@ class LlamaForCausalLM(nn.Module):
             for piece, (packed, idx) in self.packed.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, packed)
-                    param = params[target]
                     offsets = self._packed_offsets(packed)
-                    param.data[offsets[idx] : offsets[idx + 1]].copy_(w)
+                    if target in quantized:
+                        quantized[target].put(offsets[idx], w)
+                    elif isinstance(w, QWeight) or target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                    else:
+                        params[target].data[offsets[idx] : offsets[idx + 1]].copy_(w)
                     loaded.add(f"{target}#{idx}")
                     break
             else:
-                if name not in params:
+                if name in quantized:
+                    quantized[name].put(0, w)
+                    loaded.add(name)
+                    continue
+                if name not in params or isinstance(w, QWeight):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 if params[name].shape != w.shape:  # the last rank's vocab slice is padded
                     params[name].data.zero_()
@@ -246,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     params[name].data.copy_(w)
                 loaded.add(name)
-        missing = [n for n in self._expected(params) if n not in loaded]
+        missing = [n for n in self._expected([*params, *quantized]) if n not in loaded]
         if missing:
             raise ValueError(
                 f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
@@ -270,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
             return name if self.stage.last else None
         return name
 
-    def _shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
+    def _shard(self, name: str, w: torch.Tensor | QWeight) -> torch.Tensor | QWeight:
         """This rank's part of a checkpoint tensor."""
         tp = self.tp
         if tp.size == 1:
@@ -278,12 +298,12 @@ class LlamaForCausalLM(nn.Module):
         a = self.layers[0].self_attn
         d = a.head_dim
         if ".q_proj." in name:
-            return w.narrow(0, a.q_start * d, a.q_size)
+            return _rows(w, a.q_start * d, a.q_size)
         if ".k_proj." in name or ".v_proj." in name:
-            return w.narrow(0, a.kv_start * d, a.kv_size)
+            return _rows(w, a.kv_start * d, a.kv_size)
         inter = self.layers[0].mlp.inter
         if ".gate_proj." in name or ".up_proj." in name:
-            return w.narrow(0, tp.rank * inter, inter)
+            return _rows(w, tp.rank * inter, inter)
         row_parallel = {
             ".o_proj.": (a.q_start * d, a.q_size),
             ".down_proj.": (tp.rank * inter, inter),
@@ -292,7 +312,11 @@ class LlamaForCausalLM(nn.Module):
             if piece in name:
                 if name.endswith(".bias"):  # added once: by rank 0, before the all-reduce
                     return w if tp.rank == 0 else torch.zeros_like(w)
-                return w.narrow(1, start, length)
+                return (
+                    w.columns(start, length)
+                    if isinstance(w, QWeight)
+                    else w.narrow(1, start, length)
+                )
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return w[self.vocab_start : self.vocab_start + self.vocab_local]
         return w
@@ -304,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         inter = self.layers[0].mlp.inter
         return [0, inter, 2 * inter]
 
-    def _expected(self, params: dict[str, nn.Parameter]) -> list[str]:
+    def _expected(self, params: list[str]) -> list[str]:
         out = []
         for name in params:
             if self.tied and self.stage.first and name == "lm_head.weight":
@@ -316,6 +340,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 out.append(name)
         return out
+
+
+def _rows(w: torch.Tensor | QWeight, start: int, length: int) -> torch.Tensor | QWeight:
+    return w.rows(start, length) if isinstance(w, QWeight) else w.narrow(0, start, length)
 
 
 # HF `architectures` entries this file serves

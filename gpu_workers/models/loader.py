@@ -17,8 +17,10 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from gpu_workers.layers.linear import can_pack, pack_linears
+from gpu_workers.layers.quant_linear import finish_quantized
 from gpu_workers.models.files import INDEX, weight_files
 from gpu_workers.models.llama import ARCHITECTURES
+from gpu_workers.models.quant_formats import decode, scheme
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +224,10 @@ def build_model(
             model = cls(cfg, max_positions, tp, stage, ops)
     finally:
         torch.set_default_dtype(default)
-    model.load_weights(iter_tensors(weight_files(model_dir)))
+    tensors = iter_tensors(weight_files(model_dir))
+    quant = scheme(cfg)
+    model.load_weights(decode(tensors, quant) if quant else tensors)
+    finish_quantized(model, dtype)
     if can_pack(device, dtype):
         pack_linears(model)
     return model.eval()

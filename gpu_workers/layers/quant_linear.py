@@ -1,0 +1,187 @@
+"""A linear layer with quantized weights, run on torch's integer CPU kernels.
+
+Its weight arrives as `QWeight` pieces (a fused layer such as qkv_proj gets one per
+checkpoint tensor, stacked along the output dimension); `finish` turns them into the
+form of the kernel that serves the scheme:
+- 4-bit: `_weight_int4pack_mm_for_cpu` (groups of 32-256 input columns; act-order
+  checkpoints have their input columns permuted so that groups are contiguous);
+- 8-bit, weight only (symmetric, per channel): `_weight_int8pack_mm`;
+- 8-bit weights and activations (W8A8): activations quantized per token, `torch._int_mm`.
+Anything these do not take (groups under 32, other devices, a layer the checkpoint left
+partly unquantized) runs on the dequantized weight, with a log line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_workers.layers.linear import Linear
+from gpu_workers.models.quant_formats import QWeight, Scheme
+
+log = logging.getLogger(__name__)
+
+INT4_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 kernel takes
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Scheme) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = scheme
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.pieces: dict[int, QWeight | torch.Tensor] = {}  # first output row -> piece
+        self.kind = ""  # int4 | int8 | w8a8 | float, once finished
+        self.perm: torch.Tensor | None = None  # act-order: the input columns' order
+
+    def put(self, start: int, w: QWeight | torch.Tensor) -> None:
+        """Rows [start, start + len(w)) of the weight."""
+        rows, cols = w.shape
+        if cols != self.in_features or start + rows > self.out_features:
+            raise ValueError(
+                f"a weight of shape {tuple(w.shape)} at row {start} does not fit a "
+                f"{self.out_features}x{self.in_features} layer"
+            )
+        self.pieces[start] = w
+
+    def finish(self, dtype: torch.dtype, name: str = "") -> None:
+        """Builds the kernel's tensors from the pieces (all present: the loader checks)."""
+        starts = sorted(self.pieces)
+        parts = [self.pieces[s] for s in starts]
+        ends = [s + p.shape[0] for s, p in zip(starts, parts, strict=True)]
+        if starts[:1] != [0] or starts[1:] != ends[:-1] or ends[-1] != self.out_features:
+            raise ValueError(
+                f"{name}: checkpoint pieces of rows {list(zip(starts, ends, strict=True))} do "
+                f"not make its {self.out_features} rows"
+            )
+        self.pieces = {}
+        device = self.bias.device if self.bias is not None else torch.device("cpu")
+        if all(isinstance(p, QWeight) for p in parts):
+            q = _stack(parts)  # type: ignore[arg-type]
+            why = q if isinstance(q, str) else self._use_kernel(q, dtype, device)
+            if not why:
+                return
+        else:
+            why = "the checkpoint left part of it unquantized"
+        log.info("%s runs on its dequantized weight: %s", name or "a quantized linear", why)
+        w = torch.cat([p.dequantize() if isinstance(p, QWeight) else p.float() for p in parts])
+        self.weight = w.to(device=device, dtype=dtype)
+        self.kind = "float"
+
+    def _use_kernel(self, q: QWeight, dtype: torch.dtype, device: torch.device) -> str:
+        """Sets up the kernel for q; returns why none serves it ('' when one does)."""
+        if device.type != "cpu":
+            return f"no integer kernel on {device.type} here"
+        n, k = q.shape
+        if q.act_quant:
+            self.w8 = q.codes.t().contiguous()  # [in, out], as _int_mm takes it
+            self.w_scale = q.scales[:, 0].contiguous()
+            self.kind = "w8a8"
+            return ""
+        if q.bits == 8:
+            if q.zeros is not None or q.group_size is not None:
+                return "8-bit weights run on the kernel only when symmetric and per channel"
+            self.w8 = q.codes.contiguous()
+            self.w_scale = q.scales[:, 0].to(dtype)
+            self.kind = "int8"
+            return ""
+        size = q.group_size or k
+        group = next((g for g in INT4_GROUPS if size % g == 0), 0)
+        if not group or n % 16:
+            return f"the int4 kernel takes groups of 32-256 and rows in 16s ({size}, {n})"
+        g = q.groups()
+        codes, scales = q.codes, q.scales
+        zeros = q.zeros if q.zeros is not None else torch.zeros_like(scales, dtype=torch.int8)
+        if q.g_idx is not None:
+            if not bool((torch.bincount(g, minlength=scales.shape[1]) == size).all()):
+                return "act-order groups of unequal sizes"
+            self.perm = torch.argsort(g, stable=True)
+            codes, g = codes[:, self.perm], g[self.perm]
+        # the kernel's form: w = (u - 8) * s + offset, u = code + 8, offset = -zero * s
+        per = g[::group]  # the checkpoint group of each kernel group
+        s = scales[:, per]
+        z = -zeros[:, per].float() * s
+        self.w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            (codes.to(torch.int32) + 8).contiguous(), 1
+        )
+        self.w4_group = group
+        self.w4_sz = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        self.kind = "int4"
+        return ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.kind == "int4":
+            if self.perm is not None:
+                x = x.index_select(1, self.perm)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w4, self.w4_group, self.w4_sz)
+        elif self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w_scale)
+        elif self.kind == "w8a8":
+            y = _int8_matmul(x, self.w8, self.w_scale)
+        else:
+            y = F.linear(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def _int8_matmul(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x @ w with x quantized to int8 per row (symmetric, its absolute max to 127)."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+    xq = (xf / x_scale).round_().clamp_(-128, 127).to(torch.int8)
+    return (torch._int_mm(xq, w8) * (x_scale * w_scale)).to(x.dtype)
+
+
+def _stack(parts: list[QWeight]) -> QWeight | str:
+    """Pieces of one layer stacked along the output dimension; why they cannot be, if not."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.bits, p.group_size, p.act_quant) != (first.bits, first.group_size, first.act_quant):
+            return "the pieces of this fused layer are quantized differently"
+        if (p.g_idx is None) != (first.g_idx is None) or (
+            p.g_idx is not None and not torch.equal(p.g_idx, first.g_idx)
+        ):
+            return "the pieces of this fused layer have different act-order groups"
+    if len(parts) == 1:
+        return first
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat(
+            [
+                p.zeros if p.zeros is not None else torch.zeros_like(p.scales, dtype=torch.int8)
+                for p in parts
+            ]
+        )
+    return QWeight(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        zeros,
+        first.g_idx,
+        first.bits,
+        first.group_size,
+        first.act_quant,
+    )
+
+
+def make_linear(
+    in_features: int, out_features: int, bias: bool, scheme: Scheme | None
+) -> nn.Module:
+    if scheme is None:
+        return Linear(in_features, out_features, bias=bias)
+    return QuantLinear(in_features, out_features, bias, scheme)
+
+
+def finish_quantized(model: nn.Module, dtype: torch.dtype) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            m.finish(dtype, name)
