@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -589,6 +590,146 @@ void top_p_(torch::Tensor probs, torch::Tensor want) {
   });
 }
 
+
+#if defined(__AVX512BF16__)
+// y = x @ w.T for bf16 x and int8 or int4 weights (quant_linear.py packs them): one block
+// of 16 output rows at a time, its codes dequantized once per call into bf16 pairs
+// ((code * scale + offset) rounded to bf16: the scale and zero point of each group folded
+// in), then every row of x multiplied with vdpbf16ps, up to 16 rows held in registers.
+// Decode reads each weight once a step: int8 codes are half the bytes of bf16, int4 a
+// quarter, and the dequantization is paid once for all rows of the step.
+inline __m512bh xpair(const uint16_t* x) {
+  uint32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+}
+
+template <int MT>
+void qtile(const uint16_t* x, int64_t ldx, const __m512bh* w, int64_t pairs, uint16_t* y,
+           int64_t ldy) {
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh wv = w[p];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], wv, xpair(x + i * ldx + 2 * p));
+  }
+  for (int i = 0; i < MT; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(acc[i]));
+  }
+}
+
+using QTile = void (*)(const uint16_t*, int64_t, const __m512bh*, int64_t, uint16_t*, int64_t);
+template <int... I>
+constexpr std::array<QTile, sizeof...(I)> qtiles(std::integer_sequence<int, I...>) {
+  return {qtile<I + 1>...};
+}
+constexpr auto kQTiles = qtiles(std::make_integer_sequence<int, 16>{});
+
+// 32 weights (16 output rows x a pair of input columns) dequantized to bf16 pairs.
+template <int Bits>
+inline __m512bh qpair(const uint8_t* c, __m512 s_lo, __m512 s_hi, __m512 o_lo, __m512 o_hi) {
+  __m512i lo, hi;
+  if constexpr (Bits == 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(v));
+    hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1));
+  } else {  // byte j: code 2j in its low nibble, code 2j + 1 in its high one
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i l = _mm_and_si128(v, low);
+    const __m128i h = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(l, h));
+    hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(l, h));
+  }
+  return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s_hi, o_hi),
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s_lo, o_lo));
+}
+
+// A few rows (decode of a few sequences): each pair of weights dequantized in registers
+// and used at once, so the codes stream from memory once and nothing else is written.
+template <int Bits, int MT>
+void qrows(const uint16_t* x, int64_t k, const uint8_t* c, const float* a, int64_t groups,
+           int64_t group, uint16_t* y, int64_t ldy) {
+  constexpr int64_t per = Bits == 8 ? 32 : 16;
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, a += 64) {
+    const __m512 s_lo = _mm512_loadu_ps(a), s_hi = _mm512_loadu_ps(a + 16);
+    const __m512 o_lo = _mm512_loadu_ps(a + 32), o_hi = _mm512_loadu_ps(a + 48);
+    for (int64_t p = g * group / 2; p < (g + 1) * group / 2; ++p) {
+      const __m512bh w = qpair<Bits>(c + p * per, s_lo, s_hi, o_lo, o_hi);
+      for (int i = 0; i < MT; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], w, xpair(x + i * k + 2 * p));
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(acc[i]));
+  }
+}
+
+// codes: [N/16, K/2, 32] int8 (bits 8) or [N/16, K/2, 16] bytes of two 4-bit codes each
+// (bits 4); affine: [N/16, groups, 2, 32] float, the scale and offset of each value of a
+// pair row, per group of `group` input columns.
+template <int Bits>
+void qlinear_bits(const uint16_t* xp, int64_t m, int64_t k, const uint8_t* cp, const float* ap,
+                  int64_t blocks, int64_t groups, int64_t group, uint16_t* yp) {
+  constexpr int64_t per = Bits == 8 ? 32 : 16;
+  const int64_t pairs = k / 2, n = blocks * 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<__m512bh> w;
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* c = cp + b * pairs * per;
+      const float* a = ap + b * groups * 64;
+      uint16_t* y = yp + b * 16;
+      if (m <= 4) {
+        constexpr void (*rows[])(const uint16_t*, int64_t, const uint8_t*, const float*, int64_t,
+                                 int64_t, uint16_t*, int64_t) = {
+            qrows<Bits, 1>, qrows<Bits, 2>, qrows<Bits, 3>, qrows<Bits, 4>};
+        rows[m - 1](xp, k, c, a, groups, group, y, n);
+        continue;
+      }
+      // more rows: the block's weights dequantized once, then up to 16 rows at a time
+      w.resize(pairs);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* ag = a + g * 64;
+        const __m512 s_lo = _mm512_loadu_ps(ag), s_hi = _mm512_loadu_ps(ag + 16);
+        const __m512 o_lo = _mm512_loadu_ps(ag + 32), o_hi = _mm512_loadu_ps(ag + 48);
+        for (int64_t p = g * group / 2; p < (g + 1) * group / 2; ++p) {
+          w[p] = qpair<Bits>(c + p * per, s_lo, s_hi, o_lo, o_hi);
+        }
+      }
+      for (int64_t r = 0; r < m; r += 16) {
+        const int64_t rows = std::min<int64_t>(16, m - r);
+        kQTiles[rows - 1](xp + r * k, k, w.data(), pairs, y + r * n, n);
+      }
+    }
+  });
+}
+
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& codes,
+                      const torch::Tensor& affine, int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "qlinear: x must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(bits == 8 || bits == 4, "qlinear: bits must be 8 or 4");
+  const int64_t m = x.size(0), k = x.size(1), blocks = codes.size(0);
+  const int64_t groups = affine.size(1);
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 3 && codes.size(1) == k / 2 &&
+                  codes.size(2) == (bits == 8 ? 32 : 16) && k % 2 == 0,
+              "qlinear: codes do not match x");
+  TORCH_CHECK(affine.is_contiguous() && affine.scalar_type() == at::kFloat &&
+                  affine.dim() == 4 && affine.size(0) == blocks && affine.size(2) == 2 &&
+                  affine.size(3) == 32 && group % 2 == 0 && groups * group == k,
+              "qlinear: scales do not match the codes");
+  auto y = torch::empty({m, blocks * 16}, x.options());
+  if (m == 0) return y;
+  auto run = bits == 8 ? qlinear_bits<8> : qlinear_bits<4>;
+  run(ptr<uint16_t>(x), m, k, ptr<uint8_t>(codes), ptr<float>(affine), blocks, groups, group,
+      ptr<uint16_t>(y));
+  return y;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -597,4 +738,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_cache", &rotary_cache, "rotary on q, k in place; k, v into the paged cache");
   m.def("paged_decode", &paged_decode, "decode attention read from the paged cache");
   m.def("top_p_", &top_p_, "top-p in place over rows of probabilities (the sampler's cutoff)");
+#if defined(__AVX512BF16__)
+  m.def("qlinear", &qlinear, "x @ w.T for bf16 x and int8/int4 weights (quant_linear.py)");
+#endif
 }

@@ -1,8 +1,12 @@
-"""A linear layer with quantized weights, run on torch's integer CPU kernels.
+"""A linear layer with quantized weights, run on integer CPU kernels.
 
 Its weight arrives as `QWeight` pieces (a fused layer such as qkv_proj gets one per
 checkpoint tensor, stacked along the output dimension); `finish` turns them into the
 form of the kernel that serves the scheme:
+- bf16 activations on a CPU with AVX512-BF16, weights of 4 or 8 bits (any group size,
+  zero points or not): the project's `qlinear` (gpu_workers/kernels/cpu.cpp), which
+  dequantizes each weight once a step and multiplies all the step's rows with it (torch's
+  kernels below redo that per row: 2-3x slower than bf16 at 32 rows);
 - 4-bit: `_weight_int4pack_mm_for_cpu` (groups of 32-256 input columns; act-order
   checkpoints have their input columns permuted so that groups are contiguous);
 - 8-bit, weight only (symmetric, per channel): `_weight_int8pack_mm`;
@@ -28,8 +32,11 @@ INT4_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 kernel takes
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Scheme) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, scheme: Scheme, ops=None
+    ) -> None:
         super().__init__()
+        self.ops = ops  # the fused CPU kernels, or None
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
@@ -38,7 +45,7 @@ class QuantLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.pieces: dict[int, QWeight | torch.Tensor] = {}  # first output row -> piece
-        self.kind = ""  # int4 | int8 | w8a8 | float, once finished
+        self.kind = ""  # native | int4 | int8 | w8a8 | float, once finished
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
 
     def put(self, start: int, w: QWeight | torch.Tensor) -> None:
@@ -85,6 +92,14 @@ class QuantLinear(nn.Module):
             self.w_scale = q.scales[:, 0].contiguous()
             self.kind = "w8a8"
             return ""
+        if q.g_idx is not None:
+            size = q.group_size or k
+            if not bool((torch.bincount(q.groups(), minlength=q.scales.shape[1]) == size).all()):
+                return "act-order groups of unequal sizes"
+            self.perm = torch.argsort(q.groups(), stable=True)
+            q = QWeight(q.codes[:, self.perm], q.scales, q.zeros, None, q.bits, q.group_size)
+        if self._use_native(q, dtype):
+            return ""
         if q.bits == 8:
             if q.zeros is not None or q.group_size is not None:
                 return "8-bit weights run on the kernel only when symmetric and per channel"
@@ -99,11 +114,6 @@ class QuantLinear(nn.Module):
         g = q.groups()
         codes, scales = q.codes, q.scales
         zeros = q.zeros if q.zeros is not None else torch.zeros_like(scales, dtype=torch.int8)
-        if q.g_idx is not None:
-            if not bool((torch.bincount(g, minlength=scales.shape[1]) == size).all()):
-                return "act-order groups of unequal sizes"
-            self.perm = torch.argsort(g, stable=True)
-            codes, g = codes[:, self.perm], g[self.perm]
         # the kernel's form: w = (u - 8) * s + offset, u = code + 8, offset = -zero * s
         per = g[::group]  # the checkpoint group of each kernel group
         s = scales[:, per]
@@ -116,12 +126,45 @@ class QuantLinear(nn.Module):
         self.kind = "int4"
         return ""
 
+    def _use_native(self, q: QWeight, dtype: torch.dtype) -> bool:
+        """The project's kernel, where it serves q: codes of 16 rows at a time, input
+        columns in pairs (as vdpbf16ps reads them), each group's scale and offset spread
+        over a pair row of 32 values."""
+        n, k = q.shape
+        group = q.group_size or k
+        if getattr(self.ops, "qlinear", None) is None or dtype != torch.bfloat16:
+            return False
+        if n % 16 or k % 2 or group % 2:
+            return False
+        codes = q.codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, -1, 32)
+        zeros = q.zeros.float() if q.zeros is not None else torch.zeros_like(q.scales)
+        if q.bits == 4:  # stored as u = code + 8, two to a byte
+            u = (codes.to(torch.int16) + 8).to(torch.uint8)
+            codes = u[..., 0::2] | (u[..., 1::2] << 4)
+            zeros = zeros + 8
+        groups = q.scales.shape[1]
+
+        def spread(t: torch.Tensor) -> torch.Tensor:  # [n, groups] -> [n/16, groups, 32]
+            return t.view(n // 16, 16, groups).permute(0, 2, 1).repeat_interleave(2, dim=-1)
+
+        self.q_codes = codes.contiguous()
+        self.q_affine = torch.stack(
+            [spread(q.scales), spread(-zeros * q.scales)], dim=2
+        ).contiguous()
+        self.q_bits, self.q_group = q.bits, group
+        self.kind = "native"
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.kind == "int4":
-            if self.perm is not None:
-                x = x.index_select(1, self.perm)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        if self.kind == "native":
+            y = self.ops.qlinear(
+                x.contiguous(), self.q_codes, self.q_affine, self.q_bits, self.q_group
+            )
+        elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w4, self.w4_group, self.w4_sz)
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w8, self.w_scale)
@@ -174,11 +217,11 @@ def _stack(parts: list[QWeight]) -> QWeight | str:
 
 
 def make_linear(
-    in_features: int, out_features: int, bias: bool, scheme: Scheme | None
+    in_features: int, out_features: int, bias: bool, scheme: Scheme | None, ops=None
 ) -> nn.Module:
     if scheme is None:
         return Linear(in_features, out_features, bias=bias)
-    return QuantLinear(in_features, out_features, bias, scheme)
+    return QuantLinear(in_features, out_features, bias, scheme, ops)
 
 
 def finish_quantized(model: nn.Module, dtype: torch.dtype) -> None:

@@ -57,10 +57,10 @@ class Attention(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = bias or cfg.model_type == "qwen2"
         self.qkv_proj = make_linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, quant
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, quant, ops
         )
         self.o_proj = make_linear(
-            self.q_size, cfg.hidden_size, bias and cfg.model_type != "qwen2", quant
+            self.q_size, cfg.hidden_size, bias and cfg.model_type != "qwen2", quant, ops
         )
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
@@ -116,8 +116,8 @@ class MLP(nn.Module):
                 f"intermediate_size {cfg.intermediate_size} does not split over {tp.size} ranks"
             )
         self.inter = cfg.intermediate_size // tp.size
-        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.inter, bias, quant)
-        self.down_proj = make_linear(self.inter, cfg.hidden_size, bias, quant)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.inter, bias, quant, ops)
+        self.down_proj = make_linear(self.inter, cfg.hidden_size, bias, quant, ops)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 

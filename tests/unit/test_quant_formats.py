@@ -281,3 +281,41 @@ def test_w8a8_quantizes_each_row_of_activations():
     xs = x.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
     want = ((x / xs).round() * xs) @ (codes.float() * scale).t()
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "zeros"), [(8, None, False), (8, 32, True), (4, 32, True), (4, None, False)]
+)
+def test_the_native_kernel_computes_the_dequantized_matmul(bits, group, zeros):
+    from gpu_workers.kernels import load
+
+    ops = load("auto")
+    if getattr(ops, "qlinear", None) is None:
+        pytest.skip("the native kernels have no qlinear on this CPU (it needs AVX512-BF16)")
+    gen = torch.Generator().manual_seed(bits + (group or 0))
+    n, k = 48, 128
+    lo = -(1 << (bits - 1))
+    codes = torch.randint(lo, -lo, (n, k), dtype=torch.int8, generator=gen)
+    groups = k // (group or k)
+    w = qf.QWeight(
+        codes,
+        torch.rand(n, groups, generator=gen) / 20 + 0.01,
+        torch.randint(lo // 4, -lo // 4, (n, groups), dtype=torch.int8, generator=gen)
+        if zeros
+        else None,
+        None,
+        bits,
+        group,
+    )
+    layer = QuantLinear(k, n, True, qf.Scheme("x", bits, group, not zeros), ops)
+    layer.bias.data = torch.randn(n, generator=gen)
+    layer.put(0, w)
+    layer.finish(torch.bfloat16)
+    assert layer.kind == "native"
+    ref_w = w.dequantize()
+    for m in (1, 3, 4, 5, 16, 17, 40):  # a few rows in registers; tiles of 16 and the rest
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        want = x.float() @ ref_w.t() + layer.bias.float()
+        got = layer(x).float()
+        assert got.shape == (m, n)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2, m
