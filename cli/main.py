@@ -6,12 +6,13 @@ plurai get JOB_ID [--wait 30]                print a job record as JSON
 plurai watch JOB_ID                          stream a job's text as it is generated
 plurai status [--json]                       lanes, workers, KV use and throughput (live)
 plurai make-model models/tiny-llama          write a random-weight test model
+plurai quantize SRC DST --scheme w4a16       write a quantized copy of a float model
 plurai batch submit FILE|DIR [--task ...]    run an OpenAI Batch JSONL, or documents, in bulk
 plurai batch status|cancel|results ID        watch, stop, or fetch the output of a batch
 """
 
-# Also `python -m cli ...`. The client commands use producer/ (the SDK); `worker` and
-# `make-model` dispatch to gpu_workers, imported only when used.
+# Also `python -m cli ...`. The client commands use producer/ (the SDK); `worker`,
+# `make-model` and `quantize` dispatch to gpu_workers, imported only when used.
 
 from __future__ import annotations
 
@@ -288,6 +289,43 @@ def cmd_make_model(rest: list[str]) -> int:
     return factory.cli(p.parse_args(rest))
 
 
+def cmd_quantize(rest: list[str]) -> int:
+    from gpu_workers.models import quantize as q
+
+    p = argparse.ArgumentParser(
+        prog="plurai quantize",
+        description="write a quantized copy of a float model (compressed-tensors format, "
+        "round to nearest, no calibration data)",
+    )
+    p.add_argument("src", help="the float model folder (config.json, safetensors, tokenizer)")
+    p.add_argument("dst", help="folder to write the quantized model into (new or empty)")
+    p.add_argument(
+        "--scheme",
+        required=True,
+        choices=q.SCHEMES,
+        help="w8a16: int8 weights per channel; w8a8: the same and int8 activations per token; "
+        "w4a16: int4 weights per group",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        metavar="N",
+        help=f"w4a16: input columns a scale covers; must divide every layer's input size "
+        f"(default {q.DEFAULT_GROUP_SIZE})",
+    )
+    args = p.parse_args(rest)
+    try:
+        q.quantize(args.src, args.dst, args.scheme, args.group_size)
+    except (ValueError, FileNotFoundError) as e:  # what SRC, DST or an option is
+        print(f"plurai quantize: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # reading or writing failed: a full disk, no permission
+        print(f"plurai quantize: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.src} quantized {args.scheme} to {args.dst}")
+    return 0
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -358,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="the gateway's API keys (create, list, revoke)")
     keys_cli.add_arguments(k)
     k.set_defaults(func=keys_cli.main)
-    # These two parse their own arguments, so their heavy imports happen only when used.
+    # These parse their own arguments, so their heavy imports happen only when used.
     sub.add_parser(
         "worker", help="serve the queue with an engine (plurai worker --help)", add_help=False
     )
@@ -367,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "make-model", help="write a random-weight model (plurai make-model --help)", add_help=False
+    )
+    sub.add_parser(
+        "quantize",
+        help="write a quantized copy of a float model (plurai quantize --help)",
+        add_help=False,
     )
     return p
 
@@ -379,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_gateway(argv[1:])
     if argv and argv[0] == "make-model":
         return cmd_make_model(argv[1:])
+    if argv and argv[0] == "quantize":
+        return cmd_quantize(argv[1:])
     args = build_parser().parse_args(argv)
     import pydantic
     import redis

@@ -41,8 +41,9 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 # compiler flags per ISA: the loops in cpu.cpp are vectorized at this width by g++
 # (every AVX-512 CPU also has FMA and F16C, which -mavx512f does not switch on in g++)
 FLAGS = {
+    # (every CPU with AVX512-BF16 has AVX512-VNNI too: Cooper Lake, Sapphire Rapids, Zen 4)
     "avx512_bf16": [
-        *("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+        *("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"),
         *("-mfma", "-mf16c"),
     ],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],

@@ -10,7 +10,8 @@ form of the kernel that serves the scheme:
 - 4-bit: `_weight_int4pack_mm_for_cpu` (groups of 32-256 input columns; act-order
   checkpoints have their input columns permuted so that groups are contiguous);
 - 8-bit, weight only (symmetric, per channel): `_weight_int8pack_mm`;
-- 8-bit weights and activations (W8A8): activations quantized per token, `torch._int_mm`.
+- 8-bit weights and activations (W8A8): activations quantized per token, then the
+  project's `qlinear_i8` (AVX512-VNNI: 64 products an instruction) or `torch._int_mm`.
 Anything these do not take (groups under 32, other devices, a layer the checkpoint left
 partly unquantized) runs on the dequantized weight, with a log line saying why.
 """
@@ -45,7 +46,7 @@ class QuantLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.pieces: dict[int, QWeight | torch.Tensor] = {}  # first output row -> piece
-        self.kind = ""  # native | int4 | int8 | w8a8 | float, once finished
+        self.kind = ""  # native | native_w8a8 | int4 | int8 | w8a8 | float, once finished
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
 
     def put(self, start: int, w: QWeight | torch.Tensor) -> None:
@@ -87,6 +88,19 @@ class QuantLinear(nn.Module):
         if device.type != "cpu":
             return f"no integer kernel on {device.type} here"
         n, k = q.shape
+        if (
+            q.act_quant
+            and getattr(self.ops, "qlinear_i8", None) is not None
+            and n % 16 == 0
+            and k % 4 == 0
+        ):
+            self.q_codes = (
+                q.codes.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, -1, 64)
+            ).contiguous()
+            self.q_sum = q.codes.sum(dim=1, dtype=torch.int32)
+            self.w_scale = q.scales[:, 0].contiguous()
+            self.kind = "native_w8a8"
+            return ""
         if q.act_quant:
             self.w8 = q.codes.t().contiguous()  # [in, out], as _int_mm takes it
             self.w_scale = q.scales[:, 0].contiguous()
@@ -164,6 +178,8 @@ class QuantLinear(nn.Module):
             y = self.ops.qlinear(
                 x.contiguous(), self.q_codes, self.q_affine, self.q_bits, self.q_group
             )
+        elif self.kind == "native_w8a8":
+            y = self.ops.qlinear_i8(x.contiguous(), self.q_codes, self.q_sum, self.w_scale)
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w4, self.w4_group, self.w4_sz)
         elif self.kind == "int8":
