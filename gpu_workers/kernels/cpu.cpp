@@ -707,49 +707,64 @@ void qlinear_bits(const uint16_t* xp, int64_t m, int64_t k, const uint8_t* cp, c
   });
 }
 
+// 16 values of a row as floats (bf16 widened)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 // W8A8: y = x @ w.T with x quantized to int8 per row at run time (its absolute max to 127)
 // and int8 weights per output channel, multiplied with vpdpbusd (64 products a
 // instruction, twice vdpbf16ps's): the row's codes are stored shifted by 128 as unsigned,
 // and 128 times each weight row's sum of codes taken off after. codes: [N/16, K/4, 64]
 // int8 (16 rows x 4 columns, as the instruction reads them); wsum: int32 [N]; wscale:
 // float [N].
-template <typename T, int MT>
+template <typename T, int MT, int NB>
 void i8tile(const uint8_t* xq, int64_t ldx, const int8_t* w, int64_t quads, const float* xs,
             const int32_t* wsum, const float* wscale, T* y, int64_t ldy) {
-  __m512i acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_si512();
+  // NB blocks of 16 outputs at once: each broadcast of x feeds NB products
+  __m512i acc[NB][MT];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < MT; ++i) acc[b][i] = _mm512_setzero_si512();
+  const int64_t bstride = quads * 64;
   for (int64_t q = 0; q < quads; ++q) {
-    const __m512i wv = _mm512_loadu_si512(w + q * 64);
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + b * bstride + q * 64);
     for (int i = 0; i < MT; ++i) {
       uint32_t xv;
       std::memcpy(&xv, xq + i * ldx + 4 * q, sizeof xv);
-      acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(static_cast<int>(xv)), wv);
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xv));
+      for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbusd_epi32(acc[b][i], xb, wv[b]);
     }
   }
-  const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);
-  const __m512 ws = _mm512_loadu_ps(wscale);
-  for (int i = 0; i < MT; ++i) {
-    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], off)),
-                                   _mm512_mul_ps(ws, _mm512_set1_ps(xs[i])));
-    if constexpr (std::is_same_v<T, float>) {
-      _mm512_storeu_ps(y + i * ldy, v);
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy),
-                          (__m256i)_mm512_cvtneps_pbh(v));
+  for (int b = 0; b < NB; ++b) {
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum + b * 16), 7);
+    const __m512 ws = _mm512_loadu_ps(wscale + b * 16);
+    for (int i = 0; i < MT; ++i) {
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b][i], off)),
+                                     _mm512_mul_ps(ws, _mm512_set1_ps(xs[i])));
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(y + i * ldy + b * 16, v);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy + b * 16),
+                            (__m256i)_mm512_cvtneps_pbh(v));
+      }
     }
   }
 }
 
-template <typename T, int... I>
+// tiles of up to 12 rows x 2 blocks (24 accumulators), or 16 rows x 1 block
+template <typename T, int NB, int... I>
 constexpr auto i8tiles(std::integer_sequence<int, I...>) {
-  return std::array{i8tile<T, I + 1>...};
+  return std::array{i8tile<T, I + 1, NB>...};
 }
 
 torch::Tensor qlinear_i8(const torch::Tensor& x, const torch::Tensor& codes,
                          const torch::Tensor& wsum, const torch::Tensor& wscale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear_i8: x must be contiguous 2-D");
   const int64_t m = x.size(0), k = x.size(1), blocks = codes.size(0), n = blocks * 16;
-  TORCH_CHECK(k % 4 == 0 && codes.is_contiguous() && codes.scalar_type() == at::kChar &&
+  TORCH_CHECK(k % 16 == 0 && codes.is_contiguous() && codes.scalar_type() == at::kChar &&
                   codes.dim() == 3 && codes.size(1) == k / 4 && codes.size(2) == 64,
               "qlinear_i8: codes do not match x");
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.numel() == n && wsum.is_contiguous() &&
@@ -765,26 +780,37 @@ torch::Tensor qlinear_i8(const torch::Tensor& x, const torch::Tensor& codes,
     at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* row = xp + r * k;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(f32(row[j])));
-        const float scale = std::max(amax, 1e-8f) / 127.0f, inv = 1.0f / scale;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + j)));
+        const float scale = std::max(_mm512_reduce_max_ps(amax), 1e-8f) / 127.0f;
+        const __m512 inv = _mm512_set1_ps(1.0f / scale);
+        const __m512i shift = _mm512_set1_epi32(128);
         xs[r] = scale;
-        for (int64_t j = 0; j < k; ++j) {
-          const float q = std::nearbyint(f32(row[j]) * inv);
-          xq[r * k + j] = static_cast<uint8_t>(std::clamp(q, -128.0f, 127.0f) + 128.0f);
+        for (int64_t j = 0; j < k; j += 16) {  // round half to even, as torch.round
+          __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + j), inv));
+          q = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                                                _mm512_set1_epi32(-128)), shift);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq.data() + r * k + j),
+                           _mm512_cvtepi32_epi8(q));
         }
       }
     });
     T* yp = ptr<T>(y);
-    static constexpr auto tiles = i8tiles<T>(std::make_integer_sequence<int, 16>{});
+    static constexpr auto pairs = i8tiles<T, 2>(std::make_integer_sequence<int, 12>{});
+    static constexpr auto singles = i8tiles<T, 1>(std::make_integer_sequence<int, 16>{});
     const int8_t* cp = ptr<int8_t>(codes);
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t r = 0; r < m; r += 16) {
-          const int64_t rows = std::min<int64_t>(16, m - r);
-          tiles[rows - 1](xq.data() + r * k, k, cp + b * (k / 4) * 64, k / 4, xs.data() + r,
-                          ptr<int32_t>(wsum) + b * 16, ptr<float>(wscale) + b * 16,
-                          yp + r * n + b * 16, n);
+    const int64_t quads = k / 4;
+    // work items: pairs of blocks (the last one alone when their count is odd)
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = 2 * p;
+        const bool two = b + 1 < blocks;
+        const int64_t step = two ? 12 : 16;
+        for (int64_t r = 0; r < m; r += step) {
+          const int64_t rows = std::min<int64_t>(step, m - r);
+          const auto tile = two ? pairs[rows - 1] : singles[rows - 1];
+          tile(xq.data() + r * k, k, cp + b * quads * 64, quads, xs.data() + r,
+               ptr<int32_t>(wsum) + b * 16, ptr<float>(wscale) + b * 16, yp + r * n + b * 16, n);
         }
       }
     });

@@ -92,7 +92,7 @@ class QuantLinear(nn.Module):
             q.act_quant
             and getattr(self.ops, "qlinear_i8", None) is not None
             and n % 16 == 0
-            and k % 4 == 0
+            and k % 16 == 0
         ):
             self.q_codes = (
                 q.codes.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, -1, 64)

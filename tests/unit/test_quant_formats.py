@@ -267,12 +267,13 @@ def test_a_bad_checkpoint_is_refused_at_start(
 def test_w8a8_quantizes_each_row_of_activations():
     """int-quantized W8A8: int8 weights per channel, activations to int8 per token."""
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=gen)
-    scale = torch.rand(32, 1, generator=gen) / 100
+    # 48 rows: a pair of blocks of 16 and one alone, as the kernel splits them
+    codes = torch.randint(-128, 128, (48, 64), dtype=torch.int8, generator=gen)
+    scale = torch.rand(48, 1, generator=gen) / 100
     s = qf.Scheme("compressed-tensors", 8, None, True, act_quant=True, fmt="int-quantized")
-    parts = [("l.weight", codes), ("l.weight_scale", scale), ("l.bias", torch.ones(32))]
+    parts = [("l.weight", codes), ("l.weight_scale", scale), ("l.bias", torch.ones(48))]
     decoded = dict(qf.decode(parts, s))
-    assert torch.equal(decoded["l.bias"], torch.ones(32))
+    assert torch.equal(decoded["l.bias"], torch.ones(48))
     from gpu_workers.kernels import load
 
     ops = load("auto")
@@ -282,7 +283,7 @@ def test_w8a8_quantizes_each_row_of_activations():
     want = ((x / xs).round() * xs) @ (codes.float() * scale).t()
     kinds = {"w8a8"} | ({"native_w8a8"} if getattr(ops, "qlinear_i8", None) else set())
     for kind in kinds:  # torch's _int_mm, and the project's kernel where this CPU has it
-        layer = QuantLinear(64, 32, False, s, ops if kind == "native_w8a8" else None)
+        layer = QuantLinear(64, 48, False, s, ops if kind == "native_w8a8" else None)
         layer.put(0, decoded["l.weight"])
         layer.finish(torch.float32)
         assert layer.kind == kind
