@@ -104,3 +104,26 @@ def test_a_pipeline_group_never_takes_blocks_from_the_kv_tiers(model_factory, en
     finally:
         engine.close()
     assert again == first
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
+def test_a_quantized_checkpoint_splits_over_ranks(
+    tp, pp, model_factory, engine_factory, reference, tmp_path
+):
+    """GPTQ int4 with zero points, groups of 32: row-parallel layers split on whole groups;
+    every rank's share computes what the dequantized weights compute."""
+    from tests.quant_checkpoints import write
+
+    quantized = tmp_path / "gptq"
+    dequantized = write(model_factory("qwen2"), quantized, "gptq", bits=4, group=32, sym=False)
+    ps = prompts()
+    engine = engine_factory(
+        quantized, tensor_parallel=tp, pipeline_parallel=pp, max_num_batched_tokens=32
+    )
+    try:
+        got = [
+            c.token_ids for c in engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
+        ]
+    finally:
+        engine.close()
+    assert got == reference(dequantized, ps, 16)
