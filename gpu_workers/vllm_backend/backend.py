@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 from vllm import TokensPrompt
 from vllm.config import KVTransferConfig, StructuredOutputsConfig
@@ -64,6 +65,32 @@ FINISH_REASONS = ("stop", "length", "abort")
 KV_SIZES = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 POLL_S = 0.02  # how long step() waits for the engine process's next outputs
+
+
+def cpu_fp32_refusal(config: Any) -> str:
+    """Why vLLM cannot serve this config, where it would start and then fail at its first
+    step (so a worker would take a job, die, and hand it on to die again): on the CPU, its
+    weight-only int4/int8 kernel (CPUWNA16) has no fp32 path. '' when nothing is known
+    wrong."""
+    model = config.model_config
+    if config.device_config.device_type != "cpu" or model.dtype != torch.float32:
+        return ""
+    quant = getattr(model.hf_config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
+    method = str(quant.get("quant_method", "")).lower()
+    groups = quant.get("config_groups") or {}
+    weight_only = method in ("gptq", "awq") or (
+        method == "compressed-tensors"
+        and groups
+        and all(isinstance(g, dict) and not g.get("input_activations") for g in groups.values())
+    )
+    if not weight_only:
+        return ""
+    return (
+        f"vLLM's CPU build runs weight-only quantized checkpoints ({method}) in bf16 only: "
+        "start the worker with --vllm dtype=bfloat16"
+    )
 
 
 def cpu_kv_bytes(options: dict[str, Any], share: float | None, ranks: int) -> int | None:
@@ -167,6 +194,9 @@ class VllmBackend:
         except TypeError as e:
             raise ValueError(f"unknown vLLM engine option: {e}") from e
         config = args.create_engine_config()
+        refusal = cpu_fp32_refusal(config)
+        if refusal:
+            raise ValueError(refusal)
         cache = config.cache_config
         # blocks of another backend, dtype or block size are never mixed up with these
         self.kv_fingerprint = hashlib.blake2b(

@@ -216,3 +216,14 @@ def test_w4a16_in_fp32_starts_then_fails_at_the_first_step(made, tmp_path: Path)
     rc, out, both = start(dst, "float32", tmp_path)
     assert rc != 0 and "STARTED" in out and "GENERATED" not in out, both[-3000:]
     assert "\"cpu_gemm_wna16\" not implemented for 'Float'" in both
+
+
+def test_the_vllm_backend_refuses_a_weight_only_checkpoint_in_fp32_at_start(made) -> None:
+    """Where vLLM itself would start and then die at the first step (above), the worker's
+    backend refuses at start and says what to change: a worker never takes a job it
+    would die on."""
+    from gpu_workers.vllm_backend.backend import VllmBackend
+
+    _, dst = made("w4a16")
+    with pytest.raises(ValueError, match="in bf16 only: start the worker with --vllm dtype=bf"):
+        VllmBackend(str(dst), options=dict(OPTIONS), engine_process=False)
