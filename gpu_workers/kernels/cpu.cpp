@@ -604,27 +604,36 @@ inline __m512bh xpair(const uint16_t* x) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
 }
 
-template <int MT>
+template <int MT, int NB>
 void qtile(const uint16_t* x, int64_t ldx, const __m512bh* w, int64_t pairs, uint16_t* y,
            int64_t ldy) {
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  // NB blocks of 16 outputs (their weights one after another in w): each broadcast of a
+  // pair of x feeds NB products
+  __m512 acc[NB][MT];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < MT; ++i) acc[b][i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh wv = w[p];
-    for (int i = 0; i < MT; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], wv, xpair(x + i * ldx + 2 * p));
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = w[b * pairs + p];
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh xb = xpair(x + i * ldx + 2 * p);
+      for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], wv[b], xb);
+    }
   }
-  for (int i = 0; i < MT; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy),
-                        (__m256i)_mm512_cvtneps_pbh(acc[i]));
+  for (int b = 0; b < NB; ++b) {
+    for (int i = 0; i < MT; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(acc[b][i]));
+    }
   }
 }
 
-using QTile = void (*)(const uint16_t*, int64_t, const __m512bh*, int64_t, uint16_t*, int64_t);
-template <int... I>
-constexpr std::array<QTile, sizeof...(I)> qtiles(std::integer_sequence<int, I...>) {
-  return {qtile<I + 1>...};
+template <int NB, int... I>
+constexpr auto qtiles(std::integer_sequence<int, I...>) {
+  return std::array{qtile<I + 1, NB>...};
 }
-constexpr auto kQTiles = qtiles(std::make_integer_sequence<int, 16>{});
+constexpr auto kQTiles2 = qtiles<2>(std::make_integer_sequence<int, 12>{});
+constexpr auto kQTiles1 = qtiles<1>(std::make_integer_sequence<int, 16>{});
 
 // 32 weights (16 output rows x a pair of input columns) dequantized to bf16 pairs.
 template <int Bits>
@@ -676,32 +685,41 @@ void qlinear_bits(const uint16_t* xp, int64_t m, int64_t k, const uint8_t* cp, c
                   int64_t blocks, int64_t groups, int64_t group, uint16_t* yp) {
   constexpr int64_t per = Bits == 8 ? 32 : 16;
   const int64_t pairs = k / 2, n = blocks * 16;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // work items: pairs of blocks (the last one alone when their count is odd)
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     std::vector<__m512bh> w;
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* c = cp + b * pairs * per;
-      const float* a = ap + b * groups * 64;
-      uint16_t* y = yp + b * 16;
-      if (m <= 4) {
+    for (int64_t item = p0; item < p1; ++item) {
+      const int64_t first = 2 * item, nb = std::min<int64_t>(2, blocks - first);
+      if (m <= 4) {  // a few rows: each block's weights dequantized in registers, used at once
         constexpr void (*rows[])(const uint16_t*, int64_t, const uint8_t*, const float*, int64_t,
                                  int64_t, uint16_t*, int64_t) = {
             qrows<Bits, 1>, qrows<Bits, 2>, qrows<Bits, 3>, qrows<Bits, 4>};
-        rows[m - 1](xp, k, c, a, groups, group, y, n);
+        for (int64_t b = first; b < first + nb; ++b) {
+          rows[m - 1](xp, k, cp + b * pairs * per, ap + b * groups * 64, groups, group,
+                      yp + b * 16, n);
+        }
         continue;
       }
-      // more rows: the block's weights dequantized once, then up to 16 rows at a time
-      w.resize(pairs);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* ag = a + g * 64;
-        const __m512 s_lo = _mm512_loadu_ps(ag), s_hi = _mm512_loadu_ps(ag + 16);
-        const __m512 o_lo = _mm512_loadu_ps(ag + 32), o_hi = _mm512_loadu_ps(ag + 48);
-        for (int64_t p = g * group / 2; p < (g + 1) * group / 2; ++p) {
-          w[p] = qpair<Bits>(c + p * per, s_lo, s_hi, o_lo, o_hi);
+      // more rows: the blocks' weights dequantized once, then up to 12 rows (16 for a
+      // block alone) at a time
+      w.resize(nb * pairs);
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* c = cp + (first + j) * pairs * per;
+        const float* a = ap + (first + j) * groups * 64;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* ag = a + g * 64;
+          const __m512 s_lo = _mm512_loadu_ps(ag), s_hi = _mm512_loadu_ps(ag + 16);
+          const __m512 o_lo = _mm512_loadu_ps(ag + 32), o_hi = _mm512_loadu_ps(ag + 48);
+          for (int64_t p = g * group / 2; p < (g + 1) * group / 2; ++p) {
+            w[j * pairs + p] = qpair<Bits>(c + p * per, s_lo, s_hi, o_lo, o_hi);
+          }
         }
       }
-      for (int64_t r = 0; r < m; r += 16) {
-        const int64_t rows = std::min<int64_t>(16, m - r);
-        kQTiles[rows - 1](xp + r * k, k, w.data(), pairs, y + r * n, n);
+      const int64_t step = nb == 2 ? 12 : 16;
+      for (int64_t r = 0; r < m; r += step) {
+        const int64_t rows = std::min<int64_t>(step, m - r);
+        const auto tile = nb == 2 ? kQTiles2[rows - 1] : kQTiles1[rows - 1];
+        tile(xp + r * k, k, w.data(), pairs, yp + r * n + first * 16, n);
       }
     }
   });
