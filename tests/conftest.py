@@ -157,6 +157,13 @@ def reference_greedy(
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if not stop_at_eos:
         hf.generation_config.eos_token_id = None
+    return hf_greedy(hf, prompts, max_tokens)
+
+
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """A loaded transformers model's `generate`, one unpadded prompt at a time."""
+    import torch
+
     out = []
     for p in prompts:
         ids = torch.tensor([p])

@@ -51,17 +51,19 @@ def test_parallel_groups_match_transformers(
     family, tp, pp, model_factory, engine_factory, reference
 ):
     path = model_factory(family)
-    ps = prompts()
+    assert group_greedy(engine_factory, path, tp, pp) == reference(path, prompts(), 16)
+
+
+def group_greedy(engine_factory, path, tp: int, pp: int) -> list[list[int]]:
+    """16 greedy tokens for each of prompts() from a tp x pp group, closed after."""
     engine = engine_factory(
         path, tensor_parallel=tp, pipeline_parallel=pp, max_num_batched_tokens=32
     )
     try:
-        got = [
-            c.token_ids for c in engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
-        ]
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        return [c.token_ids for c in engine.generate(prompts(), params)]
     finally:
         engine.close()
-    assert got == reference(path, ps, 16)
 
 
 def test_a_dead_rank_stops_the_engine(model_factory, engine_factory):
@@ -116,14 +118,5 @@ def test_a_quantized_checkpoint_splits_over_ranks(
 
     quantized = tmp_path / "gptq"
     dequantized = write(model_factory("qwen2"), quantized, "gptq", bits=4, group=32, sym=False)
-    ps = prompts()
-    engine = engine_factory(
-        quantized, tensor_parallel=tp, pipeline_parallel=pp, max_num_batched_tokens=32
-    )
-    try:
-        got = [
-            c.token_ids for c in engine.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
-        ]
-    finally:
-        engine.close()
-    assert got == reference(dequantized, ps, 16)
+    got = group_greedy(engine_factory, quantized, tp, pp)
+    assert got == reference(dequantized, prompts(), 16)

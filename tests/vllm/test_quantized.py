@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import hf_greedy as greedy_of
 from tests.helpers import prompt
 from tests.vllm.conftest import OPTIONS
 
@@ -127,19 +128,7 @@ def reference(src: Path, dst: Path | None, act_div: float | None = None):
 
 
 def hf_greedy(model) -> list[list[int]]:
-    out = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        with torch.inference_mode():
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        out.append(g[0, len(p) :].tolist())
-    return out
+    return greedy_of(model, PROMPTS, MAX_TOKENS)
 
 
 def teacher_forced(model, tokens: list[int], p: list[int]) -> torch.Tensor:
