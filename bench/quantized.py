@@ -8,6 +8,9 @@ checkpoints where it loads them.
 - Quality: the perplexity of the factory's small Llama trained on its shipped book, on the
   book's text, in bf16 and in each scheme (the engine's own forward: every position's
   logits of windows of the text).
+- torch's int kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, `_int_mm`)
+  on the same checkpoints, in place of the project's (`qlinear`, `qlinear_i8`): what those
+  gain.
 - vLLM: the same checkpoints through bench/vllm_peer.py (its CPU build refuses some
   schemes: the JSON gives its error's last line for each).
 
@@ -15,7 +18,7 @@ Run alone (nothing else on the machine: two cores are easily disturbed). The las
 one JSON object of the measured figures, medians over --runs, with the CPU's ISA.
 
     python bench/quantized.py [--runs 3] [--requests 32] [--schemes w8a16,w4a16,w8a8]
-        [--group-size 128] [--skip-vllm] [--skip-ppl]
+        [--group-size 128] [--skip-vllm] [--skip-ppl] [--skip-torch-kernels]
 """
 
 from __future__ import annotations
@@ -48,11 +51,21 @@ def checkpoint(src: Path, scheme: str, group: int) -> Path:
     return dst
 
 
-def child(model: str, reqs: list[list[int]], one_at_a_time: bool, threads: int) -> dict:
-    """Decode tok/s of the native engine in bf16 on these requests ([prompt, max_tokens])."""
+def child(
+    model: str, reqs: list[list[int]], one_at_a_time: bool, threads: int, torch_kernels: bool
+) -> dict:
+    """Decode tok/s of the native engine in bf16 on these requests ([prompt, max_tokens]);
+    `torch_kernels`: the quantized layers on torch's int kernels, not the project's."""
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
+    from gpu_workers.kernels import load
     from gpu_workers.layers.quant_linear import QuantLinear
+
+    if torch_kernels:  # the loaded extension without its quantized matmuls (the other
+        ops = load("auto")  # fused kernels stay, so that only the matmuls differ)
+        for name in ("qlinear", "qlinear_i8"):
+            if hasattr(ops, name):
+                delattr(ops, name)
 
     engine = Engine(
         EngineConfig(model=model, dtype="bf16", kv_cache_bytes=1 << 30, threads=threads)
@@ -71,13 +84,14 @@ def child(model: str, reqs: list[list[int]], one_at_a_time: bool, threads: int) 
 
 
 def run_child(
-    model: Path, reqs: list[Request], one_at_a_time: bool, threads: int
+    model: Path, reqs: list[Request], one_at_a_time: bool, threads: int, torch_kernels: bool
 ) -> tuple[float, list[str]]:
     spec = {
         "model": str(model),
         "reqs": [[r.prompt, r.max_tokens] for r in reqs],
         "one": one_at_a_time,
         "threads": threads,
+        "torch_kernels": torch_kernels,
     }
     run = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
@@ -150,6 +164,9 @@ def main() -> None:
     ap.add_argument("--single", type=int, default=4, help="requests run one at a time")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument(
+        "--skip-torch-kernels", action="store_true", help="the schemes on torch's int kernels"
+    )
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--ppl-tokens", type=int, default=8192, help="of the book's text")
     ap.add_argument("--train-steps", type=int, default=600, help="the book model's training")
@@ -157,23 +174,29 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         spec = json.loads(a.child)
-        res = child(spec["model"], spec["reqs"], spec["one"], spec["threads"])
+        res = child(
+            spec["model"], spec["reqs"], spec["one"], spec["threads"], spec["torch_kernels"]
+        )
         print("CHILD " + json.dumps(res), flush=True)
         return
 
     schemes = [s for s in a.schemes.split(",") if s]
     src = bench_model(a.model)
     models = {"bf16": src, **{s: checkpoint(src, s, a.group_size) for s in schemes}}
+    # peers: (checkpoint, torch's int kernels instead of the project's)
+    peers = {n: (p, False) for n, p in models.items()}
+    if not a.skip_torch_kernels:
+        peers |= {f"{s}_torch_kernels": (models[s], True) for s in schemes}
     reqs = mixed(a.requests, 8192, a.seed)
     single = reqs[: a.single]
-    batch: dict[str, list[float]] = {n: [] for n in models}
-    stream: dict[str, list[float]] = {n: [] for n in models}
+    batch: dict[str, list[float]] = {n: [] for n in peers}
+    stream: dict[str, list[float]] = {n: [] for n in peers}
     kernels: dict[str, list[str]] = {}
     for run in range(a.runs):  # interleaved, so that a slow spell touches every peer
-        for name, path in models.items():
-            tps, kernels[name] = run_child(path, reqs, False, a.threads)
+        for name, (path, torch_kernels) in peers.items():
+            tps, kernels[name] = run_child(path, reqs, False, a.threads, torch_kernels)
             batch[name].append(tps)
-            tps1, _ = run_child(path, single, True, a.threads)
+            tps1, _ = run_child(path, single, True, a.threads, torch_kernels)
             stream[name].append(tps1)
             print(
                 f"run {run}: {name:6} batch {tps:7.1f} tok/s   one stream {tps1:6.1f} tok/s",
@@ -193,9 +216,10 @@ def main() -> None:
         "one_stream_runs": {n: [round(x, 1) for x in v] for n, v in stream.items()},
     }
     base, base1 = out["batch_tok_s"]["bf16"], out["one_stream_tok_s"]["bf16"]
-    out["batch_ratio_vs_bf16"] = {s: round(out["batch_tok_s"][s] / base, 3) for s in schemes}
+    others = [n for n in peers if n != "bf16"]
+    out["batch_ratio_vs_bf16"] = {n: round(out["batch_tok_s"][n] / base, 3) for n in others}
     out["one_stream_ratio_vs_bf16"] = {
-        s: round(out["one_stream_tok_s"][s] / base1, 3) for s in schemes
+        n: round(out["one_stream_tok_s"][n] / base1, 3) for n in others
     }
     if not a.skip_vllm:
         vllm = {n: vllm_speed(p, reqs, a.threads) for n, p in models.items()}
