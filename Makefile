@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	# the fused CPU kernels, built now rather than at the first engine start (and the AVX2
 	# variant beside them on wider CPUs, for its test)
 	$(PY) -m gpu_workers.kernels --with-avx2
+	# promtool, which checks deploy/prometheus/alerts.yml in the tests (best effort: needs apt
+	# and root; the test says so where it is missing)
+	-command -v promtool >/dev/null || apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml
