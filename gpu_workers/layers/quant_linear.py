@@ -24,12 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_workers.kernels import cpu_flags
 from gpu_workers.layers.linear import Linear
 from gpu_workers.models.quant_formats import QWeight, Scheme
 
 log = logging.getLogger(__name__)
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 kernel takes
+# qlinear_i8's vpdpbusd: every CPU with AVX512-BF16 known has it, but a VM may mask it
+VNNI = "avx512_vnni" in cpu_flags()
 
 
 class QuantLinear(nn.Module):
@@ -49,18 +52,19 @@ class QuantLinear(nn.Module):
         self.kind = ""  # native | native_w8a8 | int4 | int8 | w8a8 | float, once finished
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
 
-    def put(self, start: int, w: QWeight | torch.Tensor) -> None:
-        """Rows [start, start + len(w)) of the weight."""
+    def put(self, start: int, w: QWeight | torch.Tensor, name: str = "") -> None:
+        """Rows [start, start + len(w)) of the weight (`name`: the checkpoint's, for errors)."""
         rows, cols = w.shape
         if cols != self.in_features or start + rows > self.out_features:
             raise ValueError(
-                f"a weight of shape {tuple(w.shape)} at row {start} does not fit a "
-                f"{self.out_features}x{self.in_features} layer"
+                f"checkpoint: {name or 'a weight'} of shape {tuple(w.shape)} at row {start} "
+                f"does not fit its {self.out_features}x{self.in_features} layer"
             )
         self.pieces[start] = w
 
-    def finish(self, dtype: torch.dtype, name: str = "") -> None:
-        """Builds the kernel's tensors from the pieces (all present: the loader checks)."""
+    def finish(self, dtype: torch.dtype, device: torch.device, name: str = "") -> None:
+        """Builds the kernel's tensors from the pieces (all present: the loader checks), on
+        the model's device."""
         starts = sorted(self.pieces)
         parts = [self.pieces[s] for s in starts]
         ends = [s + p.shape[0] for s, p in zip(starts, parts, strict=True)]
@@ -70,12 +74,12 @@ class QuantLinear(nn.Module):
                 f"not make its {self.out_features} rows"
             )
         self.pieces = {}
-        device = self.bias.device if self.bias is not None else torch.device("cpu")
         if all(isinstance(p, QWeight) for p in parts):
             q = _stack(parts)  # type: ignore[arg-type]
             why = q if isinstance(q, str) else self._use_kernel(q, dtype, device)
             if not why:
                 return
+            self.perm = None  # the dequantized weight below keeps the checkpoint's order
         else:
             why = "the checkpoint left part of it unquantized"
         log.info("%s runs on its dequantized weight: %s", name or "a quantized linear", why)
@@ -91,6 +95,7 @@ class QuantLinear(nn.Module):
         if (
             q.act_quant
             and getattr(self.ops, "qlinear_i8", None) is not None
+            and VNNI
             and n % 16 == 0
             and k % 16 == 0
         ):
@@ -240,7 +245,7 @@ def make_linear(
     return QuantLinear(in_features, out_features, bias, scheme, ops)
 
 
-def finish_quantized(model: nn.Module, dtype: torch.dtype) -> None:
+def finish_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
-            m.finish(dtype, name)
+            m.finish(dtype, device, name)

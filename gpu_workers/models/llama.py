@@ -240,13 +240,18 @@ class LlamaForCausalLM(nn.Module):
             name = self._local_name(name.removeprefix("model."))
             if name is None:
                 continue
+            if isinstance(w, QWeight) and name in ("embed_tokens.weight", "lm_head.weight"):
+                raise ValueError(
+                    f"checkpoint: {name} is quantized; the native engine takes quantized "
+                    "linears in the decoder layers only (lm_head and embeddings float)"
+                )
             w = self._shard(name, w)
             for piece, (packed, idx) in self.packed.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, packed)
                     offsets = self._packed_offsets(packed)
                     if target in quantized:
-                        quantized[target].put(offsets[idx], w)
+                        quantized[target].put(offsets[idx], w, name)
                     elif isinstance(w, QWeight) or target not in params:
                         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                     else:
@@ -255,9 +260,11 @@ class LlamaForCausalLM(nn.Module):
                     break
             else:
                 if name in quantized:
-                    quantized[name].put(0, w)
+                    quantized[name].put(0, w, name)
                     loaded.add(name)
                     continue
+                if name.endswith(".bias") and name not in params and not w.any():
+                    continue  # a zero bias some GPTQ exports add to layers that have none
                 if name not in params or isinstance(w, QWeight):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 if params[name].shape != w.shape:  # the last rank's vocab slice is padded

@@ -227,7 +227,7 @@ def build_model(
     tensors = iter_tensors(weight_files(model_dir))
     quant = scheme(cfg)
     model.load_weights(decode(tensors, quant) if quant else tensors)
-    finish_quantized(model, dtype)
+    finish_quantized(model, dtype, device)
     if can_pack(device, dtype):
         pack_linears(model)
     return model.eval()

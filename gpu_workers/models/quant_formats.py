@@ -185,7 +185,9 @@ def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
             if w.get("num_bits") != 8 or strategy != "channel" or not w.get("symmetric", True):
                 raise _refuse("int8 activations need int8 symmetric per-channel weights")
             act = True
-        order = w.get("actorder") == "group"
+        # act-order with a g_idx per column: "group" (or its alias "dynamic", or true)
+        order = w.get("actorder")
+        order = order is True or (isinstance(order, str) and order.lower() in ("group", "dynamic"))
         found.add((w["num_bits"], size, bool(w.get("symmetric", True)), act, order))
     if len(found) != 1:
         raise _refuse("config groups that quantize layers differently")
@@ -331,8 +333,8 @@ def _g_idx(t: torch.Tensor | None, k: int, groups: int) -> torch.Tensor | None:
 
 def _from_packed(parts: dict[str, torch.Tensor], s: Scheme) -> QWeight:
     shape = parts["weight_shape"]
-    if shape.numel() != 2:
-        raise ValueError("weight_shape must hold 2 numbers")
+    if shape.numel() != 2 or shape.is_floating_point() or shape.dtype == torch.bool:
+        raise ValueError("weight_shape must hold 2 integers")
     n, k = (int(v) for v in shape.tolist())
     per = 32 // s.bits
     packed = _check(parts["weight_packed"], (n, -(-k // per)), "weight_packed")
@@ -365,9 +367,11 @@ def _finish(codes: torch.Tensor, parts: dict[str, torch.Tensor], s: Scheme, offs
                 )[:n]
                 - offset
             )
-        zeros = _check(zp[:, None] if zp.dim() == 1 else zp, (n, groups), "weight_zero_point").to(
-            torch.int8
-        )
+        zp = _check(zp[:, None] if zp.dim() == 1 else zp, (n, groups), "weight_zero_point")
+        lo = -(1 << (s.bits - 1))
+        if zp.is_floating_point() or zp.dtype == torch.bool or zp.min() < lo or zp.max() >= -lo:
+            raise ValueError(f"weight_zero_point must hold integers in {lo}..{-lo - 1}")
+        zeros = zp.to(torch.int8)
     return QWeight(
         codes,
         scales,

@@ -19,6 +19,7 @@ from gpu_workers.models import quant_formats as qf
 from tests.quant_checkpoints import AWQ_ORDER, pack, write
 
 MAX_TOKENS = 16
+CPU = torch.device("cpu")
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -100,7 +101,7 @@ def test_gptq_act_order_groups_follow_g_idx():
     # on the kernel: the layer permutes its inputs so that each group is contiguous
     layer = QuantLinear(k, n, False, qf.Scheme("gptq", 4, 32, False, act_order=True))
     layer.put(0, w)
-    layer.finish(torch.float32)
+    layer.finish(torch.float32, CPU)
     assert layer.kind == "int4" and layer.perm is not None
     x = torch.randn(5, k)
     torch.testing.assert_close(layer(x), x @ want.t(), rtol=1e-4, atol=1e-4)
@@ -188,7 +189,7 @@ def test_tensor_parallel_ranks_hold_their_slices(model_factory, tmp_path):
         for m in model.modules():
             if isinstance(m, QuantLinear):  # keep the pieces to compare
                 m.keep = {s: p.dequantize() for s, p in m.pieces.items()}
-        finish_quantized(model, torch.float32)
+        finish_quantized(model, torch.float32, CPU)
         whole[rank] = model
     down = "model.layers.1.mlp.down_proj.weight"
     halves = [whole[r].layers[1].mlp.down_proj.keep[0] for r in (0, 1)]
@@ -285,7 +286,7 @@ def test_w8a8_quantizes_each_row_of_activations():
     for kind in kinds:  # torch's _int_mm, and the project's kernel where this CPU has it
         layer = QuantLinear(64, 48, False, s, ops if kind == "native_w8a8" else None)
         layer.put(0, decoded["l.weight"])
-        layer.finish(torch.float32)
+        layer.finish(torch.float32, CPU)
         assert layer.kind == kind
         # a rounding of x / scale may land on the other integer: one step of one product
         torch.testing.assert_close(layer(x), want, rtol=0, atol=float(xs.max() * scale.max()))
@@ -320,7 +321,7 @@ def test_the_native_kernel_computes_the_dequantized_matmul(bits, group, zeros):
     layer = QuantLinear(k, n, True, qf.Scheme("x", bits, group, not zeros), ops)
     layer.bias.data = torch.randn(n, generator=gen)
     layer.put(0, w)
-    layer.finish(torch.bfloat16)
+    layer.finish(torch.bfloat16, CPU)
     assert layer.kind == "native"
     ref_w = w.dequantize()
     for m in (1, 3, 4, 5, 16, 17, 40):  # a few rows in registers; tiles of 16 and the rest
@@ -348,3 +349,73 @@ def test_plurai_quantize_checkpoints_match_transformers_loading_them(
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     got = [c.token_ids for c in engine.generate(prompts(2), params)]
     assert got == reference(dst, prompts(2), MAX_TOKENS)
+
+
+def test_an_act_order_layer_on_its_dequantized_weight_keeps_the_input_order():
+    """Groups of 16 fit no integer kernel: the layer runs on its dequantized weight, whose
+    columns are in the checkpoint's order, so the inputs must not be permuted."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 16, 64
+    g_idx = torch.randperm(k, generator=gen) // 16
+    w = qf.QWeight(
+        torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen),
+        torch.rand(n, 4, generator=gen),
+        None,
+        g_idx,
+        4,
+        16,
+    )
+    layer = QuantLinear(k, n, False, qf.Scheme("gptq", 4, 16, True, act_order=True))
+    layer.put(0, w)
+    layer.finish(torch.float32, CPU)
+    assert layer.kind == "float" and layer.perm is None
+    x = torch.randn(3, k, generator=gen)
+    torch.testing.assert_close(layer(x), x @ w.dequantize().t())
+
+
+@pytest.mark.parametrize("actorder", ["group", "GROUP", "dynamic", True])
+def test_compressed_tensors_act_order_spellings(actorder):
+    cfg = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "g": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "actorder": actorder,
+                },
+            }
+        },
+    }
+    assert qf.scheme(type("C", (), {"quantization_config": cfg})()).act_order
+
+
+def _quantized_lm_head(t: dict, cfg: dict) -> None:
+    w = t.pop("lm_head.weight") if "lm_head.weight" in t else t["model.embed_tokens.weight"]
+    n, k = w.shape
+    t["lm_head.qweight"] = torch.zeros(k // 8, n, dtype=torch.int32)
+    t["lm_head.qzeros"] = torch.zeros(k // 32, n // 8, dtype=torch.int32)
+    t["lm_head.scales"] = torch.ones(k // 32, n, dtype=torch.float16)
+    t["lm_head.g_idx"] = (torch.arange(k) // 32).int()
+
+
+def test_a_quantized_lm_head_is_refused_with_why(model_factory, engine_factory, tmp_path):
+    dst = _broken(tmp_path, model_factory("llama"), _quantized_lm_head)
+    with pytest.raises(ValueError, match="lm_head.weight is quantized; the native engine"):
+        engine_factory(dst)
+
+
+def test_zero_points_out_of_range_are_refused():
+    s = qf.Scheme("compressed-tensors", 8, None, False, act_quant=True, fmt="int-quantized")
+    parts = [
+        ("l.weight", torch.zeros(16, 32, dtype=torch.int8)),
+        ("l.weight_scale", torch.ones(16, 1)),
+        ("l.weight_zero_point", torch.full((16, 1), 300, dtype=torch.int32)),
+    ]
+    with pytest.raises(ValueError, match=r"l: weight_zero_point must hold integers in -128..127"):
+        list(qf.decode(parts, s))
