@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+from gpu_workers.models.quant_formats import AWQ_ORDER
+from gpu_workers.models.quantize import LINEAR
 
 
 def rtn(

@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from gpu_workers.models import quant_formats
 from gpu_workers.models.files import INDEX, NATIVE, safetensors_problem, weight_files
 
 SCHEMES = ("w8a16", "w8a8", "w4a16")
@@ -154,13 +155,6 @@ def quantize_weight(
     return codes.reshape(rows, cols), scale.squeeze(-1)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float weight [out, in] codes and scales [out, groups] stand for."""
-    groups = scale.shape[1]
-    x = codes.reshape(codes.shape[0], groups, -1).to(scale.dtype) * scale.unsqueeze(-1)
-    return x.reshape(codes.shape)
-
-
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 codes [rows, cols] -> int32 [rows, ceil(cols * bits / 32)]: 32/bits codes a word,
     each stored unsigned (plus 2**(bits-1)), the first in the lowest bits (compressed-tensors'
@@ -174,10 +168,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    """pack's inverse: int8 codes [rows, cols]."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    u = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return (u.flatten(1)[:, :cols] - (1 << (bits - 1))).to(torch.int8)
+    """pack's inverse: int8 codes [rows, cols] (the loader's unpacking, shifted back)."""
+    return (quant_formats.unpack(packed, bits, 1)[:, :cols] - (1 << (bits - 1))).to(torch.int8)
 
 
 def quantize(src: str | Path, dst: str | Path, scheme: str, group_size: int | None = None) -> None:
