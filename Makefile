@@ -24,6 +24,9 @@ $(VENV)/.installed: pyproject.toml
 	# promtool, which checks deploy/prometheus/alerts.yml in the tests (best effort: needs apt
 	# and root; the test says so where it is missing)
 	-command -v promtool >/dev/null || apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1
+	# Chromium, which the dashboard's browser test drives through playwright (best effort, as
+	# promtool; playwright's own browser download is not used)
+	-command -v chromium >/dev/null || apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml

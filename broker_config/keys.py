@@ -21,6 +21,9 @@ HANDED_OVER = f"{PREFIX}:handed-over"
 WORKERS = f"{PREFIX}:workers"  # set of worker ids that have heartbeated
 # hash: model name -> JSON {"shards": n, "beat_ms": ms} of the last worker to serve it
 MODELS = f"{PREFIX}:models"
+# capped stream: job id, model and lane of each job a worker began, newest last (the
+# dashboard's recent jobs; MAXLEN ~ PLURAI_RECENT_JOBS_MAXLEN)
+RECENT = f"{PREFIX}:recent"
 DEFAULT_MODEL = "default"  # the model of requests that name none, unless configured
 
 

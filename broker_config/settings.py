@@ -123,6 +123,7 @@ class Settings(_Sourced):
     stream_flush_tokens: int = Field(default=16, ge=1)
     stream_flush_ms: int = Field(default=100, ge=0)
     dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead
+    recent_jobs_maxlen: int = Field(default=1000, ge=1)  # approximate cap of plurai:recent
     queued_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)  # job record while it waits
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
 
@@ -257,6 +258,14 @@ class Settings(_Sourced):
     # a quarter of max_connections: one client's batch of streamed requests waits in the
     # queue rather than being refused, and still leaves room for the others
     gateway_max_streams_per_key: int = Field(default=1024, ge=0)
+    # The dashboard (gateway/dashboard.py) at /dashboard of the gateway, and `plurai
+    # dashboard`: read-only, behind an admin API key once keys exist. Its charts keep
+    # history_s of samples, one every sample_s (a reading while a page is open: every
+    # refresh_s).
+    dashboard: bool = True
+    dashboard_history_s: int = Field(default=900, ge=60, le=86400)
+    dashboard_sample_s: float = Field(default=5.0, ge=1.0, le=300.0)
+    dashboard_refresh_s: float = Field(default=2.0, ge=0.5, le=60.0)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = (
         "text"  # json: one object per line (broker_config/logs.py)

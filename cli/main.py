@@ -275,10 +275,10 @@ def cmd_worker(rest: list[str]) -> int:
     return worker.main(rest)
 
 
-def cmd_gateway(rest: list[str]) -> int:
+def cmd_gateway(rest: list[str], dashboard: bool = False) -> int:
     from gateway import serve as gateway
 
-    return gateway.main(rest)
+    return gateway.main(rest, dashboard=dashboard)
 
 
 def cmd_make_model(rest: list[str]) -> int:
@@ -404,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway", help="the OpenAI-compatible HTTP API (plurai gateway --help)", add_help=False
     )
     sub.add_parser(
+        "dashboard",
+        help="the web dashboard on its own, without a gateway (plurai dashboard --help)",
+        add_help=False,
+    )
+    sub.add_parser(
         "make-model", help="write a random-weight model (plurai make-model --help)", add_help=False
     )
     sub.add_parser(
@@ -420,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_worker(argv[1:])
     if argv and argv[0] == "gateway":
         return cmd_gateway(argv[1:])
+    if argv and argv[0] == "dashboard":
+        return cmd_gateway(argv[1:], dashboard=True)
     if argv and argv[0] == "make-model":
         return cmd_make_model(argv[1:])
     if argv and argv[0] == "quantize":

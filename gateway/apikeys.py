@@ -63,6 +63,7 @@ class Key:
     tpm: int = 0
     concurrent: int = 0
     created_ms: int = 0
+    admin: bool = False  # may read the dashboard (every tenant's jobs and the workers)
 
     @property
     def limited(self) -> bool:
@@ -149,6 +150,9 @@ def parse_record(key_hash: str, raw: Mapping[bytes, bytes]) -> Key:
     default = _field_text(raw, "default_lane")
     if default not in lanes:
         raise BadRecord("field 'default_lane' is not one of its lanes")
+    admin = raw.get(b"admin", b"0")  # records made before the field existed have none
+    if admin not in (b"0", b"1"):
+        raise BadRecord("field 'admin' is not 0 or 1")
     return Key(
         id=kid,
         tenant=tenant,
@@ -158,6 +162,7 @@ def parse_record(key_hash: str, raw: Mapping[bytes, bytes]) -> Key:
         tpm=_field_int(raw, "tpm"),
         concurrent=_field_int(raw, "concurrent"),
         created_ms=_field_int(raw, "created_ms", cap=10**15),
+        admin=admin == b"1",
     )
 
 
@@ -171,6 +176,7 @@ def _record(key: Key) -> dict[str, str]:
         "tpm": str(key.tpm),
         "concurrent": str(key.concurrent),
         "created_ms": str(key.created_ms),
+        "admin": "1" if key.admin else "0",
     }
 
 
@@ -186,6 +192,7 @@ def create_key(
     rpm: int = 0,
     tpm: int = 0,
     concurrent: int = 0,
+    admin: bool = False,
     settings: Settings | None = None,
 ) -> tuple[str, Key]:
     """Create a key: returns its secret (show it once; it is stored nowhere) and the Key.
@@ -215,6 +222,7 @@ def create_key(
             tpm=tpm,
             concurrent=concurrent,
             created_ms=int(time.time() * 1000),
+            admin=admin,
         )
         if r.hsetnx(keys.API_KEYS, key.id, h):
             r.hset(keys.api_key(h), mapping=_record(key))

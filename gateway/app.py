@@ -31,9 +31,9 @@ from starlette.responses import JSONResponse, Response
 from broker_config import keys
 from broker_config.routes import Routes
 from broker_config.settings import Settings
-from gateway import apikeys, auth, openai
+from gateway import auth, openai
 from gateway.apikeys import Key
-from gateway.auth import Unauthorized
+from gateway.dashboard import Dashboard
 from gateway.errors import ApiError, error, model_not_found, no_workers
 from gateway.lease import Lease, OpenStreams, StreamSlot, request_tokens
 from gateway.metrics import GatewayMetrics
@@ -63,6 +63,7 @@ class Gateway:
 
     client: AsyncClient
     streams: Streams
+    guard: auth.Guard
 
     def __init__(self, settings: Settings, url: str) -> None:
         self.settings = settings
@@ -71,18 +72,21 @@ class Gateway:
         self.max_request_bytes = settings.gateway_max_request_bytes
         self.tasks: set[asyncio.Task] = set()  # cancels sent after a client left
         self.open_streams = OpenStreams(settings.gateway_max_streams_per_key)
-        # without API keys, only a gateway listening on loopback serves (open)
-        self.loopback = auth.loopback(settings.gateway_host)
-        self.keyed = (False, -1.0)  # whether keys exist, and when that was read
-        self.keys_read: asyncio.Future[bool] | None = None  # that read, while in flight
+        self.dashboard: Dashboard | None = None  # set by serve.create_app where enabled
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self.client = AsyncClient(self.url, settings=self.settings)
         self.streams = Streams(self.client.redis)
+        # without API keys, only a gateway listening on loopback serves (open)
+        self.guard = auth.Guard(self.client.redis, self.settings.gateway_host)
+        if self.dashboard is not None:
+            self.dashboard.start(self.guard)
         try:
             yield
         finally:
+            if self.dashboard is not None:
+                await self.dashboard.stop()
             await self.streams.close()
             await self.client.aclose()
 
@@ -130,30 +134,8 @@ class Gateway:
         return body
 
     async def authorize(self, request: Request) -> Key | None:
-        """The request's API key, or None on an open gateway (no keys exist, and it listens
-        on loopback only). Raises Unauthorized. Whether keys exist is read at most once a
-        second; the key itself on every request, so a revoked key fails at once."""
-        r = self.client.redis
-        exist, at = self.keyed
-        if time.monotonic() - at > 1.0:  # one read at a time, the others wait for it
-            if self.keys_read is None or self.keys_read.done():
-                self.keys_read = asyncio.ensure_future(apikeys.any_keys_async(r))
-            exist = await asyncio.shield(self.keys_read)
-            self.keyed = (exist, time.monotonic())
-        if not exist:
-            if self.loopback:
-                return None
-            raise Unauthorized(
-                "this gateway listens beyond localhost and has no API keys yet: "
-                "create one with `plurai keys create --tenant NAME`"
-            )
-        secret = apikeys.bearer(request.headers.get("authorization"))
-        if secret is None:
-            raise Unauthorized("an API key is required: Authorization: Bearer <key>")
-        key = await apikeys.authenticate(r, secret)
-        if key is None:
-            raise Unauthorized("the API key is not valid (unknown or revoked)")
-        return key
+        """The request's API key, or None on an open gateway; raises Unauthorized."""
+        return await self.guard.key(request.headers.get("authorization"))
 
     async def models(self) -> Routes:
         """The model directory, read at most every routes.REFRESH_S."""

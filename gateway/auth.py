@@ -4,10 +4,17 @@ API keys themselves are apikeys.py's; their quotas, quota.py's."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import ipaddress
+import time
+
+import redis.asyncio
 
 from broker_config import protocol
 from broker_config.settings import Settings
+from gateway import apikeys
 from gateway.apikeys import Key
 
 
@@ -28,6 +35,57 @@ def loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class Guard:
+    """The API key of a request, or None on an open gateway (no keys exist, and it listens
+    on loopback only). Whether keys exist is read at most once a second; the key itself on
+    every request, so a revoked key fails at once."""
+
+    def __init__(self, r: redis.asyncio.Redis, host: str) -> None:
+        self.r = r
+        self.loopback = loopback(host)
+        self.keyed = (False, -1.0)  # whether keys exist, and when that was read
+        self.keys_read: asyncio.Future[bool] | None = None  # that read, while in flight
+
+    async def key(self, authorization: str | None, basic: bool = False) -> Key | None:
+        """Raises Unauthorized. `basic`: HTTP Basic credentials are taken too (the key as
+        the password, any user name): what a browser sends after its login prompt."""
+        exist, at = self.keyed
+        if time.monotonic() - at > 1.0:  # one read at a time, the others wait for it
+            if self.keys_read is None or self.keys_read.done():
+                self.keys_read = asyncio.ensure_future(apikeys.any_keys_async(self.r))
+            exist = await asyncio.shield(self.keys_read)
+            self.keyed = (exist, time.monotonic())
+        if not exist:
+            if self.loopback:
+                return None
+            raise Unauthorized(
+                "this gateway listens beyond localhost and has no API keys yet: "
+                "create one with `plurai keys create --tenant NAME`"
+            )
+        secret = apikeys.bearer(authorization) or (basic_password(authorization) if basic else None)
+        if secret is None:
+            raise Unauthorized("an API key is required: Authorization: Bearer <key>")
+        key = await apikeys.authenticate(self.r, secret)
+        if key is None:
+            raise Unauthorized("the API key is not valid (unknown or revoked)")
+        return key
+
+
+def basic_password(authorization: str | None) -> str | None:
+    """The password of an `Authorization: Basic <base64 user:password>` header, or None."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "basic" or len(value) > 1024:
+        return None
+    try:
+        pair = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _, sep, password = pair.partition(":")
+    return password if sep and password else None
 
 
 def lane_for(key: Key | None, requested: str | None, settings: Settings) -> str:

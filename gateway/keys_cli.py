@@ -1,8 +1,9 @@
 """`plurai keys`: API keys of the HTTP gateway.
 
 plurai keys create --tenant acme [--lanes interactive,standard] [--default-lane standard]
-                   [--rpm 600] [--tpm 200000] [--concurrent 8]
-                                     print a new key's secret (once: only its hash is kept)
+                   [--rpm 600] [--tpm 200000] [--concurrent 8] [--admin]
+                                     print a new key's secret (once: only its hash is kept);
+                                     --admin: it may also open the dashboard
 plurai keys list [--json]            every key: id, tenant, lanes, limits (never a secret)
 plurai keys revoke KEY_ID            delete a key; every gateway refuses it from then on
 """
@@ -44,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--rpm", type=_count, default=0, help="requests per minute (0: no limit)")
     c.add_argument("--tpm", type=_count, default=0, help="tokens per minute (0: no limit)")
     c.add_argument("--concurrent", type=_count, default=0, help="jobs at once (0: no limit)")
+    c.add_argument(
+        "--admin",
+        action="store_true",
+        help="it may also read the dashboard: every tenant's jobs, the workers, the queue",
+    )
     lst = sub.add_parser("list", help="list keys (ids, tenants, lanes, limits)")
     lst.add_argument("--json", action="store_true", help="one JSON array")
     v = sub.add_parser("revoke", help="delete a key at once")
@@ -70,6 +76,7 @@ def _as_dict(key: apikeys.Key) -> dict[str, object]:
         "tpm": key.tpm,
         "concurrent": key.concurrent,
         "created_ms": key.created_ms,
+        "admin": key.admin,
     }
 
 
@@ -84,12 +91,13 @@ def _create(r: redis.Redis, args: argparse.Namespace) -> int:
         rpm=args.rpm,
         tpm=args.tpm,
         concurrent=args.concurrent,
+        admin=args.admin,
         settings=Settings(),
     )
     print(
         f"created key {key.id} for tenant {key.tenant}: lanes {','.join(key.lanes)} "
         f"(default {key.default_lane}), rpm {_limit(key.rpm)}, tpm {_limit(key.tpm)}, "
-        f"concurrent {_limit(key.concurrent)}. Store the secret below now: it is not kept "
+        f"concurrent {_limit(key.concurrent)}{', admin' if key.admin else ''}. Store the secret below now: it is not kept "
         "and cannot be shown again.",
         file=sys.stderr,
     )
@@ -102,7 +110,9 @@ def _list(r: redis.Redis, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([_as_dict(k) for k in found], indent=2))
     else:
-        rows = [("ID", "TENANT", "LANES", "DEFAULT", "RPM", "TPM", "CONCURRENT", "CREATED")]
+        rows = [
+            ("ID", "TENANT", "LANES", "DEFAULT", "RPM", "TPM", "CONCURRENT", "ADMIN", "CREATED")
+        ]
         for k in found:
             rows.append(
                 (
@@ -113,6 +123,7 @@ def _list(r: redis.Redis, args: argparse.Namespace) -> int:
                     _limit(k.rpm),
                     _limit(k.tpm),
                     _limit(k.concurrent),
+                    "yes" if k.admin else "-",
                     _created(k.created_ms),
                 )
             )

@@ -1,13 +1,16 @@
-"""The `plurai gateway` entry: settings, the Redis URL, then uvicorn serving the app (with
-server.py's guards against floods and slow clients).
+"""The `plurai gateway` and `plurai dashboard` entries: settings, the Redis URL, then
+uvicorn serving the app (with server.py's guards against floods and slow clients).
 
 plurai gateway [--host 127.0.0.1] [--port 8000] [--url redis://...]
+plurai dashboard [--host 127.0.0.1] [--port 8001] [--url redis://...]
+    the gateway's /dashboard on its own, for deployments without a gateway
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from broker_config import logs
@@ -21,8 +24,9 @@ log = logging.getLogger("plurai.gateway")
 
 
 def create_app(settings: Settings, url: str) -> Starlette:
-    """The gateway's ASGI app: the completions endpoints (app.py) and files and batches
-    (batches.py) on one Gateway; errors.py's handlers and the metrics middleware."""
+    """The gateway's ASGI app: the completions endpoints (app.py), files and batches
+    (batches.py) and the dashboard (dashboard.py) on one Gateway; errors.py's handlers and
+    the metrics middleware."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.routing import Route
@@ -32,6 +36,10 @@ def create_app(settings: Settings, url: str) -> Starlette:
     from gateway.metrics import MetricsMiddleware
 
     gw = Gateway(settings, url)
+    if settings.dashboard:
+        from gateway.dashboard import Dashboard
+
+        gw.dashboard = Dashboard(settings, url)
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", gw.chat, methods=["POST"]),
@@ -40,6 +48,7 @@ def create_app(settings: Settings, url: str) -> Starlette:
             Route("/health", gw.health, methods=["GET"]),
             Route("/metrics", gw.metrics_page, methods=["GET"]),
             *batches.routes(gw),
+            *(gw.dashboard.routes() if gw.dashboard else []),
         ],
         middleware=[Middleware(MetricsMiddleware, metrics=gw.metrics)],
         exception_handlers=errors.handlers(),
@@ -49,9 +58,41 @@ def create_app(settings: Settings, url: str) -> Starlette:
     return app
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def create_dashboard_app(settings: Settings, url: str) -> Starlette:
+    """The dashboard alone: /dashboard and its data, and / leading there."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.responses import RedirectResponse
+    from starlette.routing import Route
+
+    from broker_config.connection import connect_async
+    from gateway.auth import Guard
+    from gateway.dashboard import Dashboard
+
+    dash = Dashboard(settings, url)
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        r = connect_async(url)
+        dash.start(Guard(r, settings.gateway_host))
+        try:
+            yield
+        finally:
+            await dash.stop()
+            await r.aclose()
+
+    async def home(_request: Any) -> RedirectResponse:
+        return RedirectResponse("/dashboard")
+
+    app = Starlette(routes=[Route("/", home), *dash.routes()], lifespan=lifespan)
+    app.state.dashboard = dash
+    return app
+
+
+def add_arguments(p: argparse.ArgumentParser, port: int = 8000) -> None:
     p.add_argument("--host", help="address to listen on (PLURAI_GATEWAY_HOST, default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (PLURAI_GATEWAY_PORT, default 8000; 0: any)")
+    p.add_argument("--port", type=int, help=f"port (PLURAI_GATEWAY_PORT, default {port}; 0: any)")
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL, else the embedded one)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (PLURAI_LOG_LEVEL)")
     p.add_argument(
@@ -59,11 +100,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="plurai gateway", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
+def main(argv: list[str] | None = None, dashboard: bool = False) -> int:
+    """`plurai gateway`, or (`dashboard`) `plurai dashboard`."""
+    prog = "plurai dashboard" if dashboard else "plurai gateway"
+    description = (
+        "the dashboard on its own: queue, workers, recent jobs (read-only)"
+        if dashboard
+        else "the OpenAI-compatible HTTP API in front of the queue"
+    )
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(p, port=8001 if dashboard else 8000)
     args = p.parse_args(argv)
     overrides: dict[str, Any] = {}
+    if dashboard and args.port is None:
+        args.port = 8001  # beside a gateway on 8000
     for name, field in (
         ("host", "gateway_host"),
         ("port", "gateway_port"),
@@ -78,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = resolve_url(settings.redis_url, settings)
     except ValueError as e:
-        raise SystemExit(f"plurai gateway: {e}") from e
+        raise SystemExit(f"{prog}: {e}") from e
     from broker_config import memory
     from broker_config.connection import connect
     from gateway import apikeys, auth, server
@@ -88,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         keyed = apikeys.any_keys(r)
         memory.check_policy(r)  # an evicting Redis would drop jobs and results
     except memory.EvictingRedis as e:
-        raise SystemExit(f"plurai gateway: {e}") from e
+        raise SystemExit(f"{prog}: {e}") from e
     except Exception as e:  # noqa: BLE001 - any failure here is reported, not raised
-        raise SystemExit(f"plurai gateway: cannot reach Redis: {redact(str(e))}") from e
+        raise SystemExit(f"{prog}: cannot reach Redis: {redact(str(e))}") from e
     if not keyed and auth.loopback(settings.gateway_host):
         log.warning(
             "no API keys: open to clients on this machine only "
-            "(`plurai keys create --tenant NAME` makes requests need a key)"
+            "(`plurai keys create --tenant NAME` makes requests need a key%s)",
+            "; the dashboard an admin key: --admin" if dashboard or settings.dashboard else "",
         )
     elif not keyed:
         log.warning(
@@ -103,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             settings.gateway_host,
         )
 
-    app = create_app(settings, url)
+    app = (create_dashboard_app if dashboard else create_app)(settings, url)
     log.info(
-        "gateway on http://%s:%d (queue %s)",
+        "%s on http://%s:%d (queue %s)",
+        "dashboard" if dashboard else "gateway",
         settings.gateway_host,
         settings.gateway_port,
         redact(url),

@@ -410,8 +410,27 @@ class Intake:
         refused for a reason that passes (OOM, ...); a refusal tied to the job's keys is
         'badkey'."""
         calls = [self._begin_call(entry) for entry in entries]
+        # the dashboard's index of recent jobs rides on the same round trip
+        recent = [
+            [
+                "XADD",
+                keys.RECENT,
+                "MAXLEN",
+                "~",
+                self.settings.recent_jobs_maxlen,
+                "*",
+                "id",
+                entry.job_id,
+                "model",
+                self.model,
+                "lane",
+                entry.lane,
+            ]
+            for entry in entries
+        ]
+        replies = self._pipeline([call.command() for call in calls] + recent)[: len(calls)]
         out: list[tuple[str | redis.ResponseError, bytes | None]] = []
-        for call, reply in zip(calls, self._pipeline(calls), strict=True):
+        for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):  # nothing of it ran
                 try:
                     reply = jobs.run(self.r, call)
@@ -443,15 +462,15 @@ class Intake:
             progress_limit=progress.limit(head, env.max_tokens, asked),
         )
 
-    def _pipeline(self, calls: list[jobs.Call]) -> list[Any]:
-        """Script calls in one round trip (one per node on a Cluster); error replies in
+    def _pipeline(self, commands: list[list[Any]]) -> list[Any]:
+        """Commands in one round trip (one per node on a Cluster); error replies in
         place."""
         if self.writer.cluster:
             pipe = self.r.pipeline(transaction=False)
-            for call in calls:
-                pipe.execute_command(*call.command())
+            for command in commands:
+                pipe.execute_command(*command)
             return pipe.execute(raise_on_error=False)
-        return fastpipe.run(self.r, [call.command() for call in calls])
+        return fastpipe.run(self.r, commands)
 
     def ack(self, entry: Entry) -> None:
         """Ack and delete an entry that needs no result from here (workers delete acked

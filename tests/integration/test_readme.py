@@ -167,6 +167,7 @@ PLACEHOLDERS = {
     **dict.fromkeys(REDIS_URLS, "the Redis in use"),
     "127.0.0.1:8000": "the gateway's address, on a free port",
     "--port 8000": "the gateway's port, a free one",
+    "--port 8001": "the dashboard's port, a free one",
 }
 
 
@@ -255,7 +256,7 @@ def run_sh(s: Session, block: Block) -> None:
             continue
         in_background = argv[-1] == "&"
         argv = argv[:-1] if in_background else argv
-        if _plurai(argv, "worker") or _plurai(argv, "gateway") or in_background:
+        if any(_plurai(argv, w) for w in ("worker", "gateway", "dashboard")) or in_background:
             start(s, argv, where)
         elif _plurai(argv, "status") and len(argv) == 2:
             live_view(s, argv, where)
@@ -293,9 +294,10 @@ def start(s: Session, argv: list[str], where: str) -> None:
         before = _serving(url())
         while _serving(url()) <= before:
             _alive(proc, log, where, deadline, s)
-    elif _plurai(argv, "gateway"):
+    elif _plurai(argv, "gateway") or _plurai(argv, "dashboard"):
         port = int(argv[argv.index("--port") + 1])
-        while not _answers(f"http://127.0.0.1:{port}/health"):
+        path = "/health" if _plurai(argv, "gateway") else "/dashboard/data"
+        while not _answers(f"http://127.0.0.1:{port}{path}"):
             _alive(proc, log, where, deadline, s)
 
 
@@ -456,6 +458,7 @@ def session(tmp_path: Path, redis_url: str) -> Iterator[Session]:
     s = Session(root, redis_url, env)
     s.values["127.0.0.1:8000"] = f"127.0.0.1:{free_port()}"
     s.values["--port 8000"] = "--port " + s.values["127.0.0.1:8000"].rpartition(":")[2]
+    s.values["--port 8001"] = f"--port {free_port()}"
     yield s
     s.stop_all()
 

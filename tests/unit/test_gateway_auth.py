@@ -137,6 +137,8 @@ DAMAGED = [
     {"tpm": "9" * 16},
     {"concurrent": "١٢"},
     {"created_ms": None},
+    {"admin": "2"},
+    {"admin": "yes"},
 ]
 
 
@@ -281,3 +283,58 @@ def test_a_key_not_in_the_index_is_refused(r, server):
     assert authenticate(server, s1) is None
     r.hset(keys.API_KEYS, k2.id, apikeys.hash_secret(s2))
     assert authenticate(server, s2) == k2
+
+
+def test_admin_scope(r, server):
+    secret, key = apikeys.create_key(r, "ops", admin=True, settings=SETTINGS)
+    assert key.admin and authenticate(server, secret) == key
+    plain, other = apikeys.create_key(r, "acme", settings=SETTINGS)
+    assert not other.admin and not authenticate(server, plain).admin
+    # a record written before the scope existed has no admin field: not an admin
+    h = apikeys.hash_secret(plain)
+    r.hdel(keys.api_key(h), "admin")
+    assert authenticate(server, plain) == other
+
+
+def test_basic_credentials():
+    import base64
+
+    def basic(pair: bytes) -> str:
+        return "Basic " + base64.b64encode(pair).decode()
+
+    assert auth.basic_password(basic(b"admin:pk-abc")) == "pk-abc"
+    assert auth.basic_password(basic(b":pk-abc")) == "pk-abc"  # any user name, even none
+    assert auth.basic_password(basic(b"admin:a:b")) == "a:b"
+    for bad in (
+        None,
+        "",
+        "Basic",
+        "Basic !!!",
+        basic(b"no-colon"),
+        basic(b"admin:"),
+        basic(b"admin:\xff"),
+        "Bearer pk-abc",
+        "Basic " + "A" * 2000,
+    ):
+        assert auth.basic_password(bad) is None, bad
+
+
+def test_guard_takes_basic_only_where_asked(r, server):
+    import base64
+
+    secret, key = apikeys.create_key(r, "ops", admin=True, settings=SETTINGS)
+    header = "Basic " + base64.b64encode(f"me:{secret}".encode()).decode()
+
+    async def go(authorization, basic):
+        guard = auth.Guard(fakeredis.FakeAsyncRedis(server=server), "127.0.0.1")
+        try:
+            return await guard.key(authorization, basic=basic)
+        finally:
+            await guard.r.aclose()
+
+    assert asyncio.run(go(header, True)) == key
+    assert asyncio.run(go(f"Bearer {secret}", False)) == key
+    with pytest.raises(auth.Unauthorized):
+        asyncio.run(go(header, False))
+    with pytest.raises(auth.Unauthorized):
+        asyncio.run(go(None, True))

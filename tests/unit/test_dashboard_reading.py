@@ -1,0 +1,91 @@
+"""The dashboard's readers of Redis on what no Plurai process writes (fakeredis): ids
+that are no job ids, records of another type, junk in dead letters and the batches index
+are shown bounded or skipped, never raised."""
+
+from __future__ import annotations
+
+import json
+
+import fakeredis
+import pytest
+
+from broker_config import keys
+from gateway import dashboard
+
+
+@pytest.fixture
+def r() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis()
+
+
+def test_recent_jobs_newest_first_once_each(r) -> None:
+    for job_id in ("job-aaaaaaaa", "job-bbbbbbbb", "job-aaaaaaaa"):  # a begins twice
+        r.xadd(keys.RECENT, {"id": job_id, "model": "m", "lane": "standard"})
+    r.hset(
+        keys.job("job-aaaaaaaa"),
+        mapping={
+            "state": "completed",
+            "worker": "w1",
+            "created_ms": 1000,
+            "first_token_ms": 1250,
+            "output_tokens": 7,
+        },
+    )
+    rows = dashboard.recent_jobs(r)
+    assert [x["id"] for x in rows] == ["job-aaaaaaaa", "job-bbbbbbbb"]
+    a, b = rows
+    assert a["state"] == "completed" and a["ttft_ms"] == 250 and a["output_tokens"] == 7
+    assert b["state"] == "expired" and b["ttft_ms"] is None  # no record (any more)
+
+
+def test_recent_jobs_skip_or_flag_what_is_not_plurai(r) -> None:
+    r.xadd(keys.RECENT, {"id": "short"})  # no job id
+    r.xadd(keys.RECENT, {"id": "x" * 200})
+    r.xadd(keys.RECENT, {"id": b"\xff\xfe-not-utf8-aaaa"})
+    r.xadd(keys.RECENT, {"model": "m"})
+    r.xadd(keys.RECENT, {"id": "job-cccccccc", "lane": "l" * 1000})
+    r.set(keys.job("job-cccccccc"), "a string, not a hash")
+    r.xadd(keys.RECENT, {"id": "job-dddddddd"})
+    r.hset(keys.job("job-dddddddd"), mapping={"state": "running", "first_token_ms": "soon"})
+    rows = dashboard.recent_jobs(r)
+    assert [x["id"] for x in rows] == ["job-dddddddd", "job-cccccccc"]
+    assert rows[0]["state"] == "running" and rows[0]["first_token_ms"] is None
+    assert rows[1]["state"] == "bad_record" and len(rows[1]["lane"]) == 128
+
+
+def test_recent_jobs_read_a_bounded_count(r) -> None:
+    for i in range(500):
+        r.xadd(keys.RECENT, {"id": f"job-{i:08d}"})
+    rows = dashboard.recent_jobs(r, n=50)
+    assert len(rows) == 50 and rows[0]["id"] == "job-00000499"
+
+
+def test_dead_letters(r) -> None:
+    r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": "e" * 5000, "fields": "not json"})
+    r.xadd(
+        keys.DEAD_LETTER,
+        {"lane": "batch", "error": "too many", "fields": json.dumps({"id": "job-eeeeeeee"})},
+    )
+    r.xadd(keys.DEAD_LETTER, {"fields": json.dumps({"id": "<script>"})})
+    out = dashboard.dead_letters(r)
+    assert out["count"] == 3
+    newest, second, oldest = out["recent"]
+    assert newest["job_id"] is None  # not a job id: not shown as one
+    assert second["job_id"] == "job-eeeeeeee" and second["error"] == "too many"
+    assert len(oldest["error"]) == dashboard.SHORT and oldest["at_ms"] > 0
+
+
+def test_batches(r) -> None:
+    r.zadd(keys.BATCHES, {"batch_one": 1, "batch_gone": 2, "bad id!": 3, "batch_str": 4})
+    r.hset(keys.batch("batch_one"), mapping={"status": "in_progress", "total": 10, "completed": 4})
+    r.set(keys.batch("batch_str"), "x")
+    (row,) = dashboard.batches(r)
+    assert row == {
+        "id": "batch_one",
+        "status": "in_progress",
+        "total": 10,
+        "completed": 4,
+        "failed": None,
+        "created_ms": None,
+        "tenant": None,
+    }
