@@ -51,6 +51,9 @@ class QuantLinear(nn.Module):
         self.pieces: dict[int, QWeight | torch.Tensor] = {}  # first output row -> piece
         self.kind = ""  # native | native_w8a8 | int4 | int8 | w8a8 | float, once finished
         self.perm: torch.Tensor | None = None  # act-order: the input columns' order
+        # (dtype, device, name) to finish with as soon as every row has arrived, so that a
+        # model's load holds the unpacked codes of about one layer at a time
+        self.target: tuple[torch.dtype, torch.device, str] | None = None
 
     def put(self, start: int, w: QWeight | torch.Tensor, name: str = "") -> None:
         """Rows [start, start + len(w)) of the weight (`name`: the checkpoint's, for errors)."""
@@ -61,6 +64,8 @@ class QuantLinear(nn.Module):
                 f"does not fit its {self.out_features}x{self.in_features} layer"
             )
         self.pieces[start] = w
+        if self.target and sum(p.shape[0] for p in self.pieces.values()) >= self.out_features:
+            self.finish(*self.target)
 
     def finish(self, dtype: torch.dtype, device: torch.device, name: str = "") -> None:
         """Builds the kernel's tensors from the pieces (all present: the loader checks), on
@@ -68,7 +73,7 @@ class QuantLinear(nn.Module):
         starts = sorted(self.pieces)
         parts = [self.pieces[s] for s in starts]
         ends = [s + p.shape[0] for s, p in zip(starts, parts, strict=True)]
-        if starts[:1] != [0] or starts[1:] != ends[:-1] or ends[-1] != self.out_features:
+        if not starts or starts[0] != 0 or starts[1:] != ends[:-1] or ends[-1] != self.out_features:
             raise ValueError(
                 f"{name}: checkpoint pieces of rows {list(zip(starts, ends, strict=True))} do "
                 f"not make its {self.out_features} rows"
@@ -245,7 +250,16 @@ def make_linear(
     return QuantLinear(in_features, out_features, bias, scheme, ops)
 
 
-def finish_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def start_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Before loading: each quantized layer finishes as its last piece arrives."""
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
+            m.target = (dtype, device, name)
+
+
+def finish_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """After loading: the layers not finished yet (all of them without start_quantized;
+    with it, those missing pieces, which finish refuses)."""
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and (m.pieces or not m.kind):
             m.finish(dtype, device, name)

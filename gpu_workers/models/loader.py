@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from gpu_workers.layers.linear import can_pack, pack_linears
-from gpu_workers.layers.quant_linear import finish_quantized
+from gpu_workers.layers.quant_linear import finish_quantized, start_quantized
 from gpu_workers.models.files import INDEX, weight_files
 from gpu_workers.models.llama import ARCHITECTURES
 from gpu_workers.models.quant_formats import decode, scheme
@@ -226,6 +226,7 @@ def build_model(
         torch.set_default_dtype(default)
     tensors = iter_tensors(weight_files(model_dir))
     quant = scheme(cfg)
+    start_quantized(model, dtype, device)
     model.load_weights(decode(tensors, quant) if quant else tensors)
     finish_quantized(model, dtype, device)
     if can_pack(device, dtype):

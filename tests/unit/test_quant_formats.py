@@ -419,3 +419,35 @@ def test_zero_points_out_of_range_are_refused():
     ]
     with pytest.raises(ValueError, match=r"l: weight_zero_point must hold integers in -128..127"):
         list(qf.decode(parts, s))
+
+
+def test_each_layer_is_packed_as_its_last_piece_arrives(model_factory, tmp_path, monkeypatch):
+    """A load holds the unpacked codes (a byte a weight) of about one layer at a time, not of
+    the whole model until the end (twice an int4 model's served size)."""
+    from transformers import AutoConfig
+
+    from gpu_workers.models.loader import build_model
+
+    src = model_factory("llama")
+    dst = tmp_path / "q"
+    write(src, dst, "gptq", bits=4, group=32)
+    holding: set[int] = set()
+    most = [0]
+    put, finish = QuantLinear.put, QuantLinear.finish
+
+    def tracked_put(self, *args, **kw):
+        put(self, *args, **kw)
+        if self.pieces:
+            holding.add(id(self))
+        most[0] = max(most[0], len(holding))
+
+    def tracked_finish(self, *args, **kw):
+        holding.discard(id(self))
+        finish(self, *args, **kw)
+
+    monkeypatch.setattr(QuantLinear, "put", tracked_put)
+    monkeypatch.setattr(QuantLinear, "finish", tracked_finish)
+    model = build_model(dst, AutoConfig.from_pretrained(str(dst)), torch.float32, CPU, 64)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 8 and all(m.kind == "int4" and not m.pieces for m in layers)
+    assert most[0] <= 2, most  # q/k/v or gate/up waiting for their last piece
