@@ -201,10 +201,22 @@ def read(r: redis.Redis, settings: Settings, full: bool = True) -> dict[str, Any
     snap = stats.snapshot(r, settings.lanes, settings.model)
     out: dict[str, Any] = {"snapshot": snap.to_dict(), "sample": sample(snap)}
     if full:
-        out["jobs"] = recent_jobs(r)
-        out["dead_letters"] = dead_letters(r)
-        out["batches"] = batches(r)
+        out["jobs"] = _or(recent_jobs, r, [])
+        out["dead_letters"] = _or(dead_letters, r, {"count": 0, "recent": []})
+        out["batches"] = _or(batches, r, [])
     return out
+
+
+def _or(reader: Any, r: redis.Redis, empty: Any) -> Any:
+    """What `reader` reads, or `empty` where its key holds another type (written by
+    something else): the rest of the page still shows."""
+    try:
+        return reader(r)
+    except redis.ResponseError as e:
+        if "WRONGTYPE" not in str(e):
+            raise
+        log.warning("dashboard: %s: a key of another type (%s)", reader.__name__, e)
+        return empty
 
 
 # -- serving ----------------------------------------------------------------------------

@@ -89,3 +89,12 @@ def test_batches(r) -> None:
         "created_ms": None,
         "tenant": None,
     }
+
+
+def test_a_list_key_of_another_type_empties_its_section_only(r, caplog) -> None:
+    for key in (keys.RECENT, keys.DEAD_LETTER, keys.BATCHES):
+        r.set(key, "not a stream or a sorted set")
+    assert dashboard._or(dashboard.recent_jobs, r, []) == []
+    assert dashboard._or(dashboard.batches, r, []) == []
+    assert dashboard._or(dashboard.dead_letters, r, None) is None
+    assert "another type" in caplog.text
