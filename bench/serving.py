@@ -675,6 +675,8 @@ class Bench:
 
     def workload(self, name: str, cfg: WorkloadConfig) -> list[ServingRequest]:
         reqs = generate(cfg, self.tokens)
+        for r in reqs:  # ids unique across scenarios: records are matched to requests by id
+            r.id = f"{name}-{r.id}"
         write_jsonl(self.work / f"{name}.jsonl", reqs)  # what every stack replays
         return reqs
 
