@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 
+from broker_config import tracing
 from broker_config.body import CONTENT_TYPES, INT64, JSON, MSGPACK, decode
 from broker_config.errors import Code, NoJobId, WireError, valid_messages
 from broker_config.text import text
@@ -157,6 +158,9 @@ class Envelope:
     deadline_ms: int | None = None
     idem: str | None = None
     attempts: int = 0  # processings of this job that failed (carried over by REQUEUE)
+    # the submit's trace context (W3C traceparent), read only while tracing is on; a field
+    # that is not a valid one is ignored (broker_config/tracing.py)
+    traceparent: str | None = None
 
 
 @dataclass
@@ -287,6 +291,7 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
         deadline_ms=_int(fields, "deadline"),
         idem=idem[:512] if idem is not None else None,
         attempts=attempts,
+        traceparent=tracing.valid(fields.get(b"traceparent")) if tracing.ON else None,
     )
 
 

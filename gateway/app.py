@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker_config import keys
+from broker_config import keys, tracing
 from broker_config.routes import Routes
 from broker_config.settings import Settings
 from gateway import auth, openai
@@ -76,6 +76,7 @@ class Gateway:
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        tracing.setup("plurai-gateway")  # only where OTEL_* variables ask for traces
         self.client = AsyncClient(self.url, settings=self.settings)
         self.streams = Streams(self.client.redis)
         # without API keys, only a gateway listening on loopback serves (open)
@@ -89,6 +90,7 @@ class Gateway:
                 await self.dashboard.stop()
             await self.streams.close()
             await self.client.aclose()
+            tracing.shutdown()
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -165,6 +167,29 @@ class Gateway:
         return await self.generate(request, chat=False)
 
     async def generate(self, request: Request, chat: bool) -> Response:
+        if not tracing.ON:
+            return await self._generate(request, chat)
+        # the request's span: a child of the client's traceparent header where it sends
+        # one, the parent of its job's submit (whose context the job's entry carries)
+        path = request.url.path
+        attrs = {"http.request.method": request.method, "http.route": path, "url.path": path}
+        parent = tracing.incoming(request.headers)
+        span = tracing.span(f"{request.method} {path}", parent, None, attrs, kind="server")
+        token = tracing.attach(span)
+        try:
+            response = await self._generate(request, chat, span)
+        except BaseException as e:
+            tracing.end(span, None, str(getattr(e, "code", "") or type(e).__name__))
+            raise
+        finally:
+            tracing.detach(token)
+        if not isinstance(response, EventStream):  # a stream's ends when the stream does
+            status = response.status_code
+            error = str(status) if status >= 500 else ""
+            tracing.end(span, None, error, **{"http.response.status_code": status})
+        return response
+
+    async def _generate(self, request: Request, chat: bool, span: Any = None) -> Response:
         key = await self.authorize(request)
         body = await self.body(request)
         default_max = self.settings.gateway_default_max_tokens
@@ -204,8 +229,11 @@ class Gateway:
             if job_id != sub.job_id and not await self.client.redis.exists(keys.job(job_id)):
                 # an Idempotency-Key's earlier job, whose record has expired: nothing comes
                 raise ApiError(404, EXPIRED.format(job_id), "job_expired")
+            if span is not None:
+                span.set_attribute("plurai.job_id", job_id)
             if slot is not None:
-                return await self.stream(request, job, job_id, lease, slot, job_id == sub.job_id)
+                new = job_id == sub.job_id
+                return await self.stream(request, job, job_id, lease, slot, new, span)
             return await self.whole(request, job, job_id, lease)
         finally:
             if slot is not None and not slot.passed:
@@ -264,6 +292,7 @@ class Gateway:
         lease: Lease,
         slot: StreamSlot,
         new: bool = True,
+        span: Any = None,
     ) -> Response:
         batches = self.streams.batches(job_id, new)
         follower = tokens.TextFollower()
@@ -296,6 +325,9 @@ class Gateway:
         body = sse.chunks(first, ev, rest, batches)
 
         async def close(complete: bool) -> None:
+            if span is not None:  # the request's span (generate)
+                attrs = {"http.response.status_code": 200, "plurai.client_left": not complete}
+                tracing.end(span, None, **attrs)
             slot.release()
             await body.aclose()
             await batches.aclose()  # when the body never started

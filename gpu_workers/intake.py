@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe, keys, protocol
+from broker_config import fastpipe, keys, protocol, tracing
 from broker_config.protocol import Code, WireError
 from broker_config.settings import Settings
 from broker_config.text import text
@@ -39,6 +39,12 @@ class Entry:
     entry_id: bytes
     fields: dict[bytes, bytes]
     req: protocol.Request
+    # unix seconds since when it waits, if not since it entered its lane: when its last
+    # worker let it go (handed over, or last renewed before it died)
+    since_s: float = 0.0
+    # while traced (gpu_workers/spans.py): its job's trace context, and when it was taken
+    trace: Any = None
+    taken_s: float = 0.0
 
     @property
     def job_id(self) -> str:
@@ -49,8 +55,13 @@ class Entry:
         """When the entry entered its lane: stream ids carry Redis's clock in ms."""
         return int(self.entry_id.split(b"-", 1)[0]) / 1000
 
+    @property
+    def waited_from_s(self) -> float:
+        return self.since_s or self.entered_s
 
-Raw = tuple[str, str, bytes, dict[bytes, bytes]]  # lane, stream, entry id, fields
+
+# lane, stream, entry id, fields, since when it waits (0.0: since it entered its lane)
+Raw = tuple[str, str, bytes, dict[bytes, bytes], float]
 
 
 class Intake:
@@ -164,13 +175,14 @@ class Intake:
             call = jobs.take(
                 streams=streams, consumer=self.id, count=count - len(got), wait_ms=wait_ms
             )
-            for i, entry_id, flat, *failed in jobs.run(self.r, call):
+            for i, entry_id, flat, *handed in jobs.run(self.r, call):
                 stream = streams[i - 1]
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                if failed and int(failed[0]) > 0:  # a handed-over entry's earlier failures
-                    failures = protocol.attempts_of(fields) + int(failed[0])
+                if handed and int(handed[0]) > 0:  # a handed-over entry's earlier failures
+                    failures = protocol.attempts_of(fields) + int(handed[0])
                     fields[b"attempts"] = str(failures).encode()
-                got.append((self._lane_of[stream.encode()], stream, entry_id, fields))
+                since = time.time() - int(handed[1]) / 1000 if handed[1:] else 0.0
+                got.append((self._lane_of[stream.encode()], stream, entry_id, fields, since))
             if len(got) >= count:
                 break
         if not got and block:
@@ -185,7 +197,7 @@ class Intake:
 
     def _entries(self, reply: Any) -> list[Raw]:
         return [
-            (self._lane_of[stream], text(stream), entry_id, fields or {})
+            (self._lane_of[stream], text(stream), entry_id, fields or {}, 0.0)
             for stream, entries in tokens.stream_items(reply)
             for entry_id, fields in entries
         ]
@@ -216,6 +228,7 @@ class Intake:
                 if not found:
                     break
                 entry_id, before = found[0]["message_id"], found[0]["times_delivered"]
+                since = time.time() - found[0]["time_since_delivered"] / 1000
                 handed = text(found[0]["consumer"]) == keys.HANDED_OVER
                 claimed = self.r.xclaim(stream, keys.GROUP, self.id, idle, [entry_id])
                 if not claimed or claimed[0][1] is None:  # taken by another, or deleted
@@ -246,7 +259,7 @@ class Intake:
                 self.metrics.reclaimed.labels(lane).inc()
                 # The count travels with the job if it is handed back after this.
                 fields = {**fields, b"attempts": str(failures).encode()}
-                return [(lane, stream, entry_id, fields)]
+                return [(lane, stream, entry_id, fields, since)]
         self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
         return []
 
@@ -257,7 +270,7 @@ class Intake:
             self.r.xack(stream, keys.GROUP, entry_id)
 
     def _check(
-        self, lane: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes]
+        self, lane: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], since: float
     ) -> Entry | None:
         """Validate an entry; None when it was answered with an error result instead.
         Sampling fields are checked by the backend when the job is added."""
@@ -269,12 +282,41 @@ class Intake:
                     f"model {req.model!r} is not served here; this queue serves "
                     f"{sorted(self.model_names)} (or leave 'model' out)",
                 )
-            return Entry(lane=lane, stream=stream, entry_id=entry_id, fields=fields, req=req)
+            entry = Entry(lane, stream, entry_id, fields, req, since)
+            if tracing.ON and req.envelope.traceparent is not None:
+                entry.trace = tracing.parent(req.envelope.traceparent)
+                entry.taken_s = time.time()
+            return entry
         except protocol.NoJobId as e:
             self._dead_letter(lane, stream, entry_id, fields, str(e), "no_job_id")
         except WireError as e:
-            self.refuse(lane, stream, entry_id, protocol.job_id_of(fields), e.code, e.message)
+            job_id = protocol.job_id_of(fields)
+            if tracing.ON:
+                self._traced_refusal(fields, lane, job_id, e.code)
+            self.refuse(lane, stream, entry_id, job_id, e.code, e.message)
         return None
+
+    def _traced_refusal(
+        self, fields: dict[bytes, bytes], lane: str, job_id: str, code: str
+    ) -> None:
+        """The result span of a job answered with an error before it ran, where its entry
+        carries a valid traceparent (gpu_workers/spans.py); sent before the result, it
+        ends with the result's reply (Writer.replied)."""
+        parent = tracing.parent(tracing.valid(fields.get(b"traceparent")))
+        if parent is None:
+            return
+        attrs = {
+            "plurai.job_id": job_id,
+            "plurai.lane": lane,
+            "plurai.model": self.model,
+            "gen_ai.request.model": self.model,
+            "plurai.attempt": protocol.attempts_of(fields) + 1,
+            "plurai.worker": self.id,
+            "plurai.state": "failed",
+        }
+        span = tracing.span("result", parent, attributes=attrs)
+        tracing.failed(span, code)
+        self.writer.results.setdefault(job_id, span)
 
     def refuse(
         self, lane: str, stream: str, entry_id: bytes, job_id: str, code: str, message: str
@@ -314,6 +356,8 @@ class Intake:
         dead = self._dead_letter_command(lane, entry_id, fields, error)
         self.writer.acks += self.writer.execute([dead])  # refused for now: sent again later
         code = Code.TOO_MANY_DELIVERIES
+        if tracing.ON:
+            self._traced_refusal(fields, lane, job_id, code)
         self.writer.store([self.writer.failed(job_id, lane, (stream, entry_id), code, error)])
 
     def _dead_letter(

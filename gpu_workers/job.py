@@ -48,6 +48,7 @@ class Running:
     sent_pieces: int = 0
     sent_tokens: int = 0
     held_since: float | None = None
+    span: Any = None  # its open phase span while traced (gpu_workers/spans.py)
 
     def absorb(self, out: StepOutput, now: float, every: Stream) -> jobs.Delta | None:
         """Take one step's output; returns what to write to the job's stream now, if anything."""

@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from broker_config import locks, logs, memory
+from broker_config import locks, logs, memory, tracing
 from broker_config.connection import connect, redact
 from broker_config.settings import DEFAULT_METRICS_PORT, Settings
 from gpu_workers.backend import Backend
@@ -218,11 +218,14 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         overrides["model_dir"] = args.model
     settings = Settings(**overrides)
     logs.setup(settings.log_level, settings.log_format)
+    tracing.setup("plurai-worker")  # only where OTEL_* variables ask for traces
     try:
         return serve(args, settings)
     except StartError as e:  # one line, and the code that says which start failed
         log.error("plurai worker: %s", e)
         return int(e.code)
+    finally:
+        tracing.shutdown()  # the spans not exported yet
 
 
 def serve(args: argparse.Namespace, settings: Settings) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from broker_config import keys, memory, protocol
+from broker_config import keys, memory, protocol, tracing
 from broker_config.groups import ensure_groups
 from broker_config.protocol import Code
 from broker_config.settings import Settings
@@ -34,6 +34,7 @@ from gpu_workers.intake import BAD_RECORD, Entry, Intake
 from gpu_workers.job import Running, Stream
 from gpu_workers.metrics import Metrics
 from gpu_workers.pace import Pace
+from gpu_workers.spans import Spans
 from gpu_workers.writer import Outage, Writer, now_ms
 from results import jobs, progress, records
 
@@ -70,6 +71,7 @@ class Worker:
         self.metrics_port = 0  # where /metrics is served (serve.py sets it), 0: nowhere
         self.writer = Writer(r, settings, self.id)
         self.writer.progress_head = progress.header(engine.model_fingerprint)
+        self.spans = Spans(self.id, self.model, self.writer)  # while tracing.ON
         self.stream = Stream(
             tokens=settings.stream_flush_tokens, seconds=settings.stream_flush_ms / 1000
         )
@@ -447,9 +449,12 @@ class Worker:
         again: list[Entry] = []
         answers: list[tuple[Entry, Exception | None, str]] = []
         started = 0
+        now = time.time() if tracing.ON else 0.0
         for (entry, error), (verdict, saved) in zip(batch, verdicts, strict=True):
             if error is None and verdict != "run":
                 self.engine.abort(entry.job_id)
+            if tracing.ON and not isinstance(verdict, redis.ResponseError):
+                self.spans.taken(entry, now)
             if isinstance(verdict, redis.ResponseError):
                 refused = refused or verdict
                 again.append(entry)
@@ -463,6 +468,8 @@ class Worker:
                         answers.append((entry, error, verdict))
                         continue
                 self.running[entry.job_id] = run
+                if tracing.ON:
+                    self.spans.started(run, now)
                 if entry.lane == self.lanes[0]:
                     self.pace.seen(time.monotonic())
                 self.metrics.jobs_started.labels(entry.lane).inc()
@@ -562,10 +569,14 @@ class Worker:
                 continue
             if out.error:  # the backend raised on this job and dropped it
                 del self.running[out.request_id]
+                if run.span is not None:
+                    self.spans.stopped(run, "failed", Code.INTERNAL)
                 errors.append((run.entry, out.error))
                 continue
             if out.new_token_ids and not run.first_token_s:
                 run.first_token_s = now
+                if run.span is not None:
+                    self.spans.first_token(run, out, now)
                 if not run.resumed:  # a resumed job's first token came in an earlier run
                     ttft = max(0.0, now - run.entry.entered_s)
                     self.metrics.ttft.labels(run.entry.lane).observe(ttft)
@@ -612,6 +623,8 @@ class Worker:
         """The FINALIZE call of the job's result (and the ack of its entry); counts it."""
         entry = run.entry
         fields = run.result_fields(self.id, now_ms(), code, message)
+        if tracing.ON:
+            self.spans.ended(run, state, finish_reason, code)
         call = self.writer.final(
             entry.job_id,
             entry.lane,
@@ -701,7 +714,10 @@ class Worker:
 
     def _retry(self, entry: Entry, error: str) -> None:
         self.writer.collect()  # its deltas go before its stream's next start
+        start = time.time()
         self.intake.retry(entry, error)
+        if tracing.ON:
+            self.spans.handed_back(entry, "failed", start, Code.INTERNAL)
 
     def _hand_over(self, job_ids: list[str]) -> None:
         """Give up the jobs the engine preempted (to run a better lane's): their tokens so
@@ -719,8 +735,13 @@ class Worker:
         for run in runs:
             self.engine.abort(run.entry.job_id)
             del self.running[run.entry.job_id]
+            start = time.time()
+            if run.span is not None:
+                self.spans.stopped(run, "preempted")
             # should Redis fail here, the entry stays pending here, unrenewed: reclaimed later
             handed = self.intake.hand_over(run.entry)
+            if tracing.ON:
+                self.spans.handed_back(run.entry, "preempted", start)
             if handed:
                 self.jobs_handed_over += 1
                 self.metrics.jobs_handed_over.labels(run.entry.lane).inc()
@@ -749,7 +770,14 @@ class Worker:
             log.warning("the last step's writes are unconfirmed")
         for job_id in list(self.running):
             self.engine.abort(job_id)
+        reason, start = "crashed" if failed else "drained", time.time()
+        if tracing.ON:
+            for run in self.running.values():
+                self.spans.stopped(run, reason)
         self.intake.hand_back([run.entry for run in self.running.values()] + self.held, failed)
+        if tracing.ON:
+            for run in self.running.values():
+                self.spans.handed_back(run.entry, reason, start)
         self.running.clear()
         self.held = []
 
@@ -789,6 +817,8 @@ class Worker:
             if run is not None and run.entry is entry:  # dropped unwritten: not ours now
                 del self.running[entry.job_id]
                 self.engine.abort(entry.job_id)
+                if run.span is not None:
+                    self.spans.stopped(run, "lost")
             self.held = [e for e in self.held if e is not entry]
         for stream, ids in self.writer.kept_entries().items():  # results Redis refused
             jobs.run(self.r, jobs.renew(stream=stream, consumer=self.id, entry_ids=ids))

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe, keys
+from broker_config import fastpipe, keys, tracing
 from broker_config.connection import is_cluster
 from broker_config.memory import is_oom
 from broker_config.settings import Settings
@@ -59,6 +59,8 @@ class Writer:
         self.cluster = is_cluster(r)
         self.progress_head = b""  # results/progress.header of the worker's model
         self._conn: Any = None  # the packed writes' own connection
+        # while traced: each job's result span, open until its FINALIZE's reply (spans.py)
+        self.results: dict[str, Any] = {}
         self._in_flight: list[jobs.Call | list[Any]] = []
 
     # -- calls ----------------------------------------------------------------------
@@ -112,6 +114,9 @@ class Writer:
         (-1: no result can be written) is dead-lettered with it."""
         if not isinstance(item, jobs.Call) or isinstance(reply, Exception):
             return
+        if self.results and item.script == "FINALIZE" and item.job_id in self.results:
+            error = "bad_record" if reply == -1 else ""
+            tracing.end(self.results.pop(item.job_id), None, error, **{"plurai.stored": reply == 1})
         if item.script == "FINALIZE" and reply == -1:
             entry_id = item.entry[1] if item.entry is not None else ""
             error = "bad_record: the job record is not a hash; no result written"

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from broker_config import keys, protocol
+from broker_config import keys, protocol, tracing
 from broker_config.routes import Routes
 from broker_config.settings import Settings
 from producer.errors import UnknownModel
@@ -82,10 +82,17 @@ class Checked:
         s, job_id = self.settings, protocol.new_job_id()
         fields = self.fields.copy()
         fields[_ID] = job_id
-        return jobs.submit(
+        shard = keys.shard_of(self.idempotency_key or job_id, self.shards)
+        span = None
+        if tracing.ON:  # the job's trace starts here; its workers' spans are children
+            span = self._span(job_id, shard)
+            context = tracing.traceparent(span)
+            if context is not None:
+                fields += [tracing.TRACEPARENT, context]
+        sub = jobs.submit(
             lane=self.lane,
             model=self.model,
-            shard=keys.shard_of(self.idempotency_key or job_id, self.shards),
+            shard=shard,
             job_id=job_id,
             fields=fields,
             created_ms=int(time.time() * 1000),
@@ -97,6 +104,22 @@ class Checked:
             idempotency_ttl_s=s.idempotency_ttl_s,
             max_queued=s.max_queued_per_lane,
         )
+        sub.span = span
+        return sub
+
+    def _span(self, job_id: str, shard: int) -> Any:
+        """The submit's span, a child of the current context (the caller's span, the
+        gateway's request), ended by producer.submit once Redis has replied."""
+        attrs = {
+            "plurai.job_id": job_id,
+            "plurai.lane": self.lane,
+            "plurai.priority": self.priority,
+            "plurai.model": self.model,
+            "gen_ai.request.model": self.model,
+            "messaging.system": "redis",
+            "messaging.destination.name": keys.request_stream(self.lane, self.model, shard),
+        }
+        return tracing.span("submit", attributes=attrs, kind="producer")
 
 
 _ID = 3  # the job id's place in Checked.fields

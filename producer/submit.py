@@ -19,10 +19,12 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from redis.exceptions import NoScriptError
 
-from broker_config import keys
+from broker_config import keys, tracing
+from broker_config.protocol import valid_job_id
 from broker_config.routes import Routes, registry_value
 from broker_config.settings import Settings
-from producer.errors import check_replicas, submitted
+from broker_config.text import text
+from producer.errors import check_replicas, queue_full, submitted
 from producer.request import Checked
 from results import jobs
 
@@ -113,6 +115,8 @@ class Plan(Generic[J]):
         self.ids, cleanup, self.error = submitted(
             self.subs, replies, s.queue_full_retry_s, self.before, self.job, self.split
         )
+        if tracing.ON:
+            _end_spans(self.subs, replies, self.split)
         return cleanup
 
     def jobs(self) -> list[J]:
@@ -124,3 +128,22 @@ class Plan(Generic[J]):
         job_ids = [j.id for j in self.ids]
         check_replicas(job_ids, self.acked, s.submit_replicas, s.submit_replicas_timeout_ms)
         return self.ids
+
+
+def _end_spans(subs: list[jobs.Submission], replies: list[Any], split: bool) -> None:
+    """End each submit's span by its reply: queued, an idempotency key's earlier job (then
+    no job was queued: `plurai.job_of_key` names the one that runs), or refused."""
+    per = 2 if split else 1
+    for i, sub in enumerate(subs):
+        if sub.span is None:
+            continue
+        reply = replies[per * i + per - 1]
+        if isinstance(reply, Exception):
+            full = queue_full(reply, sub.lane, 0)
+            tracing.end(sub.span, None, full.code if full else type(reply).__name__)
+        elif (owner := text(reply)) != sub.job_id and not valid_job_id(owner):
+            tracing.end(sub.span, None, "idempotency_key_conflict")
+        elif owner != sub.job_id:
+            tracing.end(sub.span, None, **{"plurai.job_of_key": owner})
+        else:
+            tracing.end(sub.span)

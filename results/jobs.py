@@ -149,6 +149,9 @@ class Submission:
     keys: list[str]  # the job record, the request stream[, the idempotency key]
     record_args: list[Any]  # QUEUED's ARGV
     queue_args: list[Any]  # SUBMIT's ARGV
+    # the submit's trace span while tracing is on (broker_config/tracing.py), ended once
+    # the submit's reply is read (producer/submit.py)
+    span: Any = field(default=None, compare=False)
 
     @property
     def record(self) -> Call:

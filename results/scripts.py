@@ -128,9 +128,10 @@ return job_id
 # hand-over consumer, oldest first: they keep their place), then new ones (XREADGROUP, as
 # a worker's own read). One call instead of reads per lane. Returns {stream index
 # (1-based), entry id, fields} for each entry, in order, and for a handed-over one its
-# failed deliveries before (HAND_OVER) as a fourth item. With wait ms (> 0), a stream is
-# read only while its oldest waiting entry was added that long ago or more (by Redis's
-# clock, which made the entry ids).
+# failed deliveries before (HAND_OVER) and the ms since it was handed over (its idle time)
+# as a fourth and a fifth item. With wait ms (> 0), a stream is read only while its oldest
+# waiting entry was added that long ago or more (by Redis's clock, which made the entry
+# ids).
 TAKE = """
 local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local wait = tonumber(ARGV[5] or '0')
@@ -160,7 +161,7 @@ for i, stream in ipairs(KEYS) do
     if cutoff and added_ms(p[1]) > cutoff then break end
     local c = redis.call('XCLAIM', stream, group, consumer, 0, p[1])
     if c[1] and c[1][2] then
-      out[#out + 1] = {i, c[1][1], c[1][2], p[4]}
+      out[#out + 1] = {i, c[1][1], c[1][2], p[4], p[3]}
     else  -- deleted since: nothing to run
       redis.call('XACK', stream, group, p[1])
     end

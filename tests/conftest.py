@@ -18,6 +18,7 @@ import pytest
 
 if TYPE_CHECKING:
     import redis
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -208,3 +209,17 @@ def tiny_engine(tiny_model: Path):
     from gpu_workers.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_model), dtype="fp32", kv_cache_bytes=4 << 20))
+
+
+@pytest.fixture
+def traced() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process (broker_config/tracing.py's test hook): every span ended
+    goes to the exporter returned, at once; off again (as the OTEL_* variables say) after."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from broker_config import tracing
+
+    exporter = InMemorySpanExporter()
+    tracing.use(exporter)
+    yield exporter
+    tracing.use(None)

@@ -114,11 +114,13 @@ def test_a_gateways_burst_reads_whether_keys_exist_once(shared_redis_url, r):
     that reading old waits for one read, not one each."""
     from starlette.requests import Request
 
+    from gateway import auth
     from gateway.app import Gateway
 
     async def burst() -> None:
         gw = Gateway(Settings(redis_url=shared_redis_url), shared_redis_url)
         gw.client = AsyncClient(shared_redis_url)
+        gw.guard = auth.Guard(gw.client.redis, "127.0.0.1")  # as its lifespan sets it
         try:
             scope = {"type": "http", "headers": [], "method": "POST", "path": "/"}
             before = int(r.info("commandstats").get("cmdstat_exists", {"calls": 0})["calls"])
