@@ -12,6 +12,7 @@ before, or named by a client while no worker served it).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -47,6 +48,8 @@ class WorkerInfo:
     waiting: int = 0
     held: int = 0
     jobs_done: int = 0
+    # lane -> [jobs ended, tokens they generated here] (the heartbeat's JSON)
+    lanes_done: dict[str, list[int]] = field(default_factory=dict)
     jobs_resumed: int = 0  # begun from another run's output (its progress)
     jobs_handed_over: int = 0  # preempted there and handed over with their output
     kv_blocks_total: int = 0
@@ -141,12 +144,29 @@ def workers(r: redis.Redis, now_ms: int) -> tuple[list[WorkerInfo], int]:
         h = {_s(k): _s(v) for k, v in raw.items()}
         info = WorkerInfo(worker_id)
         for f in fields(WorkerInfo):  # the heartbeat hash uses the same names
-            if h.get(f.name) and f.name != "id":
+            if f.name == "lanes_done":
+                info.lanes_done = _lanes_done(h.get(f.name, ""))
+            elif h.get(f.name) and f.name != "id":
                 kind = type(f.default)
                 setattr(info, f.name, int(float(h[f.name])) if kind is int else kind(h[f.name]))
         info.beat_age_s = max(0.0, (now_ms - int(h.get("beat_ms", now_ms))) / 1000)
         live.append(info)
     return live, stale
+
+
+def _lanes_done(raw: str) -> dict[str, list[int]]:
+    """The heartbeat's per-lane counts; {} for anything else (an older worker's none)."""
+    try:
+        value = json.loads(raw[:65536]) if raw else {}
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(lane)[:64]: [int(c[0]), int(c[1])]
+        for lane, c in list(value.items())[:64]
+        if isinstance(c, list) and len(c) == 2 and all(type(x) is int for x in c)
+    }
 
 
 def serving_workers(r: redis.Redis) -> int:

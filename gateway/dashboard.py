@@ -179,17 +179,31 @@ def batches(r: redis.Redis, n: int = BATCHES_SHOWN) -> list[dict[str, Any]]:
 
 def sample(snap: stats.Snapshot) -> dict[str, Any]:
     """One point of the charts: per model and lane [model, lane, waiting, pending, oldest
-    wait s]; per model [model, tok/s, jobs done (a counter), running]."""
+    wait s, jobs ended, their tokens] (the last two: counters summed over the live workers,
+    whose differences are the lane's throughput); per model [model, tok/s, jobs ended,
+    running]."""
     per_model: dict[str, list[Any]] = {}
+    done: dict[tuple[str, str], list[int]] = {}
     for w in snap.workers:
         m = per_model.setdefault(w.served_model, [w.served_model, 0.0, 0, 0])
         m[1] = round(m[1] + w.tokens_per_s, 1)
         m[2] += w.jobs_done
         m[3] += w.running
+        for lane, (jobs, tokens) in w.lanes_done.items():
+            d = done.setdefault((w.served_model, lane), [0, 0])
+            d[0] += jobs
+            d[1] += tokens
     return {
         "t": int(snap.time_s * 1000),
         "lanes": [
-            [q.model, q.name, q.waiting, q.pending, round(q.oldest_waiting_age_s or 0.0, 1)]
+            [
+                q.model,
+                q.name,
+                q.waiting,
+                q.pending,
+                round(q.oldest_waiting_age_s or 0.0, 1),
+                *done.get((q.model, q.name), [0, 0]),
+            ]
             for q in snap.lanes
         ],
         "models": list(per_model.values()),

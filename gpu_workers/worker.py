@@ -12,6 +12,7 @@ the job's own state and the writes are already modules of their own.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -88,6 +89,7 @@ class Worker:
         self.beat = Heartbeat(r, settings, self.id, self.model_names)
         self.cancels = r.pubsub(ignore_subscribe_messages=True)
         self.jobs_done = 0
+        self.lanes_done: dict[str, list[int]] = {}  # lane -> [jobs ended, their tokens]
         self.jobs_resumed = 0  # begun from another run's progress
         self.jobs_handed_over = 0  # preempted here and handed over with their progress
         self._next_beat = 0.0
@@ -643,6 +645,9 @@ class Worker:
         m.cached_tokens.inc(run.cached_tokens)
         m.e2e.labels(lane).observe(max(0.0, now - entry.entered_s))
         n = len(run.token_ids) - run.resumed  # the tokens of this run
+        done = self.lanes_done.setdefault(lane, [0, 0])
+        done[0] += 1
+        done[1] += n
         if n > 1 and run.first_token_s:
             m.tpot.labels(lane).observe((now - run.first_token_s) / (n - 1))
         log.debug(
@@ -803,6 +808,7 @@ class Worker:
             running=len(self.running),
             held=len(self.held),
             jobs_done=self.jobs_done,
+            lanes_done=json.dumps(self.lanes_done, separators=(",", ":")),
             jobs_resumed=self.jobs_resumed,
             jobs_handed_over=self.jobs_handed_over,
             state="stopping" if self.stopping else "serving",

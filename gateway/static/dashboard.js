@@ -4,7 +4,9 @@
 
 const COLORS = ["#4a7bd0", "#d0784a", "#23864a", "#8e44ad", "#b7791f", "#c0392b"];
 const SVG = "http://www.w3.org/2000/svg";
-let history = [];  // samples: {t, lanes: [[model, lane, waiting, pending, wait_s]], models: [[model, tok_s, jobs, running]]}
+// samples: {t, lanes: [[model, lane, waiting, pending, wait_s, jobs, tokens]],
+//           models: [[model, tok_s, jobs, running]]}; jobs and tokens: counters
+let history = [];
 let refreshS = 2;
 let historyS = 900;
 
@@ -86,6 +88,7 @@ function chart(key, title, series, t0, t1, unit) {
       "data-series": s.name,
       "data-points": s.points.length,
       "data-last": last === null ? "" : last,
+      "data-max": s.points.length ? Math.max(...s.points.map((p) => p[1])) : "",
     }));
     const swatch = el("i");
     swatch.style.background = color;
@@ -106,35 +109,43 @@ function drawCharts(now) {
   // the span the samples cover (at least a minute), up to the history kept
   const first = history.length ? history[0].t : now;
   const t1 = now, t0 = Math.max(now - historyS * 1000, Math.min(first, now - 60000));
-  const models = new Map();  // model -> {lanes: Map(lane -> {waiting, wait}), tps: [], jobs: []}
+  const models = new Map();  // model -> {lanes: Map(lane -> series), tps: []}
   const get = (m) => {
-    if (!models.has(m)) models.set(m, {lanes: new Map(), tps: [], jobs: []});
+    if (!models.has(m)) models.set(m, {lanes: new Map(), tps: []});
     return models.get(m);
   };
-  let prev = null;
+  // a counter's rate since the sample before; none where it fell (a worker left)
+  const rate = (now, before, dt) => (before === undefined || now < before ? null : 1000 * (now - before) / dt);
+  let prev = new Map(), prevT = null;
   for (const s of history) {
-    for (const [m, lane, waiting, , wait] of s.lanes) {
+    const seen = new Map();
+    for (const [m, lane, waiting, , wait, jobs, tokens] of s.lanes) {
       const lanes = get(m).lanes;
-      if (!lanes.has(lane)) lanes.set(lane, {waiting: [], wait: []});
-      lanes.get(lane).waiting.push([s.t, waiting]);
-      lanes.get(lane).wait.push([s.t, wait]);
+      if (!lanes.has(lane)) lanes.set(lane, {waiting: [], wait: [], jobs: [], tokens: []});
+      const v = lanes.get(lane), key = m + "\n" + lane, p = prev.get(key) || [];
+      v.waiting.push([s.t, waiting]);
+      v.wait.push([s.t, wait]);
+      if (prevT !== null && s.t > prevT) {
+        const j = rate(jobs, p[0], s.t - prevT), k = rate(tokens, p[1], s.t - prevT);
+        if (j !== null) v.jobs.push([s.t, j]);
+        if (k !== null) v.tokens.push([s.t, k]);
+      }
+      seen.set(key, [jobs, tokens]);
     }
-    const before = new Map((prev ? prev.models : []).map((r) => [r[0], r]));
-    for (const [m, tps, jobs] of s.models) {
-      get(m).tps.push([s.t, tps]);
-      const p = before.get(m);
-      if (p && s.t > prev.t && jobs >= p[2]) get(m).jobs.push([s.t, 1000 * (jobs - p[2]) / (s.t - prev.t)]);
-    }
-    prev = s;
+    for (const [m, tps] of s.models) get(m).tps.push([s.t, tps]);
+    prev = seen;
+    prevT = s.t;
   }
   const out = [];
   for (const [m, d] of models) {
     const lanes = [...d.lanes.entries()];
+    const per = (what) => lanes.map(([n, v]) => ({name: n, points: v[what]}));
     out.push(
-      chart(`${m}/waiting`, `${m}: waiting jobs`, lanes.map(([n, v]) => ({name: n, points: v.waiting})), t0, t1, ""),
-      chart(`${m}/wait`, `${m}: oldest waiting`, lanes.map(([n, v]) => ({name: n, points: v.wait})), t0, t1, "s"),
-      chart(`${m}/throughput`, `${m}: throughput`,
-        [{name: "tok/s", points: d.tps}, {name: "jobs/s", points: d.jobs}], t0, t1, ""),
+      chart(`${m}/waiting`, `${m}: waiting jobs`, per("waiting"), t0, t1, ""),
+      chart(`${m}/wait`, `${m}: oldest waiting`, per("wait"), t0, t1, "s"),
+      chart(`${m}/jobs`, `${m}: jobs ended per second`, per("jobs"), t0, t1, ""),
+      chart(`${m}/tokens`, `${m}: tokens per second`,
+        [...per("tokens"), {name: "all, live", points: d.tps}], t0, t1, ""),
     );
   }
   document.getElementById("charts").replaceChildren(...out);

@@ -98,3 +98,28 @@ def test_a_list_key_of_another_type_empties_its_section_only(r, caplog) -> None:
     assert dashboard._or(dashboard.batches, r, []) == []
     assert dashboard._or(dashboard.dead_letters, r, None) is None
     assert "another type" in caplog.text
+
+
+def test_a_heartbeats_lane_counts_are_read_or_dropped(r) -> None:
+    from broker_config import stats
+
+    good = {"standard": [3, 120], "batch": [1, 16]}
+    beats = {
+        "w-good": json.dumps(good),
+        "w-none": "",  # an older worker writes none
+        "w-junk": "{not json",
+        "w-list": "[1, 2]",
+        "w-odd": json.dumps({"a": [1], "b": ["1", 2], "c": [1.5, 2], "d": [2, 3]}),
+    }
+    for worker_id, raw in beats.items():
+        r.sadd(keys.WORKERS, worker_id)
+        r.hset(keys.worker(worker_id), mapping={"state": "serving", "lanes_done": raw})
+    live, _ = stats.workers(r, stats.redis_now_ms(r))
+    got = {w.id: w.lanes_done for w in live}
+    assert got == {"w-good": good, "w-none": {}, "w-junk": {}, "w-list": {}, "w-odd": {"d": [2, 3]}}
+    snap = stats.Snapshot(time_s=1.0, lanes=[], workers=live, dead_letters=0)
+    snap.lanes = [stats.Lane("standard", model="m", waiting=2)]
+    for w in live:
+        w.served_model = "m"
+    point = dashboard.sample(snap)
+    assert point["lanes"] == [["m", "standard", 2, 0, 0.0, 3, 120]]
