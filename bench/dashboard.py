@@ -87,7 +87,7 @@ def main() -> int:
                 for _ in range(args.readings):
                     before = int(r.info("stats")["total_commands_processed"])
                     t = time.perf_counter()
-                    reading = dashboard.read(r, settings)
+                    _, reading = dashboard.read(r, settings)
                     times.append(time.perf_counter() - t)
                     commands.append(int(r.info("stats")["total_commands_processed"]) - before - 1)
                 json.dumps(reading)  # what the endpoint sends

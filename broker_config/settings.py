@@ -123,7 +123,8 @@ class Settings(_Sourced):
     stream_flush_tokens: int = Field(default=16, ge=1)
     stream_flush_ms: int = Field(default=100, ge=0)
     dead_letter_maxlen: int = Field(default=10_000, ge=1)  # approximate cap of plurai:dead
-    recent_jobs_maxlen: int = Field(default=1000, ge=1)  # approximate cap of plurai:recent
+    # approximate cap of plurai:recent, the dashboard's recent jobs (0: not written)
+    recent_jobs_maxlen: int = Field(default=1000, ge=0)
     queued_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)  # job record while it waits
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
 
@@ -262,7 +263,8 @@ class Settings(_Sourced):
     # dashboard`: read-only, behind an admin API key once keys exist. Its charts keep
     # history_s of samples, one every sample_s (a reading while a page is open: every
     # refresh_s).
-    dashboard: bool = True
+    dashboard: bool = True  # the gateway's page (`plurai dashboard` serves it whatever this)
+    dashboard_port: int = Field(default=8001, ge=0, le=65535)  # `plurai dashboard`'s
     dashboard_history_s: int = Field(default=900, ge=60, le=86400)
     dashboard_sample_s: float = Field(default=5.0, ge=1.0, le=300.0)
     dashboard_refresh_s: float = Field(default=2.0, ge=0.5, le=60.0)

@@ -13,6 +13,7 @@ before, or named by a client while no worker served it).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -147,11 +148,24 @@ def workers(r: redis.Redis, now_ms: int) -> tuple[list[WorkerInfo], int]:
             if f.name == "lanes_done":
                 info.lanes_done = _lanes_done(h.get(f.name, ""))
             elif h.get(f.name) and f.name != "id":
-                kind = type(f.default)
-                setattr(info, f.name, int(float(h[f.name])) if kind is int else kind(h[f.name]))
-        info.beat_age_s = max(0.0, (now_ms - int(h.get("beat_ms", now_ms))) / 1000)
+                setattr(info, f.name, _figure(type(f.default), h[f.name], f.default))
+        beat_ms = _figure(int, h.get("beat_ms", ""), now_ms)
+        info.beat_age_s = max(0.0, (now_ms - beat_ms) / 1000)
         live.append(info)
     return live, stale
+
+
+def _figure(kind: type, raw: str, default: Any) -> Any:
+    """A heartbeat field as its type; the default where it holds no finite number."""
+    if kind is str:
+        return raw[:1024]
+    try:
+        value = float(raw)
+    except ValueError:
+        return default
+    if not math.isfinite(value):
+        return default
+    return int(value) if kind is int else value
 
 
 def _lanes_done(raw: str) -> dict[str, list[int]]:

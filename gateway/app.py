@@ -34,7 +34,7 @@ from broker_config.settings import Settings
 from gateway import auth, openai
 from gateway.apikeys import Key
 from gateway.dashboard import Dashboard
-from gateway.errors import ApiError, error, model_not_found, no_workers
+from gateway.errors import ApiError, client_status, error, model_not_found, no_workers
 from gateway.lease import Lease, OpenStreams, StreamSlot, request_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.sse import (
@@ -137,7 +137,8 @@ class Gateway:
 
     async def authorize(self, request: Request) -> Key | None:
         """The request's API key, or None on an open gateway; raises Unauthorized."""
-        return await self.guard.key(request.headers.get("authorization"))
+        headers = request.headers
+        return await self.guard.key(headers.get("authorization"), headers.get("host"))
 
     async def models(self) -> Routes:
         """The model directory, read at most every routes.REFRESH_S."""
@@ -178,8 +179,12 @@ class Gateway:
         token = tracing.attach(span)
         try:
             response = await self._generate(request, chat, span)
-        except BaseException as e:
-            tracing.end(span, None, str(getattr(e, "code", "") or type(e).__name__))
+        except BaseException as e:  # answered by errors.py's handlers
+            status = client_status(e)
+            if status is None:  # a failure here: the span's status is an error
+                tracing.end(span, None, str(getattr(e, "code", "") or type(e).__name__))
+            else:  # the client's mistake or a refusal, as OpenTelemetry counts a 4xx
+                tracing.end(span, None, **{"http.response.status_code": status})
             raise
         finally:
             tracing.detach(token)

@@ -48,9 +48,12 @@ class Guard:
         self.keyed = (False, -1.0)  # whether keys exist, and when that was read
         self.keys_read: asyncio.Future[bool] | None = None  # that read, while in flight
 
-    async def key(self, authorization: str | None, basic: bool = False) -> Key | None:
-        """Raises Unauthorized. `basic`: HTTP Basic credentials are taken too (the key as
-        the password, any user name): what a browser sends after its login prompt."""
+    async def key(
+        self, authorization: str | None, host: str | None = None, basic: bool = False
+    ) -> Key | None:
+        """Raises Unauthorized. `host`: the request's Host header, which an open gateway
+        wants to name this machine. `basic`: HTTP Basic credentials are taken too (the key
+        as the password, any user name): what a browser sends after its login prompt."""
         exist, at = self.keyed
         if time.monotonic() - at > 1.0:  # one read at a time, the others wait for it
             if self.keys_read is None or self.keys_read.done():
@@ -58,8 +61,13 @@ class Guard:
             exist = await asyncio.shield(self.keys_read)
             self.keyed = (exist, time.monotonic())
         if not exist:
-            if self.loopback:
+            if self.loopback and loopback_host(host):
                 return None
+            if self.loopback:  # a web page whose name now points here (DNS rebinding)
+                raise Unauthorized(
+                    "this gateway has no API keys and serves this machine's own clients "
+                    f"only: address it as localhost or 127.0.0.1, not {str(host)[:100]!r}"
+                )
             raise Unauthorized(
                 "this gateway listens beyond localhost and has no API keys yet: "
                 "create one with `plurai keys create --tenant NAME`"
@@ -71,6 +79,20 @@ class Guard:
         if key is None:
             raise Unauthorized("the API key is not valid (unknown or revoked)")
         return key
+
+
+def loopback_host(host: str | None) -> bool:
+    """Whether a Host header names this machine: localhost, a *.localhost name or a
+    loopback address, any port; no header (HTTP/1.0) too."""
+    if not host:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    name = name.rstrip(".")
+    return name == "localhost" or name.endswith(".localhost") or loopback(name)
 
 
 def basic_password(authorization: str | None) -> str | None:

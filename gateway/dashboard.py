@@ -23,8 +23,8 @@ the key as the password of HTTP Basic (any user name), which the 401 asks for.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 import time
 from collections import deque
 from importlib import resources
@@ -139,24 +139,30 @@ def dead_letters(r: redis.Redis, n: int = DEAD_SHOWN) -> dict[str, Any]:
     recent = []
     for entry_id, fields in entries:
         f = {text(k): v for k, v in fields.items()}
-        job_id = None
-        try:  # the entry's own fields, as JSON (its job id, where it had a usable one)
-            original = json.loads(text(f.get("fields", b"{}")))
-            if isinstance(original, dict) and protocol.valid_job_id(str(original.get("id"))):
-                job_id = str(original["id"])
-        except (ValueError, RecursionError):
-            pass
         recent.append(
             {
                 "id": text(entry_id),
                 "at_ms": int(text(entry_id).split("-")[0]),
                 "lane": _str(f.get("lane"), 64),
-                "job_id": job_id,
+                "job_id": _dead_job_id(f),
                 "error": _str(f.get("error"), SHORT),
                 "worker": _str(f.get("worker")),
             }
         )
     return {"count": int(length), "recent": recent}
+
+
+_ID_FIELD = re.compile(r'"id": "([A-Za-z0-9_-]{8,128})"')
+
+
+def _dead_job_id(f: dict[str, Any]) -> str | None:
+    """A dead letter's job id: its own field (a result that could not be stored), else the
+    one its entry's fields carried (JSON, cut at 64 KiB: read by pattern where cut)."""
+    job_id = _str(f.get("job_id"), 129)
+    if job_id is None:
+        m = _ID_FIELD.search(text(f.get("fields", b""))[:4096])
+        job_id = m[1] if m else None
+    return job_id if job_id is not None and protocol.valid_job_id(job_id) else None
 
 
 def batches(r: redis.Redis, n: int = BATCHES_SHOWN) -> list[dict[str, Any]]:
@@ -177,48 +183,57 @@ def batches(r: redis.Redis, n: int = BATCHES_SHOWN) -> list[dict[str, Any]]:
     return out
 
 
-def sample(snap: stats.Snapshot) -> dict[str, Any]:
-    """One point of the charts: per model and lane [model, lane, waiting, pending, oldest
-    wait s, jobs ended, their tokens] (the last two: counters summed over the live workers,
-    whose differences are the lane's throughput); per model [model, tok/s, jobs ended,
-    running]."""
+# a reading's per-lane counters of each worker: (unix ms, {worker id: (model, lanes_done)})
+Counts = tuple[int, dict[str, tuple[str, dict[str, list[int]]]]]
+
+
+def sample(snap: stats.Snapshot, before: Counts | None) -> tuple[dict[str, Any], Counts]:
+    """One point of the charts, and the counters for the next one: per model and lane
+    [model, lane, waiting, pending, oldest wait s, jobs ended/s, their tokens/s] (the
+    rates since `before`, over the workers in both readings: one that joins or leaves
+    adds no jump; None for the first point); per model [model, live tok/s, running]."""
+    t = int(snap.time_s * 1000)
+    now = {w.id: (w.served_model, w.lanes_done) for w in snap.workers}
     per_model: dict[str, list[Any]] = {}
-    done: dict[tuple[str, str], list[int]] = {}
     for w in snap.workers:
-        m = per_model.setdefault(w.served_model, [w.served_model, 0.0, 0, 0])
+        m = per_model.setdefault(w.served_model, [w.served_model, 0.0, 0])
         m[1] = round(m[1] + w.tokens_per_s, 1)
-        m[2] += w.jobs_done
-        m[3] += w.running
-        for lane, (jobs, tokens) in w.lanes_done.items():
-            d = done.setdefault((w.served_model, lane), [0, 0])
-            d[0] += jobs
-            d[1] += tokens
-    return {
-        "t": int(snap.time_s * 1000),
-        "lanes": [
-            [
-                q.model,
-                q.name,
-                q.waiting,
-                q.pending,
-                round(q.oldest_waiting_age_s or 0.0, 1),
-                *done.get((q.model, q.name), [0, 0]),
-            ]
-            for q in snap.lanes
-        ],
-        "models": list(per_model.values()),
-    }
+        m[2] += w.running
+    rates: dict[tuple[str, str], list[float]] | None = None
+    if before is not None and t > before[0]:
+        rates = {}
+        for wid, (model, lanes) in now.items():
+            if wid not in before[1]:
+                continue  # new: its counts since it started are no rate
+            old = before[1][wid][1]
+            for lane, (jobs, tokens) in lanes.items():
+                was = old.get(lane, [0, 0])  # a lane it had ended no job of yet: 0
+                if jobs >= was[0] and tokens >= was[1]:
+                    r = rates.setdefault((model, lane), [0.0, 0.0])
+                    r[0] += (jobs - was[0]) * 1000 / (t - before[0])
+                    r[1] += (tokens - was[1]) * 1000 / (t - before[0])
+    rows = []
+    for q in snap.lanes:
+        rate = (rates or {}).get((q.model, q.name), [0.0, 0.0])
+        row = [q.model, q.name, q.waiting, q.pending, round(q.oldest_waiting_age_s or 0.0, 1)]
+        rows.append(
+            row + ([round(rate[0], 2), round(rate[1], 1)] if rates is not None else [None, None])
+        )
+    point = {"t": t, "lanes": rows, "models": list(per_model.values())}
+    return point, (t, now)
 
 
-def read(r: redis.Redis, settings: Settings, full: bool = True) -> dict[str, Any]:
+def read(
+    r: redis.Redis, settings: Settings, full: bool = True
+) -> tuple[stats.Snapshot, dict[str, Any]]:
     """One reading: the snapshot, and (full) recent jobs, dead letters and batches."""
     snap = stats.snapshot(r, settings.lanes, settings.model)
-    out: dict[str, Any] = {"snapshot": snap.to_dict(), "sample": sample(snap)}
+    out: dict[str, Any] = {"snapshot": snap.to_dict()}
     if full:
         out["jobs"] = _or(recent_jobs, r, [])
         out["dead_letters"] = _or(dead_letters, r, {"count": 0, "recent": []})
         out["batches"] = _or(batches, r, [])
-    return out
+    return snap, out
 
 
 def _or(reader: Any, r: redis.Redis, empty: Any) -> Any:
@@ -251,6 +266,7 @@ class Dashboard:
         self.reading: asyncio.Future[dict[str, Any]] | None = None
         self.sampler: asyncio.Task | None = None
         self.failing = False  # Redis unreachable at the last sample (logged once)
+        self.counts: Counts | None = None  # the last reading's, for the next point's rates
 
     def start(self, guard: Guard) -> None:
         """On the server's loop, when it starts."""
@@ -282,7 +298,8 @@ class Dashboard:
         """None when the request may read the dashboard, else the 401 to answer."""
         assert self.guard is not None
         try:
-            key = await self.guard.key(request.headers.get("authorization"), basic=True)
+            headers = request.headers
+            key = await self.guard.key(headers.get("authorization"), headers.get("host"), True)
         except Unauthorized as e:
             return _unauthorized(str(e))
         if key is not None and not key.admin:
@@ -309,10 +326,11 @@ class Dashboard:
         if refused is not None:
             return refused
         since = request.query_params.get("since", "0")
-        since_ms = int(since) if since.isdigit() and len(since) < 16 else 0
+        since_ms = int(since) if since.isascii() and since.isdigit() and len(since) < 16 else 0
         try:
             reading = await self.fresh()
-        except redis.RedisError as e:
+        except (redis.RedisError, ValueError) as e:  # unreachable, or holding what no
+            # Plurai process writes (the model directory, say)
             return JSONResponse(
                 {"error": f"cannot read Redis: {redact(str(e))}"}, 503, headers=HEADERS
             )
@@ -338,13 +356,13 @@ class Dashboard:
 
     async def _read(self, full: bool) -> dict[str, Any]:
         assert self.r is not None
-        reading = await asyncio.to_thread(read, self.r, self.settings, full)
-        now = time.monotonic()
+        snap, reading = await asyncio.to_thread(read, self.r, self.settings, full)
         if full:
-            self.last = (now, reading)
-        point = reading.pop("sample")
-        if not self.history or point["t"] - self.history[-1]["t"] >= 1000:
-            self.history.append(point)
+            self.last = (time.monotonic(), reading)
+        if self.history and snap.time_s * 1000 - self.history[-1]["t"] < 1000:
+            return reading  # a point a second at most: its rates cover the time since
+        point, self.counts = sample(snap, self.counts)
+        self.history.append(point)
         while self.history[0]["t"] < point["t"] - 1000 * self.settings.dashboard_history_s:
             self.history.popleft()
         return reading
@@ -359,12 +377,10 @@ class Dashboard:
                     if self.failing:
                         log.info("dashboard: Redis readable again")
                     self.failing = False
-                except redis.RedisError as e:
+                except Exception as e:  # logged once an outage; it must not end the sampling
                     if not self.failing:
-                        log.warning("dashboard: cannot sample Redis (%s)", redact(str(e)))
+                        log.warning("dashboard: cannot sample Redis (%s)", redact(repr(e)))
                     self.failing = True
-                except Exception:  # a bug here must not end the sampling
-                    log.exception("dashboard: a sample failed")
             await asyncio.sleep(every)
 
 

@@ -132,6 +132,27 @@ def _response(request: Request, e: Exception) -> Response:
     return error(500, "internal error: a bug in Plurai (see the gateway's log)", "internal")
 
 
+_CLIENT_ERRORS: tuple[tuple[type[Exception], int], ...] = (
+    (Unauthorized, 401),
+    (LaneError, 400),
+    (UnknownModel, 404),
+    (BadIdempotencyKey, 409),
+    (ClientDisconnect, 499),
+)
+
+
+def client_status(e: BaseException) -> int | None:
+    """The 4xx status `_response` answers `e` with (the client's mistake, or a refusal such
+    as a full queue); None where it answers 5xx (a failure on this side)."""
+    if isinstance(e, RedisFull):
+        return None
+    if isinstance(e, QueueFull):
+        return 429
+    status = getattr(e, "status", None) if isinstance(e, (ApiError, BadRequest)) else None
+    status = status or next((s for kind, s in _CLIENT_ERRORS if isinstance(e, kind)), None)
+    return status if status is not None and status < 500 else None
+
+
 async def handle(request: Request, e: Exception) -> Response:
     return _response(request, e)
 

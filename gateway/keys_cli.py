@@ -97,8 +97,8 @@ def _create(r: redis.Redis, args: argparse.Namespace) -> int:
     print(
         f"created key {key.id} for tenant {key.tenant}: lanes {','.join(key.lanes)} "
         f"(default {key.default_lane}), rpm {_limit(key.rpm)}, tpm {_limit(key.tpm)}, "
-        f"concurrent {_limit(key.concurrent)}{', admin' if key.admin else ''}. Store the secret below now: it is not kept "
-        "and cannot be shown again.",
+        f"concurrent {_limit(key.concurrent)}{', admin' if key.admin else ''}. "
+        "Store the secret below now: it is not kept and cannot be shown again.",
         file=sys.stderr,
     )
     print(secret)

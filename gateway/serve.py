@@ -90,9 +90,11 @@ def create_dashboard_app(settings: Settings, url: str) -> Starlette:
     return app
 
 
-def add_arguments(p: argparse.ArgumentParser, port: int = 8000) -> None:
+def add_arguments(
+    p: argparse.ArgumentParser, port: str = "PLURAI_GATEWAY_PORT, default 8000"
+) -> None:
     p.add_argument("--host", help="address to listen on (PLURAI_GATEWAY_HOST, default 127.0.0.1)")
-    p.add_argument("--port", type=int, help=f"port (PLURAI_GATEWAY_PORT, default {port}; 0: any)")
+    p.add_argument("--port", type=int, help=f"port ({port}; 0: any)")
     p.add_argument("--url", help="Redis URL (PLURAI_REDIS_URL, else the embedded one)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (PLURAI_LOG_LEVEL)")
     p.add_argument(
@@ -109,14 +111,15 @@ def main(argv: list[str] | None = None, dashboard: bool = False) -> int:
         else "the OpenAI-compatible HTTP API in front of the queue"
     )
     p = argparse.ArgumentParser(prog=prog, description=description)
-    add_arguments(p, port=8001 if dashboard else 8000)
+    add_arguments(
+        p,
+        "PLURAI_DASHBOARD_PORT, default 8001" if dashboard else "PLURAI_GATEWAY_PORT, default 8000",
+    )
     args = p.parse_args(argv)
     overrides: dict[str, Any] = {}
-    if dashboard and args.port is None:
-        args.port = 8001  # beside a gateway on 8000
     for name, field in (
         ("host", "gateway_host"),
-        ("port", "gateway_port"),
+        ("port", "dashboard_port" if dashboard else "gateway_port"),
         ("url", "redis_url"),
         ("log_level", "log_level"),
         ("log_format", "log_format"),
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None, dashboard: bool = False) -> int:
         if getattr(args, name) is not None:
             overrides[field] = getattr(args, name)
     settings = Settings(**overrides)
+    if dashboard:  # served where the dashboard's port says
+        settings = settings.model_copy(update={"gateway_port": settings.dashboard_port})
     logs.setup(settings.log_level, settings.log_format)
     try:
         url = resolve_url(settings.redis_url, settings)

@@ -303,7 +303,7 @@ class Intake:
         carries a valid traceparent (gpu_workers/spans.py); sent before the result, it
         ends with the result's reply (Writer.replied)."""
         parent = tracing.parent(tracing.valid(fields.get(b"traceparent")))
-        if parent is None:
+        if parent is None or job_id in self.writer.results:  # none, or a result on its way
             return
         attrs = {
             "plurai.job_id": job_id,
@@ -316,7 +316,7 @@ class Intake:
         }
         span = tracing.span("result", parent, attributes=attrs)
         tracing.failed(span, code)
-        self.writer.results.setdefault(job_id, span)
+        self.writer.results[job_id] = span
 
     def refuse(
         self, lane: str, stream: str, entry_id: bytes, job_id: str, code: str, message: str
@@ -454,25 +454,7 @@ class Intake:
         refused for a reason that passes (OOM, ...); a refusal tied to the job's keys is
         'badkey'."""
         calls = [self._begin_call(entry) for entry in entries]
-        # the dashboard's index of recent jobs rides on the same round trip
-        recent = [
-            [
-                "XADD",
-                keys.RECENT,
-                "MAXLEN",
-                "~",
-                self.settings.recent_jobs_maxlen,
-                "*",
-                "id",
-                entry.job_id,
-                "model",
-                self.model,
-                "lane",
-                entry.lane,
-            ]
-            for entry in entries
-        ]
-        replies = self._pipeline([call.command() for call in calls] + recent)[: len(calls)]
+        replies = self._begin(calls, entries)
         out: list[tuple[str | redis.ResponseError, bytes | None]] = []
         for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):  # nothing of it ran
@@ -487,6 +469,27 @@ class Intake:
             else:
                 out.append((text(reply), None))
         return out
+
+    def _begin(self, calls: list[jobs.Call], entries: list[Entry]) -> list[Any]:
+        """BEGIN's replies; the entries also go to the dashboard's index of recent jobs, in
+        the same round trip on one server. On a Cluster that index lives on a node of its
+        own: it is written after, and a failure there never stops a job."""
+        commands = [call.command() for call in calls]
+        maxlen = self.settings.recent_jobs_maxlen
+        recent = [
+            ["XADD", keys.RECENT, "MAXLEN", "~", maxlen, "*", "id", entry.job_id,
+             "model", self.model, "lane", entry.lane]
+            for entry in (entries if maxlen else [])
+        ]  # fmt: skip
+        if not self.writer.cluster:
+            return self._pipeline(commands + recent)[: len(commands)]
+        replies = self._pipeline(commands)
+        if recent:
+            try:
+                self._pipeline(recent)
+            except redis.RedisError as e:
+                log.debug("the recent jobs index was not written (%s)", e)
+        return replies
 
     def _begin_call(self, entry: Entry) -> jobs.Call:
         env = entry.req.envelope

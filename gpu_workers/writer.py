@@ -286,6 +286,8 @@ class Writer:
             else:
                 name = item.script if isinstance(item, jobs.Call) else item[0]
                 log.error("redis refused a %s call (%s); dropped", name, rep)
+                if isinstance(item, jobs.Call) and item.job_id in self.results:
+                    tracing.end(self.results.pop(item.job_id), None, "dropped")
         return again
 
     def _drop_conn(self) -> None:

@@ -4,8 +4,8 @@
 
 const COLORS = ["#4a7bd0", "#d0784a", "#23864a", "#8e44ad", "#b7791f", "#c0392b"];
 const SVG = "http://www.w3.org/2000/svg";
-// samples: {t, lanes: [[model, lane, waiting, pending, wait_s, jobs, tokens]],
-//           models: [[model, tok_s, jobs, running]]}; jobs and tokens: counters
+// samples: {t, lanes: [[model, lane, waiting, pending, wait_s, jobs/s, tokens/s]],
+//           models: [[model, tok_s, running]]}; the rates null on the first sample
 let history = [];
 let refreshS = 2;
 let historyS = 900;
@@ -114,27 +114,17 @@ function drawCharts(now) {
     if (!models.has(m)) models.set(m, {lanes: new Map(), tps: []});
     return models.get(m);
   };
-  // a counter's rate since the sample before; none where it fell (a worker left)
-  const rate = (now, before, dt) => (before === undefined || now < before ? null : 1000 * (now - before) / dt);
-  let prev = new Map(), prevT = null;
   for (const s of history) {
-    const seen = new Map();
     for (const [m, lane, waiting, , wait, jobs, tokens] of s.lanes) {
       const lanes = get(m).lanes;
       if (!lanes.has(lane)) lanes.set(lane, {waiting: [], wait: [], jobs: [], tokens: []});
-      const v = lanes.get(lane), key = m + "\n" + lane, p = prev.get(key) || [];
+      const v = lanes.get(lane);
       v.waiting.push([s.t, waiting]);
       v.wait.push([s.t, wait]);
-      if (prevT !== null && s.t > prevT) {
-        const j = rate(jobs, p[0], s.t - prevT), k = rate(tokens, p[1], s.t - prevT);
-        if (j !== null) v.jobs.push([s.t, j]);
-        if (k !== null) v.tokens.push([s.t, k]);
-      }
-      seen.set(key, [jobs, tokens]);
+      if (jobs !== null) v.jobs.push([s.t, jobs]);
+      if (tokens !== null) v.tokens.push([s.t, tokens]);
     }
     for (const [m, tps] of s.models) get(m).tps.push([s.t, tps]);
-    prev = seen;
-    prevT = s.t;
   }
   const out = [];
   for (const [m, d] of models) {

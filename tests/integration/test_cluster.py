@@ -61,6 +61,9 @@ def test_300_jobs_through_two_workers(cluster_url, cluster_workers):
         w.decode() for w in r.smembers(keys.WORKERS)
     }  # both workers took work
     assert drained(r, SHARDS)
+    # the dashboard's index of recent jobs, written beside BEGIN on its own node
+    recent = {f[b"id"].decode() for _, f in r.xrange(keys.RECENT)}
+    assert set(ids) <= recent
 
     async def use_async() -> None:  # the asyncio client routes by slot as well
         async with AsyncClient(cluster_url) as aclient:

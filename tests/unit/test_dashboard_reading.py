@@ -61,6 +61,9 @@ def test_recent_jobs_read_a_bounded_count(r) -> None:
 
 
 def test_dead_letters(r) -> None:
+    cut = json.dumps({"v": "2", "id": "job-ffffffff", "body": "x" * 70000})[:65536]
+    r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": "too many", "fields": cut})
+    r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": "bad_record", "job_id": "job-gggggggg"})
     r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": "e" * 5000, "fields": "not json"})
     r.xadd(
         keys.DEAD_LETTER,
@@ -68,8 +71,10 @@ def test_dead_letters(r) -> None:
     )
     r.xadd(keys.DEAD_LETTER, {"fields": json.dumps({"id": "<script>"})})
     out = dashboard.dead_letters(r)
-    assert out["count"] == 3
-    newest, second, oldest = out["recent"]
+    assert out["count"] == 5
+    newest, second, oldest, result, cut = out["recent"]
+    assert cut["job_id"] == "job-ffffffff"  # its fields cut at 64 KiB: no JSON any more
+    assert result["job_id"] == "job-gggggggg"  # a result that could not be stored
     assert newest["job_id"] is None  # not a job id: not shown as one
     assert second["job_id"] == "job-eeeeeeee" and second["error"] == "too many"
     assert len(oldest["error"]) == dashboard.SHORT and oldest["at_ms"] > 0
@@ -121,5 +126,43 @@ def test_a_heartbeats_lane_counts_are_read_or_dropped(r) -> None:
     snap.lanes = [stats.Lane("standard", model="m", waiting=2)]
     for w in live:
         w.served_model = "m"
-    point = dashboard.sample(snap)
-    assert point["lanes"] == [["m", "standard", 2, 0, 0.0, 3, 120]]
+    point, counts = dashboard.sample(snap, None)
+    assert point["lanes"] == [["m", "standard", 2, 0, 0.0, None, None]]  # no rate yet
+    # two seconds on: w-good ended 4 more jobs of 80 tokens; w-none its first 3 of 40 (a
+    # lane it had no count of: from 0); a worker seen for the first time adds nothing (its
+    # counts since its start are no rate)
+    later = [w for w in live if w.id != "w-junk"]
+    for w in later:
+        if w.id == "w-good":
+            w.lanes_done = {"standard": [7, 200], "batch": [1, 16]}
+        if w.id == "w-none":
+            w.lanes_done = {"standard": [3, 40]}
+    newcomer = stats.WorkerInfo("w-new", served_model="m", lanes_done={"standard": [90, 9]})
+    snap = stats.Snapshot(time_s=3.0, lanes=snap.lanes, workers=[*later, newcomer], dead_letters=0)
+    point, _ = dashboard.sample(snap, counts)
+    assert point["lanes"] == [["m", "standard", 2, 0, 0.0, 3.5, 60.0]]
+    # a worker whose counts fell (not the same process any more) adds nothing either
+    snap.workers = [stats.WorkerInfo("w-good", served_model="m", lanes_done={"standard": [1, 1]})]
+    point, _ = dashboard.sample(snap, counts)
+    assert point["lanes"] == [["m", "standard", 2, 0, 0.0, 0.0, 0.0]]
+
+
+def test_heartbeat_figures_that_are_no_numbers_read_as_none_given(r) -> None:
+    from broker_config import stats
+
+    r.sadd(keys.WORKERS, "w1")
+    r.hset(
+        keys.worker("w1"),
+        mapping={
+            "state": "serving",
+            "running": "three",
+            "tokens_per_s": "nan",
+            "kv_blocks_used": "inf",
+            "jobs_done": "12",
+            "beat_ms": "soon",
+        },
+    )
+    (w,), _ = stats.workers(r, stats.redis_now_ms(r))
+    assert (w.running, w.tokens_per_s, w.kv_blocks_used, w.jobs_done) == (0, 0.0, 0, 12)
+    assert w.beat_age_s == 0.0
+    json.dumps(stats.Snapshot(1.0, [], [w], 0).to_dict(), allow_nan=False)

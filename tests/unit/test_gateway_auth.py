@@ -338,3 +338,40 @@ def test_guard_takes_basic_only_where_asked(r, server):
         asyncio.run(go(header, False))
     with pytest.raises(auth.Unauthorized):
         asyncio.run(go(None, True))
+
+
+def test_an_open_gateway_answers_only_requests_addressed_to_this_machine(server):
+    """Without keys, a loopback gateway refuses a request whose Host names another site:
+    a web page whose DNS name was rebound to 127.0.0.1 must not reach it."""
+
+    async def go(host):
+        guard = auth.Guard(fakeredis.FakeAsyncRedis(server=server), "127.0.0.1")
+        try:
+            return await guard.key(None, host)
+        finally:
+            await guard.r.aclose()
+
+    for host in (
+        None,
+        "",
+        "localhost",
+        "localhost:8000",
+        "127.0.0.1:8000",
+        "127.0.0.2",
+        "[::1]:8000",
+        "::1",
+        "app.localhost:80",
+        "LOCALHOST.",
+        "localhost:",
+    ):
+        assert asyncio.run(go(host)) is None, host
+    for host in (
+        "evil.example:8000",
+        "evil.example",
+        "10.0.0.1",
+        "[2001:db8::1]:80",
+        "localhost.evil.example",
+        "127.0.0.1.evil.example",
+    ):
+        with pytest.raises(auth.Unauthorized, match="localhost or 127.0.0.1"):
+            asyncio.run(go(host))
