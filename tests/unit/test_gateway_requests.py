@@ -431,3 +431,29 @@ def test_a_json_body_without_or_with_its_content_type_is_served(api, r, content_
     headers = {"content-type": content_type} if content_type else {}
     resp = api.post("/v1/completions", content=data, headers=headers)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "ab"
+
+
+def test_client_status_is_the_4xx_the_handlers_answer():
+    """What the gateway's request span reads to tell a client's mistake (no error status)
+    from a failure here: the same status the handlers answer."""
+    from gateway.auth import LaneError, Unauthorized
+    from producer.errors import QueueFull, RedisFull
+    from producer.openai_body import BadRequest
+
+    scope = {"type": "http", "headers": [], "method": "POST", "path": "/v1/completions"}
+    cases = [
+        Unauthorized("no key"),
+        LaneError("no such lane"),
+        BadRequest("bad", status=413),
+        errors.ApiError(404, "gone", "job_expired"),
+        errors.model_not_found("m"),
+        errors.no_workers(),
+        QueueFull("standard", 10, 1.0),
+        RedisFull("standard", 1.0),
+        redis.ConnectionError("down"),
+        BadRecord("damaged"),
+        RuntimeError("a bug"),
+    ]
+    for e in cases:
+        answered = errors._response(Request(scope), e).status_code
+        assert errors.client_status(e) == (answered if answered < 500 else None), e
