@@ -333,6 +333,7 @@ def test_cli_and_no_secret_anywhere(url, capsys, caplog):
         "tpm": 0,
         "concurrent": 2,
         "created_ms": key.created_ms,
+        "admin": False,
     }
     for text in (out, listed):
         assert secret not in text and h not in text
@@ -406,3 +407,17 @@ def test_a_slot_whose_admission_reply_was_lost_is_given_back(url) -> None:
             await ar.aclose()
 
     asyncio.run(go())
+
+
+def test_cli_makes_and_lists_admin_keys(url, capsys):
+    code, out, err = cli(url, "create", "--tenant", "ops", "--admin", capsys=capsys)
+    assert code == 0 and ", admin." in err
+    key = run(url, apikeys.authenticate, out.strip())
+    assert key.admin and key.tenant == "ops"
+    code, out, err = cli(url, "create", "--tenant", "acme", capsys=capsys)
+    assert code == 0 and "admin" not in err
+    code, listed, _ = cli(url, "list", "--json", capsys=capsys)
+    assert {k["tenant"]: k["admin"] for k in json.loads(listed)} == {"ops": True, "acme": False}
+    code, out, _ = cli(url, "list", capsys=capsys)
+    rows = {line.split()[1]: line.split()[7] for line in out.splitlines()[1:]}
+    assert rows == {"ops": "yes", "acme": "-"}
