@@ -75,14 +75,15 @@ def serve_model(
 
 def gateway(redis_url: str, **settings: object):
     """The gateway's app on `redis_url` in Starlette's test client (use it in a with block);
-    a bug's 500 is answered, not raised."""
+    a bug's 500 is answered, not raised. Requests name localhost, as a client of an open
+    (keyless, loopback) gateway must."""
     from starlette.testclient import TestClient
 
     from broker_config.settings import Settings
     from gateway.serve import create_app
 
     app = create_app(Settings(redis_url=redis_url, **settings), redis_url)  # type: ignore[arg-type]
-    return TestClient(app, raise_server_exceptions=False)
+    return TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
 
 
 def oracle(monkeypatch, outputs: list[list[int]], vocab: int, wrong_every: int = 5) -> None:

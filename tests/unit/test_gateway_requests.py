@@ -359,7 +359,7 @@ def refused(resp, status: int, code: str, r: redis.Redis) -> dict:
 )
 def test_what_the_openai_client_sends_is_served(api, r, extra) -> None:
     answer(r)
-    client = openai_client.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=api)
+    client = openai_client.OpenAI(base_url="http://localhost/v1", api_key="-", http_client=api)
     reply = client.chat.completions.create(**CHAT, **extra)  # type: ignore[call-overload]
     if extra.get("stream"):
         text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
