@@ -73,6 +73,15 @@ def test_browser_shows_the_live_queue(redis_url, tmp_path, workers) -> None:
     try:
         jobs = [client.submit(f"job {i} of the dashboard test", max_tokens=96) for i in range(30)]
         ids = {j.id for j in jobs}
+        # a bulk batch under way and a dead letter whose text is markup (shown as text)
+        now_ms = int(time.time() * 1000)
+        r.zadd(keys.BATCHES, {"batch_dash": now_ms})
+        r.hset(
+            keys.batch("batch_dash"),
+            mapping={"status": "in_progress", "total": 10, "completed": 4, "failed": 1},
+        )
+        bold = "<b id=injected>too many deliveries</b>"
+        r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": bold, "job_id": "job-deadbeef"})
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1600})
@@ -87,6 +96,13 @@ def test_browser_shows_the_live_queue(redis_url, tmp_path, workers) -> None:
                 f'[data-chart="{keys.DEFAULT_MODEL}/waiting"] polyline[data-series="standard"]'
             )
             wait_for(lambda: page.locator(waiting).get_attribute("data-last") == "30", 20, "chart")
+            batch = cells(page, "batches", "data-batch", "batch_dash")
+            assert batch[1] == "in_progress" and batch[2].endswith("5/10 50%"), batch
+            assert batch[3:6] == ["4", "1", "10"], batch
+            assert page.locator("#dead-count").inner_text() == "(1)"
+            dead = page.locator("#dead tbody td").all_inner_texts()
+            assert bold in dead and "job-deadbeef" in dead, dead
+            assert page.locator("#injected").count() == 0  # text, never markup
 
             (proc,) = workers.start(1, "--engine", "max_num_seqs=4", env=FAST)
             # the worker's row, serving, with KV in use at some point
