@@ -206,6 +206,10 @@ def _gptq(qc: dict[str, Any]) -> Scheme:
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(f"gptq checkpoint_format {fmt!r}")
+    if qc.get("dynamic"):  # GPTQModel's per-module overrides of bits, groups, skipped layers
+        raise _refuse(
+            "gptq with per-module `dynamic` overrides (every layer must share one scheme)"
+        )
     return Scheme(
         "gptq",
         bits,

@@ -245,6 +245,10 @@ def _three_bits(t: dict, cfg: dict) -> None:
     cfg["quantization_config"]["bits"] = 3
 
 
+def _dynamic(t: dict, cfg: dict) -> None:  # GPTQModel: layer 1's MLP in 8 bits
+    cfg["quantization_config"]["dynamic"] = {r"+:.*\.1\.mlp\..*": {"bits": 8}}
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -255,6 +259,7 @@ def _three_bits(t: dict, cfg: dict) -> None:
         (_unknown_method, "quantization 'bitsandbytes' is not supported; supported: compressed"),
         (_fp8, "format 'float-quantized'"),
         (_three_bits, "gptq with 3 bits"),
+        (_dynamic, "per-module `dynamic` overrides"),
     ],
 )
 def test_a_bad_checkpoint_is_refused_at_start(
