@@ -63,6 +63,7 @@ class Gateway:
 
     client: AsyncClient
     streams: Streams
+    done: wait.SharedDone
     guard: auth.Guard
 
     def __init__(self, settings: Settings, url: str) -> None:
@@ -79,6 +80,7 @@ class Gateway:
         tracing.setup("plurai-gateway")  # only where OTEL_* variables ask for traces
         self.client = AsyncClient(self.url, settings=self.settings)
         self.streams = Streams(self.client.redis)
+        self.done = wait.SharedDone(self.client.redis)  # the waits of whole answers
         # without API keys, only a gateway listening on loopback serves (open)
         self.guard = auth.Guard(self.client.redis, self.settings.gateway_host)
         if self.dashboard is not None:
@@ -89,6 +91,7 @@ class Gateway:
             if self.dashboard is not None:
                 await self.dashboard.stop()
             await self.streams.close()
+            await self.done.close()
             await self.client.aclose()
             tracing.shutdown()
 
@@ -252,9 +255,7 @@ class Gateway:
         """Wait for the job's result; a client that leaves first cancels it (unless the
         request asked for `background`)."""
         try:
-            (rec,) = await unless_gone(
-                request, wait.wait_many_async(self.client.redis, [job_id], None)
-            )
+            (rec,) = await unless_gone(request, self.done.wait([job_id], None))
         except Gone:
             return self._left(job, job_id, lease)
         except records.BadRecord as e:

@@ -6,6 +6,7 @@ Subscribing before reading the record closes the race with a job that finishes i
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -136,6 +137,82 @@ class AsyncListeners:
         idle, self._idle = self._idle, []
         for pubsub in idle:
             await pubsub.aclose()
+
+
+class SharedDone:
+    """Many concurrent waits of one asyncio process on one pub/sub connection (the
+    gateway's: a connection per waiting request would be thousands under load, each a
+    handshake on both sides). A wait adds its done channels and a queue; one reader task
+    hands each message to the queues of its channel. Pub/sub is not durable (a message is
+    lost while the connection reconnects): each wait reads its records again when quiet,
+    as Waiter says."""
+
+    def __init__(self, r: redis.asyncio.Redis) -> None:
+        self.r = r
+        self.pubsub: Any = None
+        self.queues: dict[str, set[asyncio.Queue]] = {}  # channel -> the waits on it
+        self.reader: asyncio.Task | None = None
+
+    async def wait(self, job_ids: list[str], timeout: float | None) -> list[records.JobRecord]:
+        w = Waiter(job_ids, timeout)
+        queue: asyncio.Queue = asyncio.Queue()
+        channels = [keys.done_channel(j) for j in w.job_ids]
+        try:
+            await self._add(channels, queue)
+            w.read(await records.get_many_async(self.r, w.job_ids))
+            while (wait_s := w.wait_s()) is not None:
+                try:
+                    w.heard(await asyncio.wait_for(queue.get(), wait_s))
+                except TimeoutError:
+                    if w.quiet():
+                        w.read(await records.get_many_async(self.r, w.unsettled()))
+            return await records.get_many_async(self.r, w.job_ids)
+        finally:
+            await self._drop(channels, queue)
+
+    async def _add(self, channels: list[str], queue: asyncio.Queue) -> None:
+        if self.pubsub is None:
+            self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        new = [c for c in channels if c not in self.queues]
+        for c in channels:
+            self.queues.setdefault(c, set()).add(queue)
+        for i in range(0, len(new), _SUBSCRIBE_CHUNK):
+            await self.pubsub.subscribe(*new[i : i + _SUBSCRIBE_CHUNK])
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _drop(self, channels: list[str], queue: asyncio.Queue) -> None:
+        gone = []
+        for c in channels:
+            waits = self.queues.get(c, set())
+            waits.discard(queue)
+            if not waits:
+                self.queues.pop(c, None)
+                gone.append(c)
+        if gone and self.pubsub is not None:
+            try:
+                await self.pubsub.unsubscribe(*gone)
+            except (redis.RedisError, OSError):  # it reconnects with the channels left
+                pass
+
+    async def _read(self) -> None:
+        """Hand each message to its channel's waits, while any wait is on."""
+        while self.queues:
+            try:
+                msg = await self.pubsub.get_message(timeout=1.0)
+            except (redis.RedisError, OSError):  # the waits read their records meanwhile
+                await asyncio.sleep(0.5)
+                continue
+            if msg is not None and msg.get("type") == "message":
+                for queue in self.queues.get(text(msg["channel"]), ()):
+                    queue.put_nowait(msg)
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+        if self.pubsub is not None:
+            await self.pubsub.aclose()
 
 
 def wait(

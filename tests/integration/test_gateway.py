@@ -342,6 +342,48 @@ def test_leaving_mid_stream_cancels_the_job(stack: Stack) -> None:
         time.sleep(0.1)
 
 
+def test_whole_answers_wait_on_one_connection(stack: Stack) -> None:
+    """60 requests waiting at once for whole answers share the gateway's one pub/sub
+    connection (a connection each had been 60 handshakes and 60 Redis clients), and each
+    gets its own job's answer; one that leaves cancels only its own job."""
+    import asyncio
+
+    def subscribers() -> int:
+        return len(stack.r.execute_command("CLIENT LIST TYPE pubsub").splitlines())
+
+    base = subscribers()  # the workers' cancel channel, and the gateway's once it waited
+    seen: list[int] = []
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=80)) as c:
+            sends = [
+                c.post(
+                    stack.gateway.base + "/v1/completions",
+                    json={
+                        "model": stack.model,
+                        "prompt": f"wait {i}",
+                        "max_tokens": 24,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    },
+                )
+                for i in range(60)
+            ]
+            tasks = [asyncio.create_task(s) for s in sends]
+            while not all(t.done() for t in tasks):
+                seen.append(subscribers())
+                await asyncio.sleep(0.05)
+            return [t.result() for t in tasks]
+
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 60
+    for a in answers:
+        rec = record(stack, a.json()["id"])
+        assert rec.state == records.COMPLETED and a.json()["choices"][0]["text"] == rec.text
+        assert a.json()["usage"]["completion_tokens"] == 24
+    assert max(seen) <= base + 1, (base, max(seen))
+
+
 def test_stream_survives_its_worker_sigkill(stack: Stack) -> None:
     """The job restarts on the other worker; greedy, so the new run repeats the text
     already sent and the stream goes on from there: one clean, complete answer."""
