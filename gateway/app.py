@@ -255,7 +255,8 @@ class Gateway:
         """Wait for the job's result; a client that leaves first cancels it (unless the
         request asked for `background`)."""
         try:
-            (rec,) = await unless_gone(request, self.done.wait([job_id], None))
+            waiting = wait.wait_many_async(self.client.redis, [job_id], None, self.done)
+            (rec,) = await unless_gone(request, waiting)
         except Gone:
             return self._left(job, job_id, lease)
         except records.BadRecord as e:

@@ -305,16 +305,11 @@ class Intake:
         parent = tracing.parent(tracing.valid(fields.get(b"traceparent")))
         if parent is None or job_id in self.writer.results:  # none, or a result on its way
             return
-        attrs = {
-            "plurai.job_id": job_id,
-            "plurai.lane": lane,
-            "plurai.model": self.model,
-            "gen_ai.request.model": self.model,
-            "plurai.attempt": protocol.attempts_of(fields) + 1,
-            "plurai.worker": self.id,
-            "plurai.state": "failed",
-        }
-        span = tracing.span("result", parent, attributes=attrs)
+        from gpu_workers.spans import job_attributes  # it imports this module
+
+        attempts = protocol.attempts_of(fields)
+        attrs = job_attributes(job_id, lane, None, self.model, attempts, self.id)
+        span = tracing.span("result", parent, attributes={**attrs, "plurai.state": "failed"})
         tracing.failed(span, code)
         self.writer.results[job_id] = span
 

@@ -27,21 +27,30 @@ from gpu_workers.job import Running
 from gpu_workers.writer import Writer
 
 
+def job_attributes(
+    job_id: str, lane: str, priority: int | None, model: str, attempts: int, worker: str
+) -> dict[str, Any]:
+    """What every worker span of a job carries (`attempts`: its failed processings before)."""
+    return {
+        "plurai.job_id": job_id,
+        "plurai.lane": lane,
+        "plurai.priority": priority,
+        "plurai.model": model,
+        "gen_ai.request.model": model,
+        "plurai.attempt": attempts + 1,
+        "plurai.worker": worker,
+    }
+
+
 class Spans:
     def __init__(self, worker_id: str, model: str, writer: Writer) -> None:
         self.worker, self.model, self.writer = worker_id, model, writer
 
     def attributes(self, entry: Entry) -> dict[str, Any]:
         env = entry.req.envelope
-        return {
-            "plurai.job_id": entry.job_id,
-            "plurai.lane": entry.lane,
-            "plurai.priority": env.priority,
-            "plurai.model": self.model,
-            "gen_ai.request.model": self.model,
-            "plurai.attempt": env.attempts + 1,  # the failed processings before, plus this
-            "plurai.worker": self.worker,
-        }
+        return job_attributes(
+            entry.job_id, entry.lane, env.priority, self.model, env.attempts, self.worker
+        )
 
     def taken(self, entry: Entry, now: float) -> None:
         """The queue wait and the intake of an entry BEGIN answered."""

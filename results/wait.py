@@ -140,54 +140,29 @@ class AsyncListeners:
 
 
 class SharedDone:
-    """Many concurrent waits of one asyncio process on one pub/sub connection (the
-    gateway's: a connection per waiting request would be thousands under load, each a
-    handshake on both sides). A wait adds its done channels and a queue; one reader task
-    hands each message to the queues of its channel. Pub/sub is not durable (a message is
-    lost while the connection reconnects): each wait reads its records again when quiet,
-    as Waiter says."""
+    """Listeners (the `listeners` of wait_many_async) by which many concurrent waits of one
+    asyncio process share one pub/sub connection (the gateway's: a connection per waiting
+    request would be thousands under load, each a handshake on both sides). Each wait gets
+    a `_Share` in place of a connection; one reader task hands each message to the shares
+    of its channel. Pub/sub is not durable (a message is lost while the connection
+    reconnects): each wait reads its records again when quiet, as Waiter says."""
 
     def __init__(self, r: redis.asyncio.Redis) -> None:
         self.r = r
         self.pubsub: Any = None
-        self.queues: dict[str, set[asyncio.Queue]] = {}  # channel -> the waits on it
+        self.shares: dict[str, set[_Share]] = {}  # channel -> the waits on it
         self.reader: asyncio.Task | None = None
 
-    async def wait(self, job_ids: list[str], timeout: float | None) -> list[records.JobRecord]:
-        w = Waiter(job_ids, timeout)
-        queue: asyncio.Queue = asyncio.Queue()
-        channels = [keys.done_channel(j) for j in w.job_ids]
-        try:
-            await self._add(channels, queue)
-            w.read(await records.get_many_async(self.r, w.job_ids))
-            while (wait_s := w.wait_s()) is not None:
-                try:
-                    w.heard(await asyncio.wait_for(queue.get(), wait_s))
-                except TimeoutError:
-                    if w.quiet():
-                        w.read(await records.get_many_async(self.r, w.unsettled()))
-            return await records.get_many_async(self.r, w.job_ids)
-        finally:
-            await self._drop(channels, queue)
+    def take(self) -> _Share:
+        return _Share(self)
 
-    async def _add(self, channels: list[str], queue: asyncio.Queue) -> None:
-        if self.pubsub is None:
-            self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        new = [c for c in channels if c not in self.queues]
-        for c in channels:
-            self.queues.setdefault(c, set()).add(queue)
-        for i in range(0, len(new), _SUBSCRIBE_CHUNK):
-            await self.pubsub.subscribe(*new[i : i + _SUBSCRIBE_CHUNK])
-        if self.reader is None or self.reader.done():
-            self.reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _drop(self, channels: list[str], queue: asyncio.Queue) -> None:
+    async def give(self, share: _Share, ok: bool) -> None:
         gone = []
-        for c in channels:
-            waits = self.queues.get(c, set())
-            waits.discard(queue)
+        for c in share.channels:
+            waits = self.shares.get(c, set())
+            waits.discard(share)
             if not waits:
-                self.queues.pop(c, None)
+                self.shares.pop(c, None)
                 gone.append(c)
         if gone and self.pubsub is not None:
             try:
@@ -195,17 +170,28 @@ class SharedDone:
             except (redis.RedisError, OSError):  # it reconnects with the channels left
                 pass
 
+    async def subscribe(self, share: _Share, channels: tuple[str, ...]) -> None:
+        if self.pubsub is None:
+            self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        new = [c for c in channels if c not in self.shares]
+        for c in channels:
+            self.shares.setdefault(c, set()).add(share)
+        if new:
+            await self.pubsub.subscribe(*new)
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+
     async def _read(self) -> None:
         """Hand each message to its channel's waits, while any wait is on."""
-        while self.queues:
+        while self.shares:
             try:
                 msg = await self.pubsub.get_message(timeout=1.0)
             except (redis.RedisError, OSError):  # the waits read their records meanwhile
                 await asyncio.sleep(0.5)
                 continue
             if msg is not None and msg.get("type") == "message":
-                for queue in self.queues.get(text(msg["channel"]), ()):
-                    queue.put_nowait(msg)
+                for share in self.shares.get(text(msg["channel"]), ()):
+                    share.queue.put_nowait(msg)
 
     async def close(self) -> None:
         if self.reader is not None:
@@ -213,6 +199,25 @@ class SharedDone:
             await asyncio.gather(self.reader, return_exceptions=True)
         if self.pubsub is not None:
             await self.pubsub.aclose()
+
+
+class _Share:
+    """One wait's part of a SharedDone: what wait_many_async asks of a pub/sub connection."""
+
+    def __init__(self, hub: SharedDone) -> None:
+        self.hub = hub
+        self.channels: list[str] = []
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def subscribe(self, *channels: str) -> None:
+        self.channels += channels
+        await self.hub.subscribe(self, channels)
+
+    async def get_message(self, timeout: float) -> dict[str, Any] | None:
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
 
 
 def wait(
@@ -254,7 +259,7 @@ async def wait_many_async(
     r: redis.asyncio.Redis,
     job_ids: list[str],
     timeout: float | None,
-    listeners: AsyncListeners | None = None,
+    listeners: AsyncListeners | SharedDone | None = None,
 ) -> list[records.JobRecord]:
     """`wait_many`, awaited."""
     w = Waiter(job_ids, timeout)

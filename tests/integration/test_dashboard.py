@@ -229,6 +229,11 @@ def test_plurai_dashboard_on_its_own(redis_url, tmp_path) -> None:
         # samples accrue in the background for the charts
         time.sleep(2.5)
         assert len(httpx.get(base + "/dashboard/data").json()["history"]) >= 2
+        # a since that is no count of ms reads as 0: the whole history, never an error
+        for since in ("\u00b2", "-5", "x" * 100, "9" * 40, "1e9", ""):
+            got = httpx.get(base + "/dashboard/data", params={"since": since})
+            assert got.status_code == 200 and len(got.json()["history"]) >= 2, since
+        assert httpx.get(base + "/dashboard/../metrics").status_code == 404
     finally:
         proc.terminate()
         proc.wait(timeout=30)
