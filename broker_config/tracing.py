@@ -261,5 +261,20 @@ def done(
     end(span(name, parent, start_s, attributes, kind), max(end_s, start_s), error)
 
 
+def job_attributes(
+    job_id: str, lane: str, priority: int | None, model: str, attempts: int, worker: str
+) -> dict[str, Any]:
+    """What every worker span of a job carries (`attempts`: its failed processings before)."""
+    return {
+        "plurai.job_id": job_id,
+        "plurai.lane": lane,
+        "plurai.priority": priority,
+        "plurai.model": model,
+        "gen_ai.request.model": model,
+        "plurai.attempt": attempts + 1,
+        "plurai.worker": worker,
+    }
+
+
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in attributes.items() if v is not None}

@@ -305,10 +305,8 @@ class Intake:
         parent = tracing.parent(tracing.valid(fields.get(b"traceparent")))
         if parent is None or job_id in self.writer.results:  # none, or a result on its way
             return
-        from gpu_workers.spans import job_attributes  # it imports this module
-
         attempts = protocol.attempts_of(fields)
-        attrs = job_attributes(job_id, lane, None, self.model, attempts, self.id)
+        attrs = tracing.job_attributes(job_id, lane, None, self.model, attempts, self.id)
         span = tracing.span("result", parent, attributes={**attrs, "plurai.state": "failed"})
         tracing.failed(span, code)
         self.writer.results[job_id] = span

@@ -27,28 +27,13 @@ from gpu_workers.job import Running
 from gpu_workers.writer import Writer
 
 
-def job_attributes(
-    job_id: str, lane: str, priority: int | None, model: str, attempts: int, worker: str
-) -> dict[str, Any]:
-    """What every worker span of a job carries (`attempts`: its failed processings before)."""
-    return {
-        "plurai.job_id": job_id,
-        "plurai.lane": lane,
-        "plurai.priority": priority,
-        "plurai.model": model,
-        "gen_ai.request.model": model,
-        "plurai.attempt": attempts + 1,
-        "plurai.worker": worker,
-    }
-
-
 class Spans:
     def __init__(self, worker_id: str, model: str, writer: Writer) -> None:
         self.worker, self.model, self.writer = worker_id, model, writer
 
     def attributes(self, entry: Entry) -> dict[str, Any]:
         env = entry.req.envelope
-        return job_attributes(
+        return tracing.job_attributes(
             entry.job_id, entry.lane, env.priority, self.model, env.attempts, self.worker
         )
 
