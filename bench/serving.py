@@ -397,6 +397,16 @@ class PluraiStack(Stack):
             with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                 self.queue_waits[json.loads(meta)["bench_id"]] = times
         self.since_ms = newest
+        # the queue's Redis commands over 10 ms since the last call (Redis's slow log): a
+        # slow one holds every client of that Redis meanwhile
+        out["redis_slow"] = [
+            {
+                "ms": e["duration"] / 1000,
+                "command": bytes(e["command"])[:120].decode(errors="replace"),
+            }
+            for e in self.r.slowlog_get(32)
+        ]
+        self.r.slowlog_reset()
         out["queue_wait_ms"] = {
             lane: {"p50": sf.percentile(w, 50), "p99": sf.percentile(w, 99), "n": len(w)}
             for lane, w in sorted(waits.items())

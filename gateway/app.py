@@ -35,6 +35,7 @@ from gateway import auth, openai
 from gateway.apikeys import Key
 from gateway.dashboard import Dashboard
 from gateway.errors import ApiError, client_status, error, model_not_found, no_workers
+from gateway.lag import LoopWatch
 from gateway.lease import Lease, OpenStreams, StreamSlot, request_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.sse import (
@@ -65,6 +66,7 @@ class Gateway:
     streams: Streams
     done: wait.SharedDone
     guard: auth.Guard
+    watch: LoopWatch
 
     def __init__(self, settings: Settings, url: str) -> None:
         self.settings = settings
@@ -78,6 +80,8 @@ class Gateway:
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         tracing.setup("plurai-gateway")  # only where OTEL_* variables ask for traces
+        self.watch = LoopWatch(self.metrics.loop_lag)
+        self.watch.start()
         self.client = AsyncClient(self.url, settings=self.settings)
         self.streams = Streams(self.client.redis)
         self.done = wait.SharedDone(self.client.redis)  # the waits of whole answers
@@ -93,6 +97,7 @@ class Gateway:
             await self.streams.close()
             await self.done.close()
             await self.client.aclose()
+            await self.watch.stop()
             tracing.shutdown()
 
     # -- plumbing ---------------------------------------------------------------------

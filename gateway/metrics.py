@@ -33,6 +33,12 @@ class GatewayMetrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self.loop_lag = Histogram(
+            "plurai_gateway_loop_lag_seconds",
+            "How late the event loop ran a 0.1 s timer: every request waits as long.",
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
         self.open_streams = Gauge(
             "plurai_gateway_open_streams", "Streams being sent now.", registry=self.registry
         )
