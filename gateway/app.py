@@ -81,7 +81,6 @@ class Gateway:
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         tracing.setup("plurai-gateway")  # only where OTEL_* variables ask for traces
         self.watch = LoopWatch(self.metrics.loop_lag)
-        self.watch.start()
         self.client = AsyncClient(self.url, settings=self.settings)
         self.streams = Streams(self.client.redis)
         self.done = wait.SharedDone(self.client.redis)  # the waits of whole answers
@@ -89,6 +88,7 @@ class Gateway:
         self.guard = auth.Guard(self.client.redis, self.settings.gateway_host)
         if self.dashboard is not None:
             self.dashboard.start(self.guard)
+        self.watch.start()  # here: its thread and task end in the finally below
         try:
             yield
         finally:
