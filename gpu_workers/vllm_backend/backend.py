@@ -54,7 +54,7 @@ from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import check_progress
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
-from gpu_workers.vllm_backend import connector, reaper
+from gpu_workers.vllm_backend import connector, cores, reaper
 from gpu_workers.vllm_backend.params import logprob_entries, resume_refusal, to_vllm
 from gpu_workers.vllm_backend.stats import Figures
 
@@ -217,6 +217,8 @@ class VllmBackend:
         # the engine's processes die with this one, even by SIGKILL (reaper.py)
         started = [p for p in reaper.descendants(os.getpid()) if p not in before]
         self.reaper = reaper.start(started) if engine_process else None
+        if engine_process:  # where vLLM binds its ranks to cores (cores.py)
+            cores.pin_to_ranks(started)
         self.block_size = cache.block_size
         self.num_blocks = cache.num_gpu_blocks or 0
         self.max_model_len = config.model_config.max_model_len

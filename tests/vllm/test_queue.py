@@ -6,6 +6,7 @@ vLLM worker's first job loads the prefix the first one computed from Redis."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import urllib.request
@@ -58,7 +59,9 @@ def fleet(module_redis_url: str, small_model: Path, tmp_path_factory) -> Iterato
     # the vLLM workers share KV blocks through the queue's Redis
     env = {**ENV, "PLURAI_KV_REDIS_URL": module_redis_url}
     f.env = env
-    f.vllm.start(1, "--worker-id", "vllm", "--vllm", "max_num_seqs=16", env=env)
+    # its rank bound to a core, as vLLM's CPU docs deploy it
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": str(max(os.sched_getaffinity(0)))}
+    f.vllm.start(1, "--worker-id", "vllm", "--vllm", "max_num_seqs=16", env={**env, **bind})
     yield f
     f.vllm.stop()
     f.native.stop()
@@ -196,6 +199,22 @@ def test_mixed_fleet_100_jobs(fleet: Fleet) -> None:
     assert len(greedy) >= 10
     want = reference(fleet.model, [reqs[i] for i in greedy])
     assert [recs[i].token_ids for i in greedy] == want
+
+
+def test_the_engine_core_runs_on_the_cores_of_its_rank(fleet: Fleet) -> None:
+    """vLLM binds its rank to cores and leaves the engine core free; the worker binds the
+    engine core to the rank's cores (cores.py), so that its spin while the rank computes
+    takes no other engine's core."""
+    (worker,) = fleet.vllm.procs
+    procs = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in reaper.descendants(worker.pid)}
+    (rank,) = [p for p, name in procs.items() if name.startswith("VLLM::Worker")]
+    (core,) = [p for p, name in procs.items() if name.startswith("VLLM::EngineCor")]
+    cores = os.sched_getaffinity(rank)
+    assert cores == {max(os.sched_getaffinity(0))}
+    threads = [int(t.name) for t in Path(f"/proc/{core}/task").iterdir()]
+    assert len(threads) > 1 and {frozenset(os.sched_getaffinity(t)) for t in threads} == {
+        frozenset(cores)
+    }
 
 
 def test_sigkill_vllm_worker_jobs_complete_on_native(fleet: Fleet) -> None:
