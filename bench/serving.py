@@ -6,7 +6,7 @@ life; the workload (serving_workload.py) and the figures (serving_figures.py) ar
 
     python bench/serving.py [--k 2] [--stacks plurai-vllm,plurai-native,round_robin,...]
         [--scenarios idle,sweep,flood,add,kill] [--duration 40] [--scales 0.3,0.6,0.9,1.3]
-        [--repeats 1] [--capacity REQ_S] [--model DIR] [--dtype auto] [--out DIR]
+        [--repeats 1] [--capacity REQ_S] [--model DIR] [--dtype auto] [--bind-peers] [--out DIR]
 
 Stacks (each started fresh, K engines, engine i bound to core i mod cores):
 - plurai-vllm: a Redis, `plurai gateway`, K `plurai worker --backend vllm` with the Redis KV
@@ -15,7 +15,10 @@ Stacks (each started fresh, K engines, engine i bound to core i mod cores):
   plurai-vllm-notier, plurai-native-notier: without the KV tier.
 - round_robin, power_of_two, cache_aware (any vllm-router policy): K `vllm serve
   --scheduling-policy priority --enable-prefix-caching` behind `vllm-router --policy P`
-  (`make peers` installs the router into vLLM's environment).
+  (`make peers` installs the router into vLLM's environment). Each engine's ranks are bound
+  to its core (VLLM_CPU_OMP_THREADS_BIND, as vLLM's CPU docs run it); a Plurai worker also
+  binds vLLM's engine core there (gpu_workers/vllm_backend/cores.py); --bind-peers does it
+  for `vllm serve` by hand, with taskset over the whole instance.
 
 Scenarios, run in this order on every stack, so each stack's caches see the same history
 (after a burst of --warmup unmeasured requests per engine: a fresh engine's first batches
@@ -201,6 +204,9 @@ class EngineSpec:
     max_model_len: int
     kv_gib: int = 1
     eager: bool = True  # vLLM without torch.compile: an engine starts in ~20 s, not ~90 s
+    # each `vllm serve` wholly on its engine's core (taskset: API server and engine core
+    # too), as its user can do by hand; vLLM's CPU docs bind only the ranks
+    bind_peers: bool = False
 
     def core(self, i: int) -> int:
         return i % (os.cpu_count() or 1)
@@ -390,7 +396,7 @@ class PluraiStack(Stack):
             wait = int(started) - int(created)
             waits.setdefault(lane.decode(), []).append(wait)
             times = {
-                "job": key.decode().rsplit(":", 1)[-1] if isinstance(key, bytes) else str(key),
+                "job": key.decode().rsplit(":", 1)[-1].strip("{}"),
                 "created_ms": int(created),
                 "queue_ms": wait,
                 "engine_ms": int(first) - int(started) if first is not None else None,
@@ -441,6 +447,8 @@ class RouterStack(Stack):
         cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
         cmd += ["--enforce-eager"] if s.eager else []
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(s.core(i)), "VLLM_CPU_KVCACHE_SPACE": str(s.kv_gib)}
+        if s.bind_peers and shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(s.core(i))] + cmd
         return cmd, env
 
     def add_engine(self) -> subprocess.Popen:
@@ -995,6 +1003,11 @@ def main() -> None:
         "--warmup", type=int, default=6, help="unmeasured requests per engine first; 0: none"
     )
     p.add_argument("--compile", action="store_true", help="vLLM with torch.compile (slow starts)")
+    p.add_argument(
+        "--bind-peers",
+        action="store_true",
+        help="each `vllm serve` wholly on its engine's core (taskset), engine core included",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=5.0, help="x the idle interactive TTFT")
     p.add_argument("--slo-tpot", type=float, default=5.0, help="x the idle interactive TPOT")
@@ -1035,6 +1048,7 @@ def main() -> None:
         max_model_len=max_len,
         kv_gib=a.kv_gib,
         eager=not a.compile,
+        bind_peers=a.bind_peers,
     )
     work = Path(a.out or tempfile.mkdtemp(prefix="plurai-serving-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -1089,6 +1103,7 @@ def main() -> None:
         "max_model_len": max_len,
         "kv_gib_per_engine": a.kv_gib,
         "vllm_enforce_eager": spec.eager,
+        "peers_bound": spec.bind_peers,
         "capacity_req_s": bench.capacity,
         "slos": {k: asdict(v) for k, v in bench.slos.items()},
         "idle": bench.idle,
