@@ -919,7 +919,7 @@ def _error(m: Measured, stack: str, k: Constants) -> float:
     for run in m.sweeps:
         if run not in m.results[stack]:
             continue
-        measured = {r["id"]: sf.Result(**r) for r in m.results[stack][run]}
+        measured = {r["id"]: sf.Result.from_row(r) for r in m.results[stack][run]}
         sim = _replay(m, stack, run, k, STACK_POLICY[stack])
         for s in results(sim):
             ref = measured.get(s.id)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 LANES = ("interactive", "batch")
 
@@ -31,6 +32,12 @@ class Result:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, served from a cache instead of computed
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Result:
+        """A result from a line of a run's results file, which also holds what the stack's
+        own records say of the request (bench/serving.py: queue_ms, engine_ms, ...)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
 
     @property
     def ttft(self) -> float | None:

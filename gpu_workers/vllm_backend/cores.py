@@ -21,10 +21,10 @@ log = logging.getLogger("plurai.worker")
 
 
 def pin_to_ranks(pids: list[int]) -> set[int]:
-    """Bind every thread of the processes in `pids` that may run on any core this process
-    may run on to the cores that the others (the ranks, bound by vLLM) are bound to; the
-    cores chosen, or none where no process of `pids` is bound (GPUs, `nobind`) or the
-    system does not say (not Linux)."""
+    """Bind every thread of the processes in `pids` that may run where this process may
+    (the engine core, left as it was started) to the cores that the others (the ranks,
+    which vLLM bound elsewhere) are bound to; the cores chosen, or none where no process of
+    `pids` is bound (GPUs, `nobind`) or the system does not say (not Linux)."""
     if not hasattr(os, "sched_getaffinity"):
         return set()
     every = os.sched_getaffinity(0)
@@ -35,7 +35,7 @@ def pin_to_ranks(pids: list[int]) -> set[int]:
             cores = os.sched_getaffinity(pid)
         except OSError:
             continue  # gone meanwhile
-        if cores < every:
+        if cores != every:
             bound |= cores
         else:
             loose.append(pid)

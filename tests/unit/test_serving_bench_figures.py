@@ -9,6 +9,7 @@ import math
 import random
 import statistics
 from collections import defaultdict
+from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
 
@@ -480,3 +481,35 @@ def test_the_slowest_interactive_first_tokens_split_into_queue_and_engine() -> N
         "engine_share": pytest.approx((0.125 + 0.6) / 2, abs=1e-3),
     }
     assert slowest_share([res(0, 0.2, "batch")], {"r0": {"queue_ms": 5}}) == {"n": 0}
+
+
+def test_bound_peers_run_wholly_on_their_engines_core(tmp_path: Path) -> None:
+    import shutil
+
+    from bench.serving import EngineSpec, RouterStack
+
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset is not installed")
+    spec = EngineSpec(model=tmp_path, name="m", dtype="bfloat16", max_model_len=768)
+    cmd, env = RouterStack("round_robin", spec, 2, tmp_path).engine_cmd(1, 8000)
+    assert "taskset" not in cmd and env["VLLM_CPU_OMP_THREADS_BIND"] == str(spec.core(1))
+    bound = EngineSpec(
+        model=tmp_path, name="m", dtype="bfloat16", max_model_len=768, bind_peers=True
+    )
+    cmd, _ = RouterStack("round_robin", bound, 2, tmp_path).engine_cmd(1, 8000)
+    assert cmd[:3] == ["taskset", "-c", str(bound.core(1))] and "serve" in cmd
+
+
+def test_a_results_file_line_with_the_stacks_record_reads_back() -> None:
+    # bench/serving.py writes each result with what the job's record says beside it
+    row = {
+        **asdict(Result("r1", "batch", 1.0, 1.5, 3.0, 8, True, None, 200, 128)),
+        "job": "abc",
+        "created_ms": 5,
+        "queue_ms": 10,
+        "engine_ms": None,
+        "intake_ms": 2,
+    }
+    got = Result.from_row(json.loads(json.dumps(row)))
+    assert got == Result("r1", "batch", 1.0, 1.5, 3.0, 8, True, None, 200, 128)
+    assert got.ttft == pytest.approx(0.5)

@@ -82,3 +82,17 @@ def test_a_process_gone_meanwhile_is_skipped(procs: list[subprocess.Popen]) -> N
     rank, core = start(procs, {first}), start(procs)
     assert pin_to_ranks([gone.pid, core, rank]) == {first}
     assert all(c == {first} for c in thread_cores(core))
+
+
+def test_ranks_bound_outside_the_workers_own_cores(procs: list[subprocess.Popen]) -> None:
+    # the worker itself bound to one core (taskset), its rank to another by vLLM
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {a})
+    try:
+        core = start(procs)  # started as the worker is: on its cores
+        rank = start(procs, {b})
+        assert pin_to_ranks([core, rank]) == {b}
+        assert all(c == {b} for c in thread_cores(core))
+    finally:
+        os.sched_setaffinity(0, saved)
