@@ -41,6 +41,7 @@ def pin_to_ranks(pids: list[int]) -> set[int]:
             loose.append(pid)
     if not bound:
         return set()
+    moved = 0
     for pid in loose:
         try:
             threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
@@ -49,7 +50,11 @@ def pin_to_ranks(pids: list[int]) -> set[int]:
         for tid in threads:  # a process's affinity is per thread; new ones inherit it
             try:
                 os.sched_setaffinity(tid, bound)
+                moved += 1
             except OSError:
-                pass  # ended meanwhile
-    log.info("vLLM's engine core bound to the cores of its ranks: %s", sorted(bound))
+                pass  # ended meanwhile, or not allowed here
+    if moved:
+        log.info("vLLM's engine core bound to the cores of its ranks: %s", sorted(bound))
+    elif loose:
+        log.warning("vLLM's engine core could not be bound to its ranks' cores %s", sorted(bound))
     return bound
