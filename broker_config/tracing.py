@@ -240,6 +240,11 @@ def end(span: Any, end_s: float | None = None, error: str = "", **attributes: An
     span.end(None if end_s is None else int(end_s * 1e9))
 
 
+def event(span: Any, name: str, at_s: float, **attributes: Any) -> None:
+    """Add the event `name` to `span` at `at_s` (unix seconds)."""
+    span.add_event(name, _clean(attributes), timestamp=int(at_s * 1e9))
+
+
 def failed(span: Any, error: str) -> None:
     """Mark `span` failed with the error code `error`."""
     from opentelemetry.trace import Status, StatusCode

@@ -5,7 +5,8 @@ worker's id, so each run of a job, on whichever worker, lands in its one trace:
 
     queue wait  the entry added, or let go by its last worker (hand-over, reclaim) → taken
     intake      taken → BEGIN's answer (held for room, the backend's add, the round trip)
-    prefill     BEGIN → the run's first token (a resumed run computes its output so far too)
+    prefill     BEGIN → the run's first token (a resumed run computes its output so far too),
+                marked by a "first token" event (the time since the entry entered its lane)
     decode      the first token → the run's end: its result, or the job given up
     result      the final write (FINALIZE) → Redis's reply (ended by writer.py)
     hand back   the job given back to the queue: preempted, drained, failed or crashed
@@ -58,7 +59,11 @@ class Spans:
             run.span = tracing.span("prefill", run.entry.trace, now, attrs)
 
     def first_token(self, run: Running, out: StepOutput, now: float) -> None:
-        """Prefill ends and decode begins."""
+        """Prefill ends and decode begins, marked by a "first token" event on the prefill
+        span, with the job's time to first token from its entry entering its lane (none
+        for a resumed run, whose job had its first token in an earlier run)."""
+        ttft = None if run.resumed else max(0.0, now - run.entry.entered_s)
+        tracing.event(run.span, "first token", now, **{"plurai.time_to_first_token_s": ttft})
         tracing.end(
             run.span,
             now,

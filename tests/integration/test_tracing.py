@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ class Span:
     attributes: dict[str, Any]
     error: bool
     service: str
+    events: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def job(self) -> str | None:
@@ -78,6 +79,7 @@ def from_sdk(s: Any) -> Span:
         attributes=dict(s.attributes),
         error=s.status.status_code.name == "ERROR",
         service=s.resource.attributes["service.name"],
+        events={e.name: (e.timestamp / 1e9, dict(e.attributes)) for e in s.events},
     )
 
 
@@ -252,6 +254,9 @@ def test_a_jobs_spans_from_submit_to_result(shared_redis_url: str, engines, trac
         assert a.end <= b.start + 1e-3, (a.name, b.name)
     first_token = rec.first_token_ms / 1000
     assert abs(prefill.end - first_token) < 0.05
+    at, attrs = prefill.events["first token"]
+    assert at == prefill.end
+    assert abs(attrs["plurai.time_to_first_token_s"] - (first_token - wait.start)) < 0.05
     assert prefill.attributes["plurai.prompt_tokens"] == rec.prompt_tokens
     assert prefill.attributes["plurai.cached_tokens"] == rec.cached_tokens
     assert prefill.attributes["plurai.resumed_tokens"] == 0
@@ -305,6 +310,9 @@ def test_a_drained_job_resumed_elsewhere_is_one_trace(
     # no attempt counted for a drain; the second run resumed from the first's tokens
     assert {s.attributes["plurai.attempt"] for s in first + second} == {1}
     assert one(second, "prefill").attributes["plurai.resumed_tokens"] >= 5
+    # each run's first token is marked; only the job's own first token has a TTFT
+    assert "plurai.time_to_first_token_s" in one(first, "prefill").events["first token"][1]
+    assert one(second, "prefill").events["first token"][1] == {}
     # the second wait counts from the hand-over, not from the entry's first add
     assert one(second, "queue wait").start >= one(first, "hand back").start - 0.01
     client.close()
