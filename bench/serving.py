@@ -396,7 +396,7 @@ class PluraiStack(Stack):
             wait = int(started) - int(created)
             waits.setdefault(lane.decode(), []).append(wait)
             times = {
-                "job": key.decode().rsplit(":", 1)[-1].strip("{}"),
+                "job": keys.job_of(key),
                 "created_ms": int(created),
                 "queue_ms": wait,
                 "engine_ms": int(first) - int(started) if first is not None else None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import zlib
 
+from broker_config.protocol import valid_job_id
+
 PREFIX = "plurai"
 GROUP = "workers"  # the consumer group on every request stream
 
@@ -51,6 +53,21 @@ def shard_of(name: str, shards: int) -> int:
 def job(job_id: str) -> str:
     """The job record (hash)."""
     return f"{PREFIX}:job:{{{job_id}}}"
+
+
+def job_of(key: bytes | str) -> str | None:
+    """The job id a job record's key (`job`'s) names; None for any other text, or an id
+    that is no valid job id."""
+    if isinstance(key, bytes):
+        try:
+            key = key.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    head, tail = f"{PREFIX}:job:{{", "}"
+    if not (key.startswith(head) and key.endswith(tail)):
+        return None
+    job_id = key[len(head) : -len(tail)]
+    return job_id if valid_job_id(job_id) else None
 
 
 def output(job_id: str) -> str:

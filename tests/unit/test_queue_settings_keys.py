@@ -5,7 +5,7 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from broker_config import keys
+from broker_config import keys, protocol
 from broker_config.groups import ensure_groups
 from broker_config.settings import BulkSettings, Settings
 from broker_config.text import text
@@ -81,6 +81,26 @@ def test_key_names() -> None:
     assert keys.CANCEL_CHANNEL == "plurai:cancel"
     # bulk requests' idempotency keys: the same string on the wire as ever
     assert keys.bulk_idempotency("batch_1", "line-7", 2, 0) == "bulk:batch_1:64cc59f5f8285ebd:2:0"
+
+
+def test_a_job_records_key_read_back() -> None:
+    job_id = protocol.new_job_id()
+    assert keys.job_of(keys.job(job_id)) == job_id
+    assert keys.job_of(keys.job(job_id).encode()) == job_id
+    hostile = [
+        keys.output(job_id),  # another kind of key
+        f"plurai:job:{job_id}",  # no braces
+        "plurai:job:{}",
+        "plurai:job:{short}",  # under 8 characters: no job id
+        "plurai:job:{" + "a" * 129 + "}",
+        "plurai:job:{a/b:c{d}e}",
+        "plurai:job:{abcdefgh}x",
+        "xplurai:job:{abcdefgh}",
+        b"plurai:job:{abc\xffdefgh}",  # not ASCII
+        "plurai:job:{abcdéfghi}",
+        "",
+    ]
+    assert [keys.job_of(k) for k in hostile] == [None] * len(hostile)
 
 
 def test_text() -> None:
