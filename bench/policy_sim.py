@@ -21,9 +21,12 @@ as the worker counts them, a top-lane request the top lane's only; one alone alw
 fits); no lower-lane entry while a top-lane prompt it holds has no token yet (the
 worker's rule). With a top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS; --tpot-share of the
 SLO, or the measured run's), an engine whose top-lane tokens of the last second came slower
-than it, while top-lane sequences decode there, takes nothing new but the top lane's head
-once that has waited --wait-ms (PLURAI_TOP_LANE_WAIT_MS), one a poll (50 ms). Engines that found the queue empty wait in line and the longest-waiting pulls first (a blocking stream read);
-the others pull again at the end of each step. --lookahead N lets a puller take, among
+than it, while top-lane sequences decode there, takes nothing of the lower lanes; of the
+top lane, it takes arrivals while lower-lane requests run on it (the worker's
+`_lower_running`), else only the head once that has waited --wait-ms
+(PLURAI_TOP_LANE_WAIT_MS), one a poll (50 ms). Engines that found the queue empty wait in
+line and the longest-waiting pulls first (a blocking stream read); the others pull again
+at the end of each step. --lookahead N lets a puller take, among
 the first N entries of the lane, the one with the most leading blocks on its device (an
 entry skipped N times is taken first). Prefix blocks on the engine's device are free;
 blocks in the fleet's shared pool (every pulling engine writes what it computed; LRU of
@@ -355,6 +358,7 @@ class Engine:
     outstanding: int = 0  # assigned and not finished
     pending: int = 0  # prompt tokens of the requests assigned with no token yet
     pending_top: int = 0  # the same, of the top lane's requests
+    lower: int = 0  # assigned and not finished, of the lanes below the top one
     waiting: list = field(default_factory=list)  # heap (prio, arrival, n, req)
     prefilling: list = field(default_factory=list)
     decoding: int = 0
@@ -554,17 +558,24 @@ class Sim:
 
     def pull(self, e: Engine, now: float) -> None:
         """e takes entries while it has room; waits in line if the lanes are empty. While
-        slow, it takes only the top lane's head once that has waited `wait` (one a poll)."""
-        if self.slow(e):
+        slow, it takes nothing of the lower lanes, and of the top lane only while
+        lower-lane requests run on it (they slow the top lane too: holding its arrivals
+        would put them behind batch work, the worker's `_lower_running`), else only the top
+        lane's head once that has waited `wait` (one a poll)."""
+        slow = self.slow(e)
+        if slow and not e.lower:
             top = self.lanes[0]
             if self.wait > 0 and now >= e.next_waited and top:
                 e.next_waited = now + POLL_S
                 if now - top[0].arrival_s >= self.wait and self.fits(e, top[0]):
                     self.assign(e, top.popleft(), now)
             return
+        lanes = self.lanes[:1] if slow else self.lanes
         while True:
-            lane = next((q for q in self.lanes if q), None)
+            lane = next((q for q in lanes if q), None)
             if lane is None:
+                if slow:
+                    return  # it pulls again after its next step, when it may be fast again
                 if not e.in_line:
                     e.in_line = True
                     self.line.append(e)
@@ -589,6 +600,7 @@ class Sim:
         self.load(e, 1)
         e.pending += r.prompt
         e.pending_top += r.prompt if r.lane == LANES[0] else 0
+        e.lower += r.lane != LANES[0]
         if pool:
             self.push(now + pool * self.k.pool_block_s, self.READY, e, r)
         else:
@@ -680,6 +692,7 @@ class Sim:
 
     def finish(self, e: Engine, r: Req, now: float) -> None:
         r.end_s = now
+        e.lower -= r.lane != LANES[0]
         e.used -= r.reserved
         self.load(e, -1)
         if r.output > 1:

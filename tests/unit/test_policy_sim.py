@@ -148,6 +148,18 @@ def test_over_the_top_lane_target_new_work_waits_the_bound_at_most() -> None:
     assert bound[2].first_s > bound[0].end_s  # a lower lane has no bound
 
 
+def test_over_the_target_with_batch_running_a_chat_arrival_starts_at_once() -> None:
+    """While lower-lane requests run on a slow engine, they slow the top lane too: its
+    arrivals start at once (the worker's `_lower_running`), a new lower-lane entry waits."""
+    chat_running = req(0, 0.0, prompt=64, out=200)  # steps of 12 ms: over a 5 ms target
+    batch_running = req(1, 0.0, prompt=64, out=200, lane="batch")
+    chat, batch = req(2, 0.5, prompt=64), req(3, 0.5, prompt=64, lane="batch")
+    reqs = [chat_running, batch_running, chat, batch]
+    done = ps.simulate(reqs, 1, "pull", K, pull_budget=2048, tpot_target_s=0.005, wait_s=0.3)
+    assert done[2].first_s < 0.5 + 0.1 + K.queue_front_s  # not held for the 0.3 s bound
+    assert done[3].first_s > min(done[0].end_s, done[1].end_s)
+
+
 def test_pull_budget_splits_a_burst_across_idle_engines() -> None:
     burst = [req(i, 0.0, prompt=400) for i in range(4)]
     spread = ps.simulate(burst, 4, "pull", K, pull_budget=512)
