@@ -9,7 +9,7 @@ kernel at a time swapped for its torch equivalent (same call, torch ops inside),
 the pure-torch path; medians of --runs runs, interleaved.
 The last line is one JSON object.
 
-    python bench/kernels.py [--requests 32] [--runs 3] [--dtype fp32]
+    python bench/cpu_kernels.py [--requests 32] [--runs 3] [--dtype fp32]
 """
 
 from __future__ import annotations
