@@ -24,10 +24,13 @@ Scenarios, run in this order on every stack, so each stack's caches see the same
 (after a burst of --warmup unmeasured requests per engine: a fresh engine's first batches
 stall while kernels are built for their shapes):
 - idle: a few requests one at a time on every stack; the SLOs are multiples of the first
-  stack's medians (interactive: TTFT and TPOT 5x; batch: end to end 10x; --slo-*). The
+  stack's medians (interactive: TTFT and TPOT 5x; batch: end to end 10x; --slo-*), or an
+  earlier run's (--slos-from, to compare a run on fewer stacks with it). The
   routers come first by default; a Plurai stack started once the SLOs are known is given
   a top-lane TPOT target a little under the interactive one (--plurai-tpot-share), as an
-  operator sets PLURAI_TOP_LANE_TPOT_MS from their objective (a router has no such knob).
+  operator sets PLURAI_TOP_LANE_TPOT_MS from their objective (a router has no such knob),
+  and a bound on the wait for it under the TTFT one (--plurai-wait-share,
+  PLURAI_TOP_LANE_WAIT_MS: a request held past its TTFT objective misses it anyway).
 - sweep: the mixed workload (interactive chats on shared system prompts, growing multi-turn
   sessions, batch-lane document extraction; gamma arrivals, --burstiness) offered at each
   --scales multiple of the calibrated capacity; goodput is the highest offered rate whose
@@ -269,6 +272,7 @@ class PluraiStack(Stack):
         self.kv_redis: subprocess.Popen | None = None
         self.r: redis.Redis | None = None
         self.tpot_ms = 0.0  # PLURAI_TOP_LANE_TPOT_MS, the operator's objective; 0: none
+        self.wait_ms: float | None = None  # PLURAI_TOP_LANE_WAIT_MS; None: the default
         self.since_ms = 0  # job records created up to then are in an earlier run's figures
         # per request of the last run, from its record: created_ms, ms queued (created to
         # started) and ms from then to the worker's first token (engine_ms; None: none)
@@ -312,6 +316,8 @@ class PluraiStack(Stack):
         env = {**PLURAI_ENV, "PLURAI_KV_REDIS_URL": self.kv_url}
         if self.tpot_ms:
             env["PLURAI_TOP_LANE_TPOT_MS"] = f"{self.tpot_ms:.0f}"
+        if self.wait_ms is not None:
+            env["PLURAI_TOP_LANE_WAIT_MS"] = f"{self.wait_ms:.0f}"
         if self.backend == "vllm":
             cmd = [str(VLLM_PY)] + cmd[1:]
             for kv in (f"dtype={s.dtype}", f"max_model_len={s.max_model_len}"):
@@ -670,12 +676,23 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def slos_from(path: str) -> dict[str, sf.Slo]:
+    """The SLOs of an earlier run (its out.json), so that a later one, on fewer stacks, is
+    judged by the same targets."""
+    lines = Path(path).read_text().strip().splitlines()
+    try:
+        got = json.loads(lines[-1])["slos"]
+        return {lane: sf.Slo(**got[lane]) for lane in (INTERACTIVE, BATCH)}
+    except (IndexError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"--slos-from {path}: no SLOs of a finished run there ({e!r})") from None
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace, spec: EngineSpec, work: Path) -> None:
         self.a, self.spec, self.work = a, spec, work
         self.tokens = Tokens(spec.model)
         self.capacity: float | None = a.capacity
-        self.slos: dict[str, sf.Slo] | None = None
+        self.slos: dict[str, sf.Slo] | None = slos_from(a.slos_from) if a.slos_from else None
         self.idle: dict[str, Any] = {}
 
     def config(self, **kw: Any) -> WorkloadConfig:
@@ -1013,12 +1030,25 @@ def main() -> None:
     p.add_argument("--slo-tpot", type=float, default=5.0, help="x the idle interactive TPOT")
     p.add_argument("--slo-batch-e2e", type=float, default=10.0, help="x the idle batch e2e")
     p.add_argument(
+        "--slos-from",
+        default=None,
+        help="an earlier run's out.json: its SLOs instead of this run's first stack's",
+    )
+    p.add_argument(
         "--plurai-tpot-share",
         type=float,
         default=0.8,
         help="Plurai's top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS) as a share of the "
         "interactive TPOT SLO, as an operator sets it from their objective; only for Plurai "
         "stacks started after the SLOs are known (after the first stack); 0: none",
+    )
+    p.add_argument(
+        "--plurai-wait-share",
+        type=float,
+        default=0.5,
+        help="with that target, the bound on a top-lane request's wait for it "
+        "(PLURAI_TOP_LANE_WAIT_MS) as a share of the interactive TTFT SLO, the rest left "
+        "for its prompt; 0: the product's default",
     )
     p.add_argument("--out", default=None, help="folder for logs and workload files")
     a = p.parse_args()
@@ -1056,6 +1086,7 @@ def main() -> None:
     runs: dict[str, list[Run]] = {}
     failed: dict[str, str] = {}  # stacks that did not start, and why
     tpot_targets: dict[str, int] = {}  # PLURAI_TOP_LANE_TPOT_MS of each Plurai stack given one
+    wait_bounds: dict[str, int] = {}  # and its PLURAI_TOP_LANE_WAIT_MS
     started = time.monotonic()
     for name in stacks:
         stack = make_stack(name, spec, a.k, work / name)
@@ -1063,6 +1094,10 @@ def main() -> None:
         if isinstance(stack, PluraiStack) and slo and a.plurai_tpot_share > 0:
             stack.tpot_ms = 1000 * a.plurai_tpot_share * slo
             tpot_targets[name] = round(stack.tpot_ms)
+            ttft = bench.slos[INTERACTIVE].ttft_s
+            if ttft and a.plurai_wait_share > 0:
+                stack.wait_ms = 1000 * a.plurai_wait_share * ttft
+            wait_bounds[name] = round(stack.wait_ms or Settings().top_lane_wait_ms)
         print(f"{name}: starting {a.k} engines", file=sys.stderr)
         t = time.monotonic()
         try:
@@ -1110,7 +1145,7 @@ def main() -> None:
         "plurai_env": PLURAI_ENV,
         "plurai_top_lane_tpot_ms": tpot_targets,
         "plurai_prefill_backlog_tokens": Settings().prefill_backlog_tokens,
-        "plurai_top_lane_wait_ms": Settings().top_lane_wait_ms,
+        "plurai_top_lane_wait_ms": wait_bounds,
         "workload": {
             "prompt": a.prompt,
             "output": a.output,

@@ -181,7 +181,8 @@ class Settings(_Sourced):
     # Lower lanes yield to the top lane's speed (gpu_workers/pace.py): while a top-lane job
     # ran on a worker within the last 10 s, it takes lower-lane entries only while the top
     # lane's time per output token stays within this many times its unloaded time, and
-    # none while one of its top-lane prompts has no token yet. 0: both off.
+    # none while one of its top-lane prompts has no token yet. 0: both off. With a
+    # top-lane target (top_lane_tpot_ms) the target bounds the lower lanes instead.
     top_lane_slowdown: float = Field(default=3.0, ge=0)
     # The top lane's target time per output token (ms), your latency objective less a
     # margin: while a worker's top-lane tokens come slower than this, it starts no new job
@@ -192,7 +193,9 @@ class Settings(_Sourced):
     # The longest a top-lane request waits in the queue for that target: while no worker
     # takes new work, one whose lane's oldest entry has waited this long takes that entry
     # all the same (at most one per poll_ms), so holding work back never costs a request
-    # more than this of its time to first token. 0: no bound.
+    # more than this of its time to first token. Set it under your TTFT objective, less a
+    # prompt's compute under load: a request held past its objective misses it anyway.
+    # 0: no bound.
     top_lane_wait_ms: float = Field(default=500.0, ge=0, allow_inf_nan=False)
     # Pull only what the engine can start soon: a worker takes a new request only while the
     # prompt tokens its engine holds not yet computed, plus the new prompt, stay within

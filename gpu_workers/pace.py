@@ -19,6 +19,9 @@ An operator who has a target for the top lane's time per token (their latency ob
 `target_s`) can hold every lane to it: while the recent time is over the target, a worker
 that runs top-lane jobs starts nothing new, so excess work waits in the queue (for a faster
 worker, or for this one's running jobs to finish) instead of slowing every running job.
+The target then replaces the slowdown as the lower lanes' bound: the operator has said how
+slow the top lane may get, and a gate at `slowdown` times the unloaded time, below it,
+would hold back batch work the engine had room for (docs/operations.md, "Top-lane target").
 """
 
 from __future__ import annotations
@@ -68,7 +71,12 @@ class Pace:
             self.unloaded_s, self.unloaded_at_s = self.unloaded_s * DRIFT, now
 
     def lower_lanes_open(self, now: float) -> bool:
-        if self.slowdown <= 0 or not self.unloaded_s or now - self.top_seen_s > self.window_s:
+        """Whether the top lane's recent time per token leaves room for lower-lane work:
+        within `slowdown` times the unloaded time; with a target, always here, since the
+        worker holds every lane to the target itself (`over_target`)."""
+        if self.target_s > 0 or self.slowdown <= 0 or not self.unloaded_s:
+            return True
+        if now - self.top_seen_s > self.window_s:
             return True
         return self.tpot_s <= self.slowdown * self.unloaded_s
 

@@ -82,3 +82,18 @@ def test_the_target_is_crossed_by_the_recent_time_only() -> None:
     off = Pace(slowdown=3.0)
     feed(off, 0.0, 2.0, 5.0)
     assert not off.over_target()  # no target: never over
+
+
+def test_with_a_target_the_lower_lanes_yield_at_the_target_not_the_slowdown() -> None:
+    """An operator's target over slowdown x unloaded: lower lanes run up to the target
+    (over it, the worker holds every lane), not up to the slowdown's lower bound."""
+    p = Pace(slowdown=3.0, target_s=0.05)
+    t = feed(p, 0.0, 2.0, 0.013)  # unloaded: 13 ms a token, so 3x is 39 ms
+    t = feed(p, t, 2.0, 0.045)  # 45 ms: over 3x the unloaded time, under the target
+    assert p.lower_lanes_open(t) and not p.over_target()
+    t = feed(p, t, 2.0, 0.06)
+    assert p.over_target()  # the worker holds every lane now
+    no_target = Pace(slowdown=3.0)
+    t = feed(no_target, 0.0, 2.0, 0.013)
+    t = feed(no_target, t, 2.0, 0.045)
+    assert not no_target.lower_lanes_open(t)

@@ -291,6 +291,16 @@ def test_load_finds_the_sweeps_the_flood_and_the_pull_budget(tmp_path) -> None:
     assert len(m.requests("plurai-vllm", "flood")) == 1
     write_folder(tmp_path / "b", {"sweep@1.0": [0.0]}, budget=256)
     assert ps.load(tmp_path / "b", budget=2048).budget == 256
+    # the top-lane target and its wait bound: per Plurai stack, or one number (older runs)
+    for name, wait in (("d", {"plurai-vllm": 105}), ("e", 500)):
+        write_folder(tmp_path / name, {"sweep@1.0": [0.0]})
+        out = json.loads((tmp_path / name / "out.json").read_text().splitlines()[1])
+        out["plurai_top_lane_tpot_ms"] = {"plurai-vllm": 24}
+        out["plurai_top_lane_wait_ms"] = wait
+        (tmp_path / name / "out.json").write_text(json.dumps(out) + "\n")
+    assert ps.load(tmp_path / "d").target_s == pytest.approx(0.024)
+    assert ps.load(tmp_path / "d").wait_s == pytest.approx(0.105)
+    assert ps.load(tmp_path / "e").wait_s == pytest.approx(0.5)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "out.json").write_text("")
     with pytest.raises(ValueError, match="has not finished"):

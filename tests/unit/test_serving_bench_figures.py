@@ -8,6 +8,8 @@ import json
 import math
 import random
 import statistics
+import subprocess
+import sys
 from collections import defaultdict
 from dataclasses import asdict
 from itertools import pairwise
@@ -500,6 +502,18 @@ def test_bound_peers_run_wholly_on_their_engines_core(tmp_path: Path) -> None:
     assert cmd[:3] == ["taskset", "-c", str(bound.core(1))] and "serve" in cmd
 
 
+def test_a_plurai_stack_gives_its_workers_the_operators_targets(tmp_path: Path) -> None:
+    from bench.serving import EngineSpec, PluraiStack
+
+    spec = EngineSpec(model=tmp_path, name="m", dtype="bfloat16", max_model_len=768)
+    stack = PluraiStack("vllm", spec, 2, tmp_path)
+    _, env = stack.engine_cmd(0)
+    assert "PLURAI_TOP_LANE_TPOT_MS" not in env and "PLURAI_TOP_LANE_WAIT_MS" not in env
+    stack.tpot_ms, stack.wait_ms = 24.4, 105.2
+    _, env = stack.engine_cmd(0)
+    assert env["PLURAI_TOP_LANE_TPOT_MS"] == "24" and env["PLURAI_TOP_LANE_WAIT_MS"] == "105"
+
+
 def test_a_results_file_line_with_the_stacks_record_reads_back() -> None:
     # bench/serving.py writes each result with what the job's record says beside it
     row = {
@@ -513,3 +527,30 @@ def test_a_results_file_line_with_the_stacks_record_reads_back() -> None:
     got = Result.from_row(json.loads(json.dumps(row)))
     assert got == Result("r1", "batch", 1.0, 1.5, 3.0, 8, True, None, 200, 128)
     assert got.ttft == pytest.approx(0.5)
+
+
+def test_a_bench_scripts_folder_shadows_nothing_transformers_imports() -> None:
+    # `python bench/serving.py` puts bench/ first on sys.path: a file there named like a
+    # package transformers probes for (bench/kernels.py against `kernels`) broke making the
+    # bench model on a fresh clone
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    code = "import transformers; from transformers import LlamaConfig, Qwen3Config"
+    run = subprocess.run([sys.executable, "-c", code], cwd=bench, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_later_run_takes_an_earlier_runs_slos(tmp_path: Path) -> None:
+    from bench.serving import slos_from
+
+    slos = {
+        "interactive": {"ttft_s": 0.5, "tpot_s": 0.08, "e2e_s": None},
+        "batch": {"ttft_s": None, "tpot_s": None, "e2e_s": 6.2},
+    }
+    out = tmp_path / "out.json"
+    out.write_text("progress\n" + json.dumps({"slos": slos, "stacks": {}}) + "\n")
+    got = slos_from(str(out))
+    assert got["interactive"] == Slo(ttft_s=0.5, tpot_s=0.08)
+    assert got["batch"] == Slo(e2e_s=6.2)
+    out.write_text('{"stacks": {}}\n')  # a run that did not finish
+    with pytest.raises(SystemExit, match="no SLOs of a finished run"):
+        slos_from(str(out))
