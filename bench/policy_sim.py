@@ -815,8 +815,10 @@ def load(folder: str | Path, budget: int = 512) -> Measured:
     # the top-lane target and its wait bound, where the run gave them (runs before the
     # bound: none)
     target = (out.get("plurai_top_lane_tpot_ms") or {}).get("plurai-vllm", 0) / 1000
-    wait = out.get("plurai_top_lane_wait_ms") or 0  # per stack; one number before
-    wait = (wait.get("plurai-vllm", 0) if isinstance(wait, dict) else wait) / 1000
+    waits = out.get("plurai_top_lane_wait_ms") or {}
+    if not isinstance(waits, dict):  # one number, before it was given per stack
+        waits = {"plurai-vllm": waits}
+    wait = waits.get("plurai-vllm", 0) / 1000
     return Measured(str(folder), out, work, res, budget, block, target, wait)
 
 
