@@ -36,7 +36,8 @@ stall while kernels are built for their shapes):
   --scales multiple of the calibrated capacity; goodput is the highest offered rate whose
   requests met their lane's SLO in >= 90% of cases (with --repeats R, the sweep goes round R
   times with other seeds and a load's attainment pools its rounds: one 40 s gamma run is a few
-  bursts, and where they fall decides it). The capacity (--capacity, else measured
+  bursts, and where they fall decides it; each round runs every stack in turn, restarting
+  it, so that a slow stretch of the shared machine does not land on the last stack alone). The capacity (--capacity, else measured
   once on the first stack with a saturating burst) is the same for every stack.
 - flood: steady interactive traffic at 0.5x capacity with a burst of batch extraction on top;
   the interactive lane's TTFT p99 is the figure.
@@ -279,6 +280,8 @@ class PluraiStack(Stack):
         self.queue_waits: dict[str, dict[str, int | None]] = {}
 
     def start(self) -> None:
+        # a fresh queue at each start: an earlier round's jobs are not this one's
+        shutil.rmtree(self.redis.data_dir, ignore_errors=True)
         self.url = self.redis.start()
         self.r = redis.Redis.from_url(self.url)
         if self.tier:  # a cache, deployed as docs/operations.md says: a Redis of its own,
@@ -522,6 +525,15 @@ class RouterStack(Stack):
             end(self.front)
         for p in self.engines:
             end(p, signal.SIGTERM, 60)
+
+
+def rounds(stacks: list[str], scenarios: list[str], repeats: int) -> list[tuple[int, str]]:
+    """The order of the stacks' starts, (round, stack): with --repeats R the sweep goes round
+    R times, and each round runs every stack in turn (a stack restarts for each), so a slow
+    stretch of the shared machine lands on every stack's rounds, not on the last stack's
+    alone. The other scenarios run in the first round."""
+    n = max(1, repeats) if "sweep" in scenarios else 1
+    return [(r, name) for r in range(n) for name in stacks]
 
 
 def make_stack(name: str, spec: EngineSpec, k: int, logs: Path) -> Stack:
@@ -789,18 +801,16 @@ class Bench:
         self.capacity = round(sf.saturated_rate(ends), 3) if ends else 0.1
         print(f"  capacity {self.capacity} req/s ({len(ends)} requests)", file=sys.stderr)
 
-    def run_sweep(self, stack: Stack) -> list[Run]:
+    def run_sweep(self, stack: Stack, rep: int = 0) -> list[Run]:
+        """Round `rep` of the sweep: every load once, with the round's seeds."""
         assert self.capacity is not None
         runs = []
-        # repeats go round the whole sweep again with other seeds (rounds, not back to back:
-        # a slow minute of the machine then lands on several loads, not on one)
-        for rep in range(self.a.repeats):
-            for i, scale in enumerate(self.a.scales):
-                seed = self.a.seed + 1 + i + 1000 * rep
-                cfg = self.config(rate=self.capacity, scale=scale, seed=seed)
-                name = f"sweep@{scale}" + (f"#{rep}" if rep else "")
-                reqs = self.workload(name.replace("@", "-"), cfg)
-                runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
+        for i, scale in enumerate(self.a.scales):
+            seed = self.a.seed + 1 + i + 1000 * rep
+            cfg = self.config(rate=self.capacity, scale=scale, seed=seed)
+            name = f"sweep@{scale}" + (f"#{rep}" if rep else "")
+            reqs = self.workload(name.replace("@", "-"), cfg)
+            runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
         return runs
 
     def run_flood(self, stack: Stack) -> list[Run]:
@@ -1088,7 +1098,9 @@ def main() -> None:
     tpot_targets: dict[str, int] = {}  # PLURAI_TOP_LANE_TPOT_MS of each Plurai stack given one
     wait_bounds: dict[str, int] = {}  # and its PLURAI_TOP_LANE_WAIT_MS
     started = time.monotonic()
-    for name in stacks:
+    for rnd, name in rounds(stacks, scenarios, a.repeats):
+        if name in failed:
+            continue
         stack = make_stack(name, spec, a.k, work / name)
         slo = bench.slos and bench.slos[INTERACTIVE].tpot_s
         if isinstance(stack, PluraiStack) and slo and a.plurai_tpot_share > 0:
@@ -1098,7 +1110,7 @@ def main() -> None:
             if ttft and a.plurai_wait_share > 0:
                 stack.wait_ms = 1000 * a.plurai_wait_share * ttft
             wait_bounds[name] = round(stack.wait_ms or Settings().top_lane_wait_ms)
-        print(f"{name}: starting {a.k} engines", file=sys.stderr)
+        print(f"{name}: starting {a.k} engines (round {rnd})", file=sys.stderr)
         t = time.monotonic()
         try:
             stack.start()
@@ -1111,7 +1123,7 @@ def main() -> None:
         print(f"{name}: ready in {stack.start_s:.0f}s", file=sys.stderr)
         try:
             bench.warm_up(stack)
-            if "idle" in scenarios:
+            if rnd == 0 and "idle" in scenarios:
                 bench.run_idle(stack)
             if bench.slos is None:
                 bench.slos = {
@@ -1120,10 +1132,12 @@ def main() -> None:
                 }
             if bench.capacity is None:
                 bench.calibrate(stack)
-            runs[name] = []
+            done = runs.setdefault(name, [])
             for sc in scenarios:
-                if sc != "idle":
-                    runs[name] += getattr(bench, f"run_{sc}")(stack)
+                if sc == "sweep":
+                    done += bench.run_sweep(stack, rnd)
+                elif sc != "idle" and rnd == 0:
+                    done += getattr(bench, f"run_{sc}")(stack)
         finally:
             stack.stop()
     assert bench.slos is not None

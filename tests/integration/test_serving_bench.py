@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.serving import EngineSpec, PluraiStack, replay
 from bench.serving_figures import Slo, stack_figures
 from bench.serving_workload import BATCH, INTERACTIVE, Tokens, WorkloadConfig, generate
+from broker_config import keys
 
 
 def test_the_bench_replays_a_workload_through_a_plurai_stack(tiny_model: Path, tmp_path: Path):
@@ -41,5 +42,18 @@ def test_the_bench_replays_a_workload_through_a_plurai_stack(tiny_model: Path, t
         # requests on a shared system prompt were served partly from a cache
         assert figures["interactive"]["cached_tokens"] > 0
         assert sum(stack.cpu()["engines"].values()) > 0
+        assert jobs(stack)
     finally:
         stack.stop()
+    # the stack restarted, as for the bench's next round: an empty queue, not the last one's
+    again = PluraiStack("native", spec, 1, tmp_path)
+    again.start()
+    try:
+        assert not jobs(again)
+    finally:
+        again.stop()
+
+
+def jobs(stack: PluraiStack) -> list[bytes]:
+    assert stack.r is not None
+    return [k for k in stack.r.scan_iter(count=1000) if keys.job_of(k)]

@@ -554,3 +554,21 @@ def test_a_later_run_takes_an_earlier_runs_slos(tmp_path: Path) -> None:
     out.write_text('{"stacks": {}}\n')  # a run that did not finish
     with pytest.raises(SystemExit, match="no SLOs of a finished run"):
         slos_from(str(out))
+
+
+def test_each_round_of_the_sweep_runs_every_stack_in_turn() -> None:
+    from bench.serving import rounds
+
+    stacks = ["round_robin", "cache_aware", "plurai-vllm"]
+    # a slow stretch of the machine lands on every stack's rounds, not on the last stack's
+    assert rounds(stacks, ["idle", "sweep"], 2) == [
+        (0, "round_robin"),
+        (0, "cache_aware"),
+        (0, "plurai-vllm"),
+        (1, "round_robin"),
+        (1, "cache_aware"),
+        (1, "plurai-vllm"),
+    ]
+    # without a sweep there is nothing to go round again
+    assert rounds(stacks, ["idle", "flood", "kill"], 3) == [(0, s) for s in stacks]
+    assert rounds(stacks[:1], ["sweep"], 0) == [(0, "round_robin")]
