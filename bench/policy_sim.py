@@ -82,8 +82,9 @@ Then fleets of --sizes engines at --scales of the simulated capacity per engine 
 the capacity is measured in the simulation as bench/serving.py measures the real one (a
 saturating burst of about 12 requests per engine, its third quarter of completions / its
 end, pulling); the measured run's is reported beside the simulated one at K = 2 (the median
-of 5 bursts: one of 24 requests moves by 2x from one seed to the next). Figures (p50/p99, SLO attainment, goodput) are
-bench/serving_figures.py's own. The last line is one JSON object.
+of 5 bursts: one of 24 requests moves by 2x from one seed to the next). Figures (p50/p99,
+SLO attainment, goodput) are bench/serving_figures.py's own. The last line is one JSON
+object.
 """
 
 from __future__ import annotations

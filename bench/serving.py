@@ -37,8 +37,9 @@ stall while kernels are built for their shapes):
   requests met their lane's SLO in >= 90% of cases (with --repeats R, the sweep goes round R
   times with other seeds and a load's attainment pools its rounds: one 40 s gamma run is a few
   bursts, and where they fall decides it; each round runs every stack in turn, restarting
-  it, so that a slow stretch of the shared machine does not land on the last stack alone). The capacity (--capacity, else measured
-  once on the first stack with a saturating burst) is the same for every stack.
+  it, so that a slow stretch of the shared machine does not land on the last stack alone).
+  The capacity (--capacity, else measured once on the first stack with a saturating burst)
+  is the same for every stack.
 - flood: steady interactive traffic at 0.5x capacity with a burst of batch extraction on top;
   the interactive lane's TTFT p99 is the figure.
 - add: a K+1th engine started at a third of the run under 1.2x capacity, arrivals going on
