@@ -739,14 +739,13 @@ def prefill(reqs: list[Req]) -> dict[str, int]:
     }
 
 
-def p_ttft_s(res: list[sf.Result], p: float, lane: str = "interactive") -> float | None:
-    """The p-th percentile of the lane's TTFT in seconds; None with no values."""
-    v = sf.percentile([r.ttft for r in res if r.lane == lane and r.ttft is not None], p)
-    return None if math.isnan(v) else round(v, 4)
-
-
-def p_tpot_s(res: list[sf.Result], p: float, lane: str = "interactive") -> float | None:
-    v = sf.percentile([r.tpot for r in res if r.lane == lane and r.tpot is not None], p)
+def p_ttft_s(
+    res: list[sf.Result], p: float, lane: str = "interactive", name: str = "ttft"
+) -> float | None:
+    """The p-th percentile of the lane's TTFT (or `name`: "tpot") in seconds; None with no
+    values."""
+    xs = [x for r in res if r.lane == lane and (x := getattr(r, name)) is not None]
+    v = sf.percentile(xs, p)
     return None if math.isnan(v) else round(v, 4)
 
 
@@ -847,11 +846,6 @@ def slos_of(m: Measured) -> dict[str, sf.Slo]:
     return {lane: sf.Slo(**v) for lane, v in m.out["slos"].items()}
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
-
-
 def first_guess(m: Measured, share: float = 0.5) -> Constants:
     """Constants from the run's idle figures (one request at a time, nothing waiting): the
     routers' median TPOT is a + c (c `share` of it: the idle run cannot tell them apart, a
@@ -867,10 +861,10 @@ def first_guess(m: Measured, share: float = 0.5) -> Constants:
         return replace(DEFAULTS, noise_sd=0.0)
 
     def ms(figs: list[dict], lane: str, name: str) -> float:
-        return _median([f[lane][name] for f in figs]) / 1000
+        return sf.percentile([f[lane][name] for f in figs], 50) / 1000
 
-    chat = max(1.0, _median(lanes["interactive"]) - m.block)
-    doc = _median(lanes["batch"])
+    chat = max(1.0, sf.percentile(lanes["interactive"], 50) - m.block)
+    doc = sf.percentile(lanes["batch"], 50)
     ttft = ms(routers, "interactive", "ttft_p50_ms")
     extra = ms(routers, "batch", "ttft_p50_ms") - ttft
     b = extra / (doc - chat) if doc > chat and extra > 0 else DEFAULTS.b_s
@@ -928,7 +922,7 @@ def figures_error(m: Measured, k: Constants, seeds: int = FIT_SEEDS) -> float:
             pairs = [
                 (p_ttft_s(sim, 99), p_ttft_s(measured, 99), 1.0),
                 (p_ttft_s(sim, 50), p_ttft_s(measured, 50), 0.5),
-                (p_tpot_s(sim, 50), p_tpot_s(measured, 50), 0.5),
+                (p_ttft_s(sim, 50, name="tpot"), p_ttft_s(measured, 50, name="tpot"), 0.5),
             ]
             err += sum(w * math.log(x / y) ** 2 for x, y, w in pairs if x and y)
             miss = sf.attainment(sim, slos) - sf.attainment(measured, slos)
@@ -1270,7 +1264,7 @@ def main() -> None:
     k2 = [capacity(2, k, a.seed + i, **kw) for i in range(CAPACITY_SEEDS)]
     out["capacity_per_engine_req_s"] = {
         "measured": round(measured, 4),
-        "simulated_k2": round(_median(k2), 4),
+        "simulated_k2": round(sf.percentile(k2, 50), 4),
         "simulated_k2_seeds": k2,
     }
     out["pull_budget"], out["lookahead"] = a.pull_budget, a.lookahead
