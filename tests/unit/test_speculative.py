@@ -71,6 +71,20 @@ def test_row_cost_is_the_slope_over_the_time_per_token() -> None:
     assert row_cost([(4, 0.02, 4), (8, 0.01, 8)]) == 0.0  # time fell as rows grew
 
 
+def test_the_row_cost_is_refitted_every_few_steps(monkeypatch) -> None:
+    """A fit compares every two steps of the window: done at every step, it cost a small
+    model's decode step a third of its time (once the window was full)."""
+    from gpu_workers.engine import speculator
+
+    fits = []
+    monkeypatch.setattr(speculator, "row_cost", lambda steps: fits.append(len(steps)) or 0.5)
+    spec = Speculator(EngineConfig(model="x"), max_model_len=1000)
+    for i in range(10 * speculator.WINDOW):
+        spec.observe(1 + i % 3, 0.001, 1, 1)
+    assert len(fits) == 10 * speculator.WINDOW // speculator.REFIT
+    assert max(fits) == speculator.WINDOW and spec.need == 0.5
+
+
 def test_proposals_only_while_they_pay(monkeypatch) -> None:
     """A sequence proposes its j-th token while acceptance^j reaches the needed share;
     one that cannot pays a pause (doubling), then tries one token."""
