@@ -3,11 +3,13 @@ without, on the same requests; vLLM's CPU build with its own n-gram speculation 
 where it runs it.
 
     python bench/speculative.py [--dtype fp32|bf16] [--k 4] [--runs 3] [--requests 32]
-        [--doc-size small] [--draft-size tiny] [--train-steps 600] [--skip-vllm]
+        [--doc-size small] [--draft-size tiny] [--train-steps 3000] [--copy-share 0.75]
+        [--skip-vllm]
 
 Workloads (greedy, EOS ignored, so every run makes the same tokens):
-- documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps),
-  asked to copy a passage it was just given (the passage, a blank line, its first words:
+- documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps;
+  a --copy-share of its windows are paragraphs written twice, so that it learns to copy
+  from its context, as a real model does when asked to quote or extract), asked to copy a passage it was just given (the passage, a blank line, its first words:
   the answer goes on with the passage) and to continue a passage the book holds further on
   (the prompt quotes the book up to a point, then quotes it again from an earlier point:
   the continuation is in the prompt). The output reuses the input, as in extraction,
@@ -21,7 +23,8 @@ Workloads (greedy, EOS ignored, so every run makes the same tokens):
 Figures per workload: single stream (one request at a time: decode tok/s, from each
 request's first token to its last) and batch (--requests at once: output tok/s); the share
 of proposed tokens accepted. vLLM: batch only (its offline `generate`), same requests.
-The last line is one JSON object with the ISA.
+The last line is one JSON object with the ISA and the device (on a GPU the engine runs
+there, and a small model's step costs its kernel launches more than its rows).
 """
 
 from __future__ import annotations
@@ -42,14 +45,19 @@ from bench.throughput import vllm_peer, vllm_python  # noqa: E402
 from bench.workload import Request, bench_model, cpu_isa, mixed  # noqa: E402
 
 
-def doc_model(size: str, steps: int) -> Path:
+def doc_model(size: str, steps: int, copy_share: float) -> Path:
     """Trained for a number of steps, not seconds, so that every machine makes the same
-    model (made once; cached under models/)."""
+    model (made once; cached under models/). A share of its training windows are paragraphs
+    written twice: a model trained on the book alone continues a passage from what it
+    remembers of the book, not from the prompt, and copies no field out of a document."""
     from gpu_workers.models.factory import make_model
     from gpu_workers.models.train import TrainConfig
 
-    cfg = TrainConfig(steps=steps, seconds=24 * 3600.0, context=192)
-    return make_model(ROOT / "models" / f"{size}-llama-book-{steps}", size=size, train=cfg)
+    cfg = TrainConfig(
+        steps=steps, seconds=24 * 3600.0, context=192, chat_share=0.0, copy_share=copy_share
+    )
+    name = f"{size}-llama-book-{steps}" + (f"-copy{copy_share:g}" if copy_share else "")
+    return make_model(ROOT / "models" / name, size=size, train=cfg)
 
 
 def documents(model: Path, n: int, max_tokens: int, seed: int = 0) -> list[Request]:
@@ -159,12 +167,15 @@ def main() -> None:
     # one learns it in ~2 minutes (made once, under models/)
     ap.add_argument("--doc-size", default="small", help="the documents' model: a factory size")
     ap.add_argument("--draft-size", default="tiny", help="the draft model's factory size")
-    ap.add_argument("--train-steps", type=int, default=600, help="their training on the book")
+    ap.add_argument("--train-steps", type=int, default=3000, help="their training on the book")
+    ap.add_argument(
+        "--copy-share", type=float, default=0.75, help="share of their training that copies"
+    )
     ap.add_argument("--skip-vllm", action="store_true")
     a = ap.parse_args()
     started = time.monotonic()
-    book = doc_model(a.doc_size, a.train_steps)
-    draft = doc_model(a.draft_size, a.train_steps)
+    book = doc_model(a.doc_size, a.train_steps, a.copy_share)
+    draft = doc_model(a.draft_size, a.train_steps, a.copy_share)
     rand = bench_model()
     from transformers import AutoConfig
 
@@ -178,8 +189,12 @@ def main() -> None:
         ),
         "random": (rand, mixed(a.requests, vocab, 0), ngram),
     }
-    out: dict = {"bench": "speculative", "isa": cpu_isa(), "dtype": a.dtype, "k": a.k}
-    out["draft_model"] = f"{a.draft_size}-llama-book-{a.train_steps}"
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    out: dict = {"bench": "speculative", "isa": cpu_isa(), "device": gpu or "cpu"}
+    out |= {"dtype": a.dtype, "k": a.k}
+    out |= {"doc_model": book.name, "draft_model": draft.name}
     for name, (model, reqs, specs) in work.items():
         fig: dict = {"requests": len(reqs), "output_tokens": sum(r.max_tokens for r in reqs)}
         modes = {"off": "off"} | specs

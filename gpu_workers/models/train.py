@@ -5,6 +5,8 @@ words rather than random bytes.
 Next-token cross-entropy with AdamW on random windows of the text, on the CPU. A share of
 the windows come from the text laid out as chats (consecutive paragraphs as user and
 assistant turns, in the factory's chat template), so that chat prompts get answers.
+Another share (`copy_share`, none by default) are paragraphs written twice, so that the
+model learns to copy from its context, as extraction and quoting ask of a real one.
 The run is deterministic for a seed (one CPU thread) on any machine fast enough for its
 steps in its time budget; a slower one trains fewer steps, fitted to the time left.
 """
@@ -38,6 +40,7 @@ class TrainConfig:
     warmup: int = 20
     weight_decay: float = 0.01
     chat_share: float = 0.25  # share of each batch taken from the text laid out as chats
+    copy_share: float = 0.0  # share taken from paragraphs each written twice
     # the random models' wide init (initializer_range 0.2 for "tiny") trains slowly
     init_std: float = 0.02
 
@@ -48,6 +51,8 @@ class TrainConfig:
             raise ValueError(f"seconds must be positive, got {self.seconds}")
         if not 0 <= self.chat_share <= 1:
             raise ValueError(f"chat_share must be in [0, 1], got {self.chat_share}")
+        if not 0 <= self.copy_share <= 1 - self.chat_share:
+            raise ValueError(f"copy_share must be in [0, 1 - chat_share], got {self.copy_share}")
 
 
 # the step after which the pace is measured, and the steps fitted to the time left
@@ -82,10 +87,11 @@ def paragraphs(text: str) -> list[str]:
     return [p for p in paras if p]
 
 
-def token_streams(tok: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text as two token sequences: plain (paragraphs apart by blank lines), and as
-    short chats (consecutive paragraphs as user and assistant turns, in the chat template).
-    Kept apart, so that a text prompt is not continued with chat markup."""
+def token_streams(tok: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The text as three token sequences: plain (paragraphs apart by blank lines), as
+    short chats (consecutive paragraphs as user and assistant turns, in the chat template),
+    and copies (each paragraph, a blank line, the same paragraph again). Kept apart, so
+    that a text prompt is not continued with chat markup."""
     paras = paragraphs(corpus_text())
     rng = random.Random(seed)
     chats, i = [], 0
@@ -101,7 +107,8 @@ def token_streams(tok: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     def ids(text: str) -> torch.Tensor:
         return torch.tensor(tok(text).input_ids, dtype=torch.long)
 
-    return ids("".join(p + "\n\n" for p in paras)), ids("".join(chats))
+    plain = ids("".join(p + "\n\n" for p in paras))
+    return plain, ids("".join(chats)), ids("".join(f"{p}\n\n{p}\n\n" for p in paras))
 
 
 def _windows(
@@ -135,9 +142,13 @@ def train(
 def _train(
     model: torch.nn.Module, tok: Any, cfg: TrainConfig, seed: int, deadline: float
 ) -> TrainResult:
-    plain, chats = token_streams(tok, seed)
+    plain, chats, copies = token_streams(tok, seed)
     gen = torch.Generator().manual_seed(seed)
     n_chat = round(cfg.batch * cfg.chat_share)
+    n_copy = round(cfg.batch * cfg.copy_share)
+    parts = [(plain, cfg.batch - n_chat - n_copy), (chats, n_chat)]
+    if n_copy:  # drawn after the others: a model without copies trains as it always did
+        parts.append((copies, n_copy))
     held = _windows(plain, 32, cfg.context, torch.Generator().manual_seed(seed + 1))
     decay = [p for p in model.parameters() if p.dim() > 1]
     other = [p for p in model.parameters() if p.dim() <= 1]
@@ -168,12 +179,7 @@ def _train(
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = map(
-            torch.cat,
-            zip(
-                _windows(plain, cfg.batch - n_chat, cfg.context, gen),
-                _windows(chats, n_chat, cfg.context, gen),
-                strict=True,
-            ),
+            torch.cat, zip(*(_windows(s, n, cfg.context, gen) for s, n in parts), strict=True)
         )
         loss = _loss(model, x, y)
         opt.zero_grad(set_to_none=True)

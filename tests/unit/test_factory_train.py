@@ -140,3 +140,32 @@ def test_cli_train(tmp_path, capsys):
     assert factory.cli(p.parse_args([str(tmp_path / "d"), "--train-steps", "2"])) == 2
     assert "go with --train" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_copy_windows_are_paragraphs_written_twice():
+    """copy_share draws windows from each paragraph followed by itself: what teaches a
+    model to copy from its context (bench/speculative.py's documents)."""
+    from gpu_workers.models.factory import make_tokenizer
+    from gpu_workers.models.train import paragraphs, token_streams
+
+    tok = make_tokenizer(2048, 0, "text")
+    plain, _, copies = token_streams(tok, 0)
+    text = tok.decode(copies.tolist())
+    paras = paragraphs(corpus_text())
+    assert text.startswith(f"{paras[0]}\n\n{paras[0]}\n\n{paras[1]}\n\n{paras[1]}")
+    assert 1.9 < len(copies) / len(plain) < 2.1
+    with pytest.raises(ValueError, match="copy_share"):
+        TrainConfig(copy_share=0.8)  # with the default chat_share 0.25: over the whole
+    TrainConfig(copy_share=0.75)
+    TrainConfig(copy_share=1.0, chat_share=0.0)
+
+
+def test_copies_change_the_model_and_its_cache_key(tmp_path):
+    plain = make_model(tmp_path / "a", train=TrainConfig(steps=3))
+    copying = make_model(tmp_path / "b", train=TrainConfig(steps=3, copy_share=0.5))
+    again = make_model(tmp_path / "c", train=TrainConfig(steps=3, copy_share=0.5))
+    key = json.loads((copying / FACTORY_FILE).read_text())["key"]
+    assert key != json.loads((plain / FACTORY_FILE).read_text())["key"]
+    weights = "model.safetensors"
+    assert (plain / weights).read_bytes() != (copying / weights).read_bytes()
+    assert (copying / weights).read_bytes() == (again / weights).read_bytes()
