@@ -9,8 +9,9 @@ where it runs it.
 Workloads (greedy, EOS ignored, so every run makes the same tokens):
 - documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps;
   a --copy-share of its windows are paragraphs written twice, so that it learns to copy
-  from its context, as a real model does when asked to quote or extract), asked to copy a passage it was just given (the passage, a blank line, its first words:
-  the answer goes on with the passage) and to continue a passage the book holds further on
+  from its context, as a real model does when asked to quote or extract), asked to copy a
+  passage it was just given (the passage, a blank line, its first words: the answer goes
+  on with the passage) and to continue a passage the book holds further on
   (the prompt quotes the book up to a point, then quotes it again from an earlier point:
   the continuation is in the prompt). The output reuses the input, as in extraction,
   quoting and rewriting.

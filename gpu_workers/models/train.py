@@ -145,7 +145,8 @@ def _train(
     plain, chats, copies = token_streams(tok, seed)
     gen = torch.Generator().manual_seed(seed)
     n_chat = round(cfg.batch * cfg.chat_share)
-    n_copy = round(cfg.batch * cfg.copy_share)
+    # where both shares round up (an odd batch) the copies give one back: plain never < 0
+    n_copy = min(round(cfg.batch * cfg.copy_share), cfg.batch - n_chat)
     parts = [(plain, cfg.batch - n_chat - n_copy), (chats, n_chat)]
     if n_copy:  # drawn after the others: a model without copies trains as it always did
         parts.append((copies, n_copy))

@@ -169,3 +169,10 @@ def test_copies_change_the_model_and_its_cache_key(tmp_path):
     weights = "model.safetensors"
     assert (plain / weights).read_bytes() != (copying / weights).read_bytes()
     assert (copying / weights).read_bytes() == (again / weights).read_bytes()
+
+
+def test_shares_that_both_round_up_still_fill_the_batch(tmp_path):
+    # 5 x 0.3 and 5 x 0.7 round to 2 and 4: one window more than the batch holds
+    cfg = TrainConfig(steps=2, batch=5, chat_share=0.3, copy_share=0.7)
+    out = make_model(tmp_path / "m", train=cfg)
+    assert json.loads((out / FACTORY_FILE).read_text())["steps"] == 2
