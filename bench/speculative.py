@@ -3,8 +3,8 @@ without, on the same requests; vLLM's CPU build with its own n-gram speculation 
 where it runs it.
 
     python bench/speculative.py [--dtype fp32|bf16] [--k 4] [--runs 3] [--requests 32]
-        [--doc-size small] [--draft-size tiny] [--train-steps 3000] [--copy-share 0.75]
-        [--skip-vllm]
+        [--doc-size small] [--draft-size tiny] [--train-steps 10000] [--copy-share 0.75]
+        [--max-tokens 0] [--skip-vllm]
 
 Workloads (greedy, EOS ignored, so every run makes the same tokens):
 - documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps;
@@ -14,7 +14,11 @@ Workloads (greedy, EOS ignored, so every run makes the same tokens):
   on with the passage) and to continue a passage the book holds further on
   (the prompt quotes the book up to a point, then quotes it again from an earlier point:
   the continuation is in the prompt). The output reuses the input, as in extraction,
-  quoting and rewriting.
+  quoting and rewriting. Quotes start and end between words, as a user's would: cut
+  mid-word, the small trained model loses its place (it writes other text from there,
+  leaving nothing to speculate on), which a real model does not. At 10,000 steps (the
+  default: ~40 and ~20 minutes of training on first use, one core each, then cached under
+  models/) both models copy these requests to their end; at 3,000, about half of it.
   A draft model proposes too: the factory's --draft-size Llama trained the same way (the
   sizes share the tokenizer).
 - random: bench/throughput.py's mixed workload on the random-weight bench model, where
@@ -63,7 +67,9 @@ def doc_model(size: str, steps: int, copy_share: float) -> Path:
 
 def documents(model: Path, n: int, max_tokens: int, seed: int = 0) -> list[Request]:
     """Half copy requests (a passage, then its first words), half continuations (the book
-    up to a point, then from an earlier point on)."""
+    up to a point, then from an earlier point on), cut between words. Each answers with
+    `max_tokens`, or with 0 the rest of its passage: where a real model would end its
+    quote (the trained model writes no EOS there: it goes on with the book)."""
     from transformers import AutoTokenizer
 
     from gpu_workers.models.train import corpus_text, paragraphs
@@ -75,13 +81,21 @@ def documents(model: Path, n: int, max_tokens: int, seed: int = 0) -> list[Reque
     for i in range(n):
         p = rng.choice(paras)
         if i % 2 == 0:
-            text = f"{p}\n\n{p[: len(p) // 5]}"
+            cut = _word_end(p, len(p) // 5)
+            text = f"{p}\n\n{p[:cut]}"
         else:
-            cut = len(p) // 2
-            text = f"{p}\n\n{p[cut // 3 : cut]}"
+            cut = _word_end(p, len(p) // 2)
+            text = f"{p}\n\n{p[_word_end(p, cut // 3) + 1 : cut]}"
         ids = tok(text, add_special_tokens=False).input_ids
-        out.append(Request(ids, max_tokens))
+        rest = len(tok(p[cut:], add_special_tokens=False).input_ids)
+        out.append(Request(ids, max_tokens or rest))
     return out
+
+
+def _word_end(p: str, i: int) -> int:
+    """Where the last word that ends at or before character i ends."""
+    j = p.rfind(" ", 0, i)
+    return j if j > 0 else i
 
 
 def run_native(model: Path, reqs: list[Request], dtype: str, spec: str, k: int, batch: bool):
@@ -163,12 +177,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs of each case; medians")
     ap.add_argument("--requests", type=int, default=32, help="requests of the batch cases")
     ap.add_argument("--single", type=int, default=8, help="requests of the single-stream cases")
-    ap.add_argument("--max-tokens", type=int, default=96, help="tokens out, documents")
-    # the bench size trains at ~10 s a step on one core: hours to learn the book; the small
-    # one learns it in ~2 minutes (made once, under models/)
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="tokens out, documents (0: each the rest of its passage, the answer's length)",
+    )
+    # the bench size trains at ~10 s a step on one core: days to learn to copy; the small
+    # one takes ~0.24 s a step (made once, under models/)
     ap.add_argument("--doc-size", default="small", help="the documents' model: a factory size")
     ap.add_argument("--draft-size", default="tiny", help="the draft model's factory size")
-    ap.add_argument("--train-steps", type=int, default=3000, help="their training on the book")
+    ap.add_argument("--train-steps", type=int, default=10000, help="their training on the book")
     ap.add_argument(
         "--copy-share", type=float, default=0.75, help="share of their training that copies"
     )
