@@ -18,7 +18,8 @@ Workloads (greedy, EOS ignored, so every run makes the same tokens):
   mid-word, the small trained model loses its place (it writes other text from there,
   leaving nothing to speculate on), which a real model does not. At 10,000 steps (the
   default: ~40 minutes of training on first use, the two models side by side, then
-  cached under models/) both models copy these requests to their end; at 3,000, about half of it.
+  cached under models/) both models copy these requests to their end; at 3,000, about
+  half of each.
   A draft model proposes too: the factory's --draft-size Llama trained the same way (the
   sizes share the tokenizer).
 - random: bench/throughput.py's mixed workload on the random-weight bench model, where
@@ -184,8 +185,8 @@ def main() -> None:
         default=0,
         help="tokens out, documents (0: each the rest of its passage, the answer's length)",
     )
-    # the bench size trains at ~10 s a step on one core: days to learn to copy; the small
-    # one takes ~0.24 s a step (made once, under models/)
+    # the bench size trains at ~10 s a step on one core: over a day to learn to copy; the
+    # small one takes ~0.23 s a step (made once, under models/)
     ap.add_argument("--doc-size", default="small", help="the documents' model: a factory size")
     ap.add_argument("--draft-size", default="tiny", help="the draft model's factory size")
     ap.add_argument("--train-steps", type=int, default=10000, help="their training on the book")
