@@ -132,11 +132,12 @@ class Intake:
                 return valid
             block = False  # invalid entries were handled: look again without waiting
 
-    def take_waited(self, wait_ms: int) -> list[Entry]:
-        """At most one top-lane entry, and only while the lane's oldest waiting entry has
-        waited `wait_ms` or longer: what a worker that holds new work (the top lane's
-        target) still takes, so that no top-lane request waits unboundedly for one."""
-        got = self._read(False, self.lanes[:1], 1, wait_ms)
+    def take_waited(self, wait_ms: int, lanes: list[str] | None = None) -> list[Entry]:
+        """At most one entry of `lanes` (the top lane by default), and only from a lane
+        whose oldest waiting entry has waited `wait_ms` or longer: what a worker that holds
+        new work (the top lane's target) still takes, so that no top-lane request waits
+        unboundedly for one, and the lower lanes keep their fair turn."""
+        got = self._read(False, lanes or self.lanes[:1], 1, wait_ms)
         return [e for e in (self._check(*g) for g in got) if e is not None]
 
     def _turn_order(self, count: int) -> tuple[list[str], int]:

@@ -80,6 +80,8 @@ class Worker:
         self._lower_open = True  # the pace gate's state, logged when it changes
         self._slow = False  # whether the top lane is over its target, logged when it changes
         self._next_waited = 0.0  # when to look for a top-lane entry waiting too long next
+        self._waited_takes = 0  # top-lane entries taken for their wait since a fair turn
+        self._fair: bytes | None = None  # the lower-lane entry a fair turn took in a hold
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         self._top_size = 0.0  # mean prompt plus max_tokens of the top lane's (moving)
         limits = settings.limits(engine.max_model_len - 1)
@@ -237,8 +239,8 @@ class Worker:
                 # new work waits in the queue while the top lane's tokens are slow, a
                 # top-lane entry no longer than top_lane_wait_ms
                 if not self.held or self.held[0].lane != top:
-                    self.held[:0] = self._waited_top()
-                if not self.held or self.held[0].lane != top:
+                    self.held[:0] = self._waited()
+                if not self.held or self.held[0].lane != top and not self._is_fair(self.held[0]):
                     return
             else:
                 room = self._backlog_room(self.engine.prompt_backlog)
@@ -265,7 +267,9 @@ class Worker:
                 if self._duplicate(entry, batch):
                     self.held.pop(0)
                     continue
-                if entry.lane != top and (slow or not self._room_below_top()):
+                if entry.lane != top and (
+                    slow and not self._is_fair(entry) or not self._room_below_top()
+                ):
                     break  # held until the top lane's reserve and pace allow it
                 if self.engine.has_unfinished() and not self._fits(req, entry.lane == top):
                     break
@@ -307,15 +311,29 @@ class Worker:
             )
         return slow
 
-    def _waited_top(self) -> list[Entry]:
+    def _waited(self) -> list[Entry]:
         """The top-lane entry that has waited top_lane_wait_ms in the queue, if one has
         (asked at most once per poll_ms): taken even while this worker is over the target,
-        since every worker may be."""
+        since every worker may be. Such takes say that holding new work does not bring the
+        top lane under its target (the fleet is behind on the top lane alone), so the
+        lower lanes get their fair turn in the hold too: after fair_every - 1 of them, the
+        next take is the oldest lower-lane entry, started over the target."""
         wait, now = self.settings.top_lane_wait_ms, time.monotonic()
         if wait <= 0 or now < self._next_waited:
             return []
         self._next_waited = now + self.settings.poll_ms / 1000
-        return self.intake.take_waited(round(wait))
+        every = self.settings.fair_every
+        if 0 < every <= self._waited_takes + 1 and len(self.lanes) > 1:
+            got = self.intake.take_waited(0, self.lanes[1:])
+            if got:
+                self._waited_takes, self._fair = 0, got[0].entry_id
+                return got
+        got = self.intake.take_waited(round(wait))
+        self._waited_takes += len(got)
+        return got
+
+    def _is_fair(self, entry: Entry) -> bool:
+        return entry.entry_id == self._fair
 
     def _startable(self, entry: Entry, room: int) -> bool:
         """Whether a held lower-lane entry may start now (`room`: _backlog_room's)."""

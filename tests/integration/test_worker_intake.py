@@ -375,6 +375,26 @@ def test_over_the_target_beside_lower_lane_jobs_the_top_lane_still_starts(redis_
         assert later not in [j for j, _ in engine.added]
 
 
+def test_in_a_hold_the_lower_lanes_keep_their_fair_turn(redis_url):
+    """Over the target, a worker that takes top-lane entries only because they waited past
+    their bound is not getting the top lane under it by holding work: after fair_every - 1
+    such takes, the next is the lower lanes' oldest entry, started over the target."""
+    with Client(redis_url) as client:
+        w, engine, first = over_target(
+            redis_url, client, top_lane_wait_ms=200, fair_every=2, top_lane_slowdown=0
+        )
+        batch = client.submit("b", lane="batch").id
+        late = client.submit("i", lane="interactive").id
+        time.sleep(0.25)
+        w._publish([token(first, 3)])  # still slow
+        assert w.pace.over_target()
+        w._fill()
+        assert [j for j, _ in engine.added] == [first, late]  # waited 250 ms: taken
+        w._next_waited = 0.0
+        w._fill()
+        assert [j for j, _ in engine.added] == [first, late, batch]  # the fair turn
+
+
 def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_url):
     """top_lane_wait_ms: a worker over the target still takes the top lane's entry once it
     has waited that long in the queue (every worker may be over it), and only that one:
