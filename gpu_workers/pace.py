@@ -18,7 +18,9 @@ are fast again or another worker with room takes it.
 An operator who has a target for the top lane's time per token (their latency objective,
 `target_s`) can hold every lane to it: while the recent time is over the target, a worker
 that runs top-lane jobs starts nothing new, so excess work waits in the queue (for a faster
-worker, or for this one's running jobs to finish) instead of slowing every running job.
+worker, or for this one's running jobs to finish) instead of slowing every running job;
+only a top-lane entry that has waited past its bound is taken, and among those takes the
+lower lanes keep their fair turn (worker.py, `_waited`).
 The target then replaces the slowdown as the lower lanes' bound: the operator has said how
 slow the top lane may get, and a gate at `slowdown` times the unloaded time, below it,
 would hold back batch work the engine had room for (docs/operations.md, "Top-lane target").
