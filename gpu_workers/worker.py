@@ -81,7 +81,7 @@ class Worker:
         self._slow = False  # whether the top lane is over its target, logged when it changes
         self._next_waited = 0.0  # when to look for a top-lane entry waiting too long next
         self._waited_takes = 0  # top-lane entries taken for their wait since a fair turn
-        self._fair: bytes | None = None  # the lower-lane entry a fair turn took in a hold
+        self._fair: Entry | None = None  # the lower-lane entry a fair turn took in a hold
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         self._top_size = 0.0  # mean prompt plus max_tokens of the top lane's (moving)
         limits = settings.limits(engine.max_model_len - 1)
@@ -240,7 +240,7 @@ class Worker:
                 # top-lane entry no longer than top_lane_wait_ms
                 if not self.held or self.held[0].lane != top:
                     self.held[:0] = self._waited()
-                if not self.held or self.held[0].lane != top and not self._is_fair(self.held[0]):
+                if not self.held or self.held[0].lane != top and self.held[0] is not self._fair:
                     return
             else:
                 room = self._backlog_room(self.engine.prompt_backlog)
@@ -268,7 +268,7 @@ class Worker:
                     self.held.pop(0)
                     continue
                 if entry.lane != top and (
-                    slow and not self._is_fair(entry) or not self._room_below_top()
+                    slow and entry is not self._fair or not self._room_below_top()
                 ):
                     break  # held until the top lane's reserve and pace allow it
                 if self.engine.has_unfinished() and not self._fits(req, entry.lane == top):
@@ -326,14 +326,11 @@ class Worker:
         if 0 < every <= self._waited_takes + 1 and len(self.lanes) > 1:
             got = self.intake.take_waited(0, self.lanes[1:])
             if got:
-                self._waited_takes, self._fair = 0, got[0].entry_id
+                self._waited_takes, self._fair = 0, got[0]
                 return got
         got = self.intake.take_waited(round(wait))
         self._waited_takes += len(got)
         return got
-
-    def _is_fair(self, entry: Entry) -> bool:
-        return entry.entry_id == self._fair
 
     def _startable(self, entry: Entry, room: int) -> bool:
         """Whether a held lower-lane entry may start now (`room`: _backlog_room's)."""
