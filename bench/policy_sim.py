@@ -19,19 +19,20 @@ KV room for prompt + max_tokens, and the prompts it holds with no token yet plus
 one fit the backlog bound B (--pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS; whole prompts,
 as the worker counts them, a top-lane request the top lane's only; one alone always
 fits); no lower-lane entry while a top-lane prompt it holds has no token yet (the
-worker's rule). With a top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS; --tpot-share of the
-SLO, or the measured run's), an engine whose top-lane tokens of the last second came slower
-than it, while top-lane sequences decode there, takes nothing of the lower lanes; of the
-top lane, it takes arrivals while lower-lane requests run on it (the worker's
-`_lower_running`), else only the head once that has waited --wait-share of the
-TTFT SLO (PLURAI_TOP_LANE_WAIT_MS), one a poll (50 ms). Engines that found the queue empty wait in
-line and the longest-waiting pulls first (a blocking stream read); the others pull again
-at the end of each step. --lookahead N lets a puller take, among
-the first N entries of the lane, the one with the most leading blocks on its device (an
-entry skipped N times is taken first). Prefix blocks on the engine's device are free;
-blocks in the fleet's shared pool (every pulling engine writes what it computed; LRU of
---pool-blocks) cost `pool_block_s` each, paid before the request joins the engine's
-waiting list; the rest is computed. Routers have no pool.
+worker's rule); every 8th take starts at the lower lanes (PLURAI_FAIR_EVERY). With a
+top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS; --tpot-share of the SLO, or the measured
+run's), an engine whose top-lane tokens of the last second came slower than it, while
+top-lane sequences decode there, takes nothing of the lower lanes; of the top lane, it
+takes arrivals while lower-lane requests run on it (the worker's `_lower_running`), else
+only the head once that has waited --wait-share of the TTFT SLO (PLURAI_TOP_LANE_WAIT_MS),
+one a poll (50 ms); after 7 such takes, the next is the lower lanes' head (their fair turn
+in the hold). Engines that found the queue empty wait in line and the longest-waiting
+pulls first (a blocking stream read); the others pull again at the end of each step.
+--lookahead N lets a puller take, among the first N entries of the lane, the one with the
+most leading blocks on its device (an entry skipped N times is taken first). Prefix blocks
+on the engine's device are free; blocks in the fleet's shared pool (every pulling engine
+writes what it computed; LRU of --pool-blocks) cost `pool_block_s` each, paid before the
+request joins the engine's waiting list; the rest is computed. Routers have no pool.
 
 Engines batch like vLLM: a step runs every decoding sequence (one token each), then
 prefill chunks of partly prefilled and then waiting sequences (waiting ordered by lane,
@@ -112,6 +113,7 @@ STEP_TOKENS = 2048  # vLLM's max_num_batched_tokens
 MAX_SEQS = 256
 PACE_S = 1.0  # the worker's pace sums the top lane's tokens of the last second
 POLL_S = 0.05  # PLURAI_POLL_MS: how often a slow worker looks for a waited top-lane entry
+FAIR_EVERY = 8  # PLURAI_FAIR_EVERY: every 8th take of a worker starts at the lower lanes
 KV_TOKEN_BYTES = 2 * 12 * 4 * 64 * 4  # bench-llama: K and V, 12 layers, 4 heads of 64, fp32
 KV_TOKENS = (1 << 30) // KV_TOKEN_BYTES  # 1 GiB per engine, as the serving bench runs it
 LANES = ("interactive", "batch")
@@ -383,6 +385,8 @@ class Engine:
     top_spent: float = 0.0
     top_made: int = 0
     next_waited: float = 0.0  # when a slow engine may look for a waited top-lane entry
+    takes: int = 0  # entries taken (a fair turn is every FAIR_EVERY-th)
+    waited_takes: int = 0  # top-lane entries taken for their wait since a fair turn
 
 
 class Sim:
@@ -574,13 +578,22 @@ class Sim:
         slow = self.slow(e)
         if slow and not e.lower:
             top = self.lanes[0]
-            if self.wait > 0 and now >= e.next_waited and top:
+            if self.wait > 0 and now >= e.next_waited:
                 e.next_waited = now + POLL_S
-                if now - top[0].arrival_s >= self.wait and self.fits(e, top[0]):
+                lower = next((q for q in self.lanes[1:] if q), None)
+                if FAIR_EVERY <= e.waited_takes + 1 and lower and self.startable(e, lower[0]):
+                    e.waited_takes = 0  # the lower lanes' fair turn inside the hold
+                    self.assign(e, lower.popleft(), now)
+                elif top and now - top[0].arrival_s >= self.wait and self.fits(e, top[0]):
+                    e.waited_takes += 1
                     self.assign(e, top.popleft(), now)
             return
-        lanes = self.lanes[:1] if slow else self.lanes
         while True:
+            lanes = self.lanes
+            if slow:
+                lanes = lanes[:1]
+            elif (e.takes + 1) % FAIR_EVERY == 0:
+                lanes = lanes[1:] + lanes[:1]  # the lower lanes' fair turn
             lane = next((q for q in lanes if q), None)
             if lane is None:
                 if slow:
@@ -598,11 +611,17 @@ class Sim:
             del lane[j]
             self.assign(e, r, now)
 
+    def startable(self, e: Engine, r: Req) -> bool:
+        """Whether lower-lane r may start on e: no top-lane prompt without its first token
+        there, and room (`fits`)."""
+        return not e.pending_top and self.fits(e, r)
+
     def assign(self, e: Engine, r: Req, now: float) -> None:
         limit = (r.prompt - 1) // self.block  # at least one token is computed
         dev = e.cache.leading(r.blocks, 0, limit)
         pool = self.pool.leading(r.blocks, dev, limit) if self.pool is not None else 0
         r.engine, r.device, r.pool = e.i, dev * self.block, pool * self.block
+        e.takes += 1
         r.left = r.prompt - r.device - r.pool
         r.reserved = -(-(r.prompt + r.max_tokens) // self.block)
         e.used += r.reserved

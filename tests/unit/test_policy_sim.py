@@ -160,6 +160,30 @@ def test_over_the_target_with_batch_running_a_chat_arrival_starts_at_once() -> N
     assert done[3].first_s > min(done[0].end_s, done[1].end_s)
 
 
+def test_every_eighth_take_starts_at_the_batch_lane() -> None:
+    """The worker's fair turn: with chats queued ahead of it, a batch entry is still the
+    8th entry an engine takes (once the chats' prompts have their first tokens)."""
+    chats = [req(i, 0.0) for i in range(10)]
+    batch = req(10, 0.0, lane="batch")
+    done = ps.simulate([*chats, batch], 1, "pull", K, pull_budget=0)
+    firsts = sorted(r.first_s for r in done[:10])
+    assert firsts[6] < done[10].first_s <= firsts[7]  # taken with the 8th-10th chats
+
+
+def test_in_a_hold_the_batch_lane_keeps_its_fair_turn() -> None:
+    """Over the top lane's target, chats are taken one a poll once they waited the bound;
+    after 7 of them the next take is the batch entry, long before the hold would end."""
+    running = req(0, 0.0, prompt=64, out=400)  # steps of 12 ms and more: over a 5 ms target
+    chats = [req(i, 0.5, prompt=64, out=400) for i in range(1, 11)]
+    batch = req(11, 0.5, prompt=64, lane="batch")
+    done = ps.simulate(
+        [running, *chats, batch], 1, "pull", K, pull_budget=2048, tpot_target_s=0.005, wait_s=0.01
+    )
+    firsts = sorted(r.first_s for r in done[1:11])
+    assert firsts[6] < done[11].first_s < firsts[7]
+    assert done[11].end_s < done[0].end_s
+
+
 def test_pull_budget_splits_a_burst_across_idle_engines() -> None:
     burst = [req(i, 0.0, prompt=400) for i in range(4)]
     spread = ps.simulate(burst, 4, "pull", K, pull_budget=512)
