@@ -107,13 +107,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench import serving_figures as sf  # noqa: E402
 from bench.serving_workload import arrival_times, flatten  # noqa: E402
+from broker_config.settings import Settings  # noqa: E402
 
 BLOCK = 16  # vLLM's block on a GPU
 STEP_TOKENS = 2048  # vLLM's max_num_batched_tokens
 MAX_SEQS = 256
 PACE_S = 1.0  # the worker's pace sums the top lane's tokens of the last second
 POLL_S = 0.05  # PLURAI_POLL_MS: how often a slow worker looks for a waited top-lane entry
-FAIR_EVERY = 8  # PLURAI_FAIR_EVERY: every 8th take of a worker starts at the lower lanes
+# PLURAI_FAIR_EVERY's default: every fair_every-th take of a worker starts at the lower lanes
+FAIR_EVERY: int = Settings.model_fields["fair_every"].default
 KV_TOKEN_BYTES = 2 * 12 * 4 * 64 * 4  # bench-llama: K and V, 12 layers, 4 heads of 64, fp32
 KV_TOKENS = (1 << 30) // KV_TOKEN_BYTES  # 1 GiB per engine, as the serving bench runs it
 LANES = ("interactive", "batch")
