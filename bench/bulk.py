@@ -2,11 +2,13 @@
 worker + one GPU worker + Redis), beside the same map-reduce plan run offline through
 Engine.generate, level by level, in this process.
 
-    python bench/bulk.py [--model DIR] [--docs 300] [--max-tokens 32] [--context 256]
+    python bench/bulk.py [--model DIR] [--docs 300] [--max-tokens 32] [--context 256] [--smoke]
 
 Without --model a tiny random-weight model is made in a temporary folder. A third of the
 documents are longer than the context, so they are split and reduced. The last line is one
 JSON object of measured figures and the ratio pipeline / offline (target >= 0.9).
+--smoke: six documents (one split), four tokens each, on the smoke runs' tiny model: a
+check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
 from broker_config.celery_app import app, configure  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from broker_config.settings import BulkSettings  # noqa: E402
@@ -158,7 +160,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="fp32")
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.docs, a.max_tokens, a.context = 6, 4, 128
+        a.model = a.model or str(smoke_model())
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if not a.model:
@@ -203,6 +209,7 @@ def main() -> None:
                 "pipeline_status": pipe["status"],
                 "pipeline_errors": pipe["errors"],
                 "pipeline_cpu_s": pipe["cpu_s"],
+                **({"smoke": True} if a.smoke else {}),
             }
         )
     )

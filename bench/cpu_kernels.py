@@ -8,8 +8,10 @@ In place: the throughput workload through the engine with every kernel, then wit
 kernel at a time swapped for its torch equivalent (same call, torch ops inside), then on
 the pure-torch path; medians of --runs runs, interleaved.
 The last line is one JSON object.
+--smoke: the same on the tiny test model's shapes, two short requests, one run: a check
+that the bench runs, not a measurement.
 
-    python bench/cpu_kernels.py [--requests 32] [--runs 3] [--dtype fp32]
+    python bench/cpu_kernels.py [--requests 32] [--runs 3] [--dtype fp32] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.step_profile import median_time  # noqa: E402
-from bench.workload import add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    SMOKE_KV_BYTES,
+    add_smoke_arg,
+    add_workload_args,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 from gpu_workers.layers.attention import AttnContext, PagedAttention  # noqa: E402
 from gpu_workers.layers.rotary import apply_rotary  # noqa: E402
 
@@ -83,11 +93,11 @@ TORCH = {
 }
 
 
-def median_us(fn: Callable[[], object]) -> float:
-    return round(median_time(fn, runs=61) * 1e6, 1)
+def median_us(fn: Callable[[], object], runs: int = 61) -> float:
+    return round(median_time(fn, runs=runs) * 1e6, 1)
 
 
-def alone(ops, cfg, dtype: torch.dtype) -> dict:
+def alone(ops, cfg, dtype: torch.dtype, runs: int = 61) -> dict:
     """Microseconds per call, kernel and torch, at decode (2 and 32 rows) and prefill."""
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -135,8 +145,8 @@ def alone(ops, cfg, dtype: torch.dtype) -> dict:
                 q, *next(layers), t, n, d**-0.5
             )
         for name, call in calls.items():
-            native = median_us(lambda call=call, name=name: call(getattr(ops, name)))
-            ref = median_us(lambda call=call, name=name: call(TORCH[name]))
+            native = median_us(lambda call=call, name=name: call(getattr(ops, name)), runs)
+            ref = median_us(lambda call=call, name=name: call(TORCH[name]), runs)
             out[f"{name}@{rows}"] = {
                 "kernel_us": native,
                 "torch_us": ref,
@@ -145,11 +155,13 @@ def alone(ops, cfg, dtype: torch.dtype) -> dict:
     return out
 
 
-def run_engine(model: Path, reqs, dtype: str, ops) -> float:
+def run_engine(model: Path, reqs, dtype: str, ops, kv_bytes: int | None = None) -> float:
+    """kv_bytes: the engine's KV budget (None: the default)."""
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(model), dtype=dtype, kernels="torch"))
+    kv = {"kv_cache_bytes": kv_bytes} if kv_bytes else {}
+    engine = Engine(EngineConfig(model=str(model), dtype=dtype, kernels="torch", **kv))
     if ops is not None:  # the same engine with these ops set on every layer
         for m in engine.runner.model.modules():
             if hasattr(m, "ops"):
@@ -175,14 +187,17 @@ def main() -> None:
     add_workload_args(ap)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--runs", type=int, default=3)
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.runs = 2, 1
 
     from transformers import AutoConfig
 
     from gpu_workers import kernels
 
     ops = kernels.build()
-    model = bench_model(args.model)
+    model = smoke_model() if args.smoke else bench_model(args.model)
     cfg = AutoConfig.from_pretrained(str(model))
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     result: dict = {
@@ -194,13 +209,14 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     with torch.inference_mode():
-        result["alone"] = alone(ops, cfg, dtype)
+        result["alone"] = alone(ops, cfg, dtype, runs=5 if args.smoke else 61)
     for key, fig in result["alone"].items():
         print(
             f"{key:18} kernel {fig['kernel_us']:9.1f} us   torch {fig['torch_us']:9.1f} us   x{fig['speedup']}"
         )
 
-    reqs = mixed(args.requests, cfg.vocab_size, args.seed)
+    lengths = {"prompt_median": 16, "output_median": 8} if args.smoke else {}
+    reqs = mixed(args.requests, cfg.vocab_size, args.seed, **lengths)
     useful = sum(r.max_tokens for r in reqs)
     configs: dict[str, object] = {"all_kernels": ops}
     for name in KERNELS:  # everything but `name`
@@ -211,7 +227,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in configs}
     for run in range(args.runs):
         for name, config in configs.items():
-            t = run_engine(model, reqs, args.dtype, config)
+            t = run_engine(model, reqs, args.dtype, config, SMOKE_KV_BYTES if args.smoke else None)
             times[name].append(t)
             print(f"run {run + 1}: {name:22} {useful / t:7.1f} useful tok/s", flush=True)
     tok_s = {k: round(useful / sorted(v)[len(v) // 2], 1) for k, v in times.items()}
@@ -221,6 +237,8 @@ def main() -> None:
         name: round(tok_s["all_kernels"] / tok_s[f"without_{name}"], 3) for name in KERNELS
     }
     result["all_over_torch"] = round(tok_s["all_kernels"] / tok_s["torch_path"], 3)
+    if args.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

@@ -1,14 +1,15 @@
 """The dashboard's own cost: the page's weight, and what one refresh asks of Redis as the
 backlog grows.
 
-    python bench/dashboard.py [--backlogs 100,10000,100000] [--readings 20]
+    python bench/dashboard.py [--backlogs 100,10000,100000] [--readings 20] [--smoke]
 
 Page weight: the bytes of the page and the two files it loads (all it loads: no charting
 library, the charts are SVG drawn by dashboard.js), raw and gzipped. Cost: for each backlog (jobs queued on one
 model, no worker; as many entries in the recent-jobs index, the dead letters and the
 batches index), the Redis commands one reading sends (INFO's total_commands_processed)
 and its time (median of --readings, this machine's loopback Redis). The last line is one
-JSON object of measured figures and ratios.
+JSON object of measured figures and ratios. --smoke: backlogs of 10 and 100, three
+readings each: a check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
@@ -69,7 +70,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backlogs", default="100,10000,100000")
     p.add_argument("--readings", type=int, default=20)
+    add_smoke_arg(p)
     args = p.parse_args()
+    if args.smoke:
+        args.backlogs, args.readings = "10,100", 3
     backlogs = sorted(int(x) for x in args.backlogs.split(","))
     settings = Settings()
     weight = page_weight()
@@ -114,6 +118,7 @@ def main() -> int:
                 "reading_time_ratio_largest_to_smallest_backlog": round(
                     high["reading_ms"] / low["reading_ms"], 2
                 ),
+                **({"smoke": True} if args.smoke else {}),
             }
         )
     )

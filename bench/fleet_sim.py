@@ -9,7 +9,7 @@ run as threads, each with its own connection, spread over P spawned processes.
 
     python bench/fleet_sim.py [--workers 8,64,256] [--seconds 30] [--procs P]
         [--step-base-ms 30] [--step-per-seq-ms 0.6] [--models 1|2]
-        [--redis-url URL [--flush] | --cluster [N]] [--shards N]
+        [--redis-url URL [--flush] | --cluster [N]] [--shards N] [--smoke]
 
 The producer keeps about K = 2 * workers * max_num_seqs jobs outstanding (closed loop)
 for --seconds; after --warmup the steady window is measured: completed jobs/s (by the
@@ -19,7 +19,8 @@ engines' busy share and batch occupancy, and whether every job has exactly one f
 result. Scaling efficiency of size W against the smallest size W0 is
 (jobs/s(W) / jobs/s(W0)) / (W / W0); the target from 8 to 64 workers is >= 0.8. From the
 Redis CPU per job it also works out, on paper, the jobs/s and the worker count at which
-one Redis core saturates. The last line is one JSON object.
+one Redis core saturates. The last line is one JSON object. --smoke: fleets of 2 and 4
+workers in one process, 3 s each: a check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import redis  # noqa: E402
 
 from bench.fleet_procs import LANES, producer_proc, worker_proc  # noqa: E402
 from bench.sim_backend import STEP_BASE_MS, STEP_PER_SEQ_MS, STEP_SOURCE  # noqa: E402
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.connection import connect, is_cluster  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
@@ -194,7 +195,7 @@ def run_size(a: argparse.Namespace, url: str, rc: Any, prims: list[redis.Redis],
         "max_tokens": a.max_tokens,
         "models": models,
         "seed": w,
-        "wait_s": 300.0,
+        "wait_s": 30.0 if a.smoke else 300.0,  # a job without its result by then: not final
     }
     pout = ctx.Queue()
     prod = ctx.Process(target=producer_proc, args=(pcfg, pout))
@@ -337,7 +338,10 @@ def main() -> None:
         default=0,
         help="start a LocalCluster of N primaries (default 3)",
     )
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.workers, a.seconds, a.procs, a.max_num_seqs = "2,4", 3.0, 1, 4
     a.warmup = a.seconds / 4 if a.warmup is None else a.warmup
     sizes = [int(x) for x in a.workers.split(",")]
     if a.models > 1 and "served_model" not in Settings.model_fields:
@@ -444,6 +448,7 @@ def main() -> None:
                 "all_one_final_result": all(x["one_final_result_each"] for x in results.values()),
                 "notes": notes,
                 "sizes": results,
+                **({"smoke": True} if a.smoke else {}),
             }
         )
     )

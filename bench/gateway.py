@@ -5,9 +5,11 @@ each (TTFT: from the request's start to its first text), and the gateway's CPU t
 request, from which its own request rate follows (what one gateway process could serve if
 the workers were never the limit).
 
-    python bench/gateway.py [--jobs 1000] [--clients 64] [--max-tokens 8] [--workers 1]
+    python bench/gateway.py [--jobs 1000] [--clients 64] [--max-tokens 8] [--workers 1] [--smoke]
 
-The last line is one JSON object of measured figures and ratios.
+The last line is one JSON object of measured figures and ratios. --smoke: a few jobs of 4
+tokens from two clients, one round, on the smoke runs' tiny model: a check that the bench
+runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
 from broker_config.embedded import EmbeddedRedis, free_port  # noqa: E402
 from broker_config.stats import serving_workers  # noqa: E402
 from producer.aio import AsyncClient  # noqa: E402
@@ -206,7 +208,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="each path this many times, alternating")
     ap.add_argument("--unloaded", type=int, default=200, help="jobs from one client, each path")
+    add_smoke_arg(ap)
     a = ap.parse_args()
+    warm = 64  # jobs each path, unmeasured
+    if a.smoke:
+        a.model = str(smoke_model())
+        a.jobs, a.clients, a.max_tokens, a.rounds, a.unloaded, warm = 8, 2, 4, 1, 3, 4
     if not (Path(a.model) / "config.json").exists():
         from gpu_workers.models.factory import make_model
 
@@ -236,15 +243,21 @@ def main() -> None:
 
             r = redis.Redis.from_url(url)
             while serving_workers(r) < a.workers:
+                if any(p.poll() is not None for p in procs):
+                    raise SystemExit("a worker exited during its start")
                 time.sleep(0.2)
             while True:
                 try:
                     httpx.get(base + "/health", timeout=1)
                     break
                 except httpx.HTTPError:
+                    if gw.poll() is not None:
+                        raise SystemExit("the gateway exited during its start") from None
                     time.sleep(0.1)
-            asyncio.run(direct(url, argparse.Namespace(**{**vars(a), "jobs": 64})))  # warm up
-            asyncio.run(through_gateway(base, model, argparse.Namespace(**{**vars(a), "jobs": 64})))
+            asyncio.run(direct(url, argparse.Namespace(**{**vars(a), "jobs": warm})))  # warm up
+            asyncio.run(
+                through_gateway(base, model, argparse.Namespace(**{**vars(a), "jobs": warm}))
+            )
             # one client at a time: the latency the gateway adds, with nothing queued
             one = argparse.Namespace(**{**vars(a), "jobs": a.unloaded, "clients": 1})
             idle = {"gateway": [], "direct": [], "http": []}
@@ -328,6 +341,8 @@ def main() -> None:
         "openai_client_cpu_ms_per_job": round(client_ms["gateway"], 3),
         "sdk_client_cpu_ms_per_job": round(client_ms["direct"], 3),
     }
+    if a.smoke:
+        out["smoke"] = True
     print(json.dumps(out))
 
 

@@ -7,7 +7,7 @@ detokenization) is the overhead. Also reports the same forward run alone on the 
 inputs of a step, as a check that timing inside the step does not distort it.
 The last line is one JSON object.
 
-    python bench/overhead.py [--batch 32] [--steps 40] [--dtype auto]
+    python bench/overhead.py [--batch 32] [--steps 40] [--dtype auto] [--smoke]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, cpu_isa, mixed, smoke_model  # noqa: E402
 
 
 def main() -> None:
@@ -36,12 +36,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="auto")
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.steps = 4, 3
 
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(bench_model(args.model)), dtype=args.dtype))
+    model = smoke_model() if args.smoke else bench_model(args.model)
+    engine = Engine(EngineConfig(model=str(model), dtype=args.dtype))
     # realistic sampling work too: half greedy, half top-p with penalties and a stop string
     for i, r in enumerate(mixed(args.batch, engine.vocab_size, seed=1, output_median=100000)):
         sp = (
@@ -93,7 +97,8 @@ def main() -> None:
         s.num_scheduled = 1
         engine.blocks.grow(s, s.num_computed_tokens + 1)
     input_ids, positions, ctx, rows = engine.runner.prepare(seqs)
-    idx = torch.tensor([r for r in rows if r >= 0])
+    # the rows that sample, per sequence (one each here: plain decodes)
+    idx = torch.tensor([r for rs in rows for r in rs])
     bare = []
     with torch.inference_mode():
         for _ in range(args.steps):
@@ -124,6 +129,8 @@ def main() -> None:
         f"{result['overhead_ms_median']:.2f} ms ({100 * result['overhead_share_median']:.1f}% of the step)"
     )
     result["isa"] = cpu_isa()
+    if args.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

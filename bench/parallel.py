@@ -6,9 +6,11 @@ brings --batch requests into steady decoding and reports the median decode step 
 the prefill time of the batch. On a 2-core CPU the ranks share two cores, every layer adds
 two all-reduces (TP) and stages take turns (PP), so groups are slower there; the script is the same on a machine with
 several GPUs (device auto picks cuda:rank for each rank, NCCL for the collectives).
-The last line is one JSON object.
+The last line is one JSON object. --smoke: every shape on the tiny test model, two
+requests, two steps: a check that the bench runs, not a measurement.
 
     python bench/parallel.py [--model DIR] [--groups 1x1,2x1,1x2] [--batch 16] [--steps 20]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    SMOKE_KV_BYTES,
+    add_smoke_arg,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -36,12 +45,13 @@ def measure(model: str, tp: int, pp: int, args: argparse.Namespace) -> dict:
             dtype=args.dtype,
             tensor_parallel=tp,
             pipeline_parallel=pp,
-            kv_cache_bytes=256 << 20,
+            kv_cache_bytes=SMOKE_KV_BYTES if args.smoke else 256 << 20,
         )
     )
     try:
         engine.generate([list(range(16, 600))], SamplingParams(max_tokens=4))  # warm-up
-        reqs = mixed(args.batch, engine.vocab_size, seed=2, output_median=100000)
+        lengths = {"prompt_median": 16} if args.smoke else {}
+        reqs = mixed(args.batch, engine.vocab_size, seed=2, output_median=100000, **lengths)
         sp = SamplingParams(max_tokens=args.steps + 50, ignore_eos=True)
         for i, r in enumerate(reqs):
             engine.add(f"r{i}", token_ids=r.prompt, params=sp)
@@ -75,8 +85,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
+    add_smoke_arg(ap)
     args = ap.parse_args()
-    model = str(bench_model(args.model))
+    if args.smoke:
+        args.batch, args.steps = 2, 2
+    model = str(smoke_model() if args.smoke else bench_model(args.model))
     runs = []
     for shape in args.groups.split(","):
         tp, pp = (int(x) for x in shape.split("x"))
@@ -97,6 +110,7 @@ def main() -> None:
                 "runs": runs,
                 "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],
                 "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+                **({"smoke": True} if args.smoke else {}),
             }
         )
     )

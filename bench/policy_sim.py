@@ -6,7 +6,10 @@ run and the fleets share one set of constants and are read together.
     python bench/policy_sim.py [--calibrate-from DIR] [--check-against DIR[,DIR]]
         [--check-budget 512] [--sizes 64,256,1000] [--scales 0.3,0.6,1.0,1.2,1.4,1.6]
         [--duration 60] [--pull-budget 512] [--tpot-share 0.8] [--wait-share 0.5]
-        [--lookahead 0] [--seed 0]
+        [--lookahead 0] [--seed 0] [--smoke]
+
+--smoke: one fleet of 4 engines at two loads of 5 s each, on the default constants (no
+calibration): a check that the bench runs, not a measurement.
 
 Policies. Routers assign a request when it arrives: round_robin; power_of_two (two engines
 at random, the one with fewer outstanding requests); cache_aware (vllm-router's and the
@@ -1236,14 +1239,17 @@ def main() -> None:
     )
     p.add_argument("--pool-blocks", type=int, default=1 << 20, help="the shared pool's LRU size")
     p.add_argument("--seed", type=int, default=0)
+    from bench.workload import add_smoke_arg, cpu_isa
+
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.sizes, a.scales, a.duration = "4", "0.6,1.2", 5.0
     sizes = [int(x) for x in a.sizes.split(",") if x]
     scales = [float(x) for x in a.scales.split(",") if x]
     started = time.monotonic()
     k, slos, measured = DEFAULTS, DEFAULT_SLOS, DEFAULT_CAPACITY_PER_ENGINE
     out: dict[str, Any] = {"bench": "policy_sim"}
-    from bench.workload import cpu_isa
-
     out["isa"] = cpu_isa()
     folders: dict[Path, Measured] = {}
     if a.calibrate_from:
@@ -1293,6 +1299,8 @@ def main() -> None:
     out["top_lane_tpot_target_s"], out["top_lane_wait_s"] = round(target, 4), round(wait, 4)
     out["sizes"] = {str(n): fleet(n, scales, k, slos, a.duration, a.seed, **kw) for n in sizes}
     out["wall_s"] = round(time.monotonic() - started, 1)
+    if a.smoke:
+        out["smoke"] = True
     print(json.dumps(out))
 
 

@@ -9,9 +9,11 @@
 2. Throughput of a multi-turn workload (conversations sharing one system prompt, each
    turn resending the history) with a device cache too small to keep every
    conversation, with the host and Redis tiers off and on.
-The last line is one JSON object of the measured figures and ratios.
+The last line is one JSON object of the measured figures and ratios. --smoke: every tier
+once on the tiny test model, a 128-token prefix, two chats of two turns: a check that the
+bench runs, not a measurement.
 
-    python bench/prefix_reuse.py [--model DIR] [--prefix 1536] [--repeats 5]
+    python bench/prefix_reuse.py [--model DIR] [--prefix 1536] [--repeats 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import bench_model, cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
@@ -147,8 +149,11 @@ def main() -> None:
     ap.add_argument(
         "--device-blocks", type=int, default=160, help="device KV blocks in the multi-turn run"
     )
+    add_smoke_arg(ap)
     args = ap.parse_args()
-    model = str(bench_model(args.model))
+    if args.smoke:
+        args.prefix, args.repeats, args.chats, args.turns = 128, 1, 2, 2
+    model = str(smoke_model() if args.smoke else bench_model(args.model))
 
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
         result = {"bench": "prefix_reuse", **ttft_figures(model, url, args)}
@@ -174,6 +179,8 @@ def main() -> None:
         f"tiers off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x)"
     )
     result["isa"] = cpu_isa()
+    if args.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

@@ -15,7 +15,8 @@ tokens the jobs delivered: a preempted batch job is handed over with its output 
 worker, or this one, resumes it), so none is made twice.
 The model defaults to the tiny test Llama, made in a temporary folder. The last line is one
 JSON object; the targets are loaded p99 <= 2x idle p99 and computed <= 1.05x delivered,
-with preemption.
+with preemption. --smoke: three interactive requests and twelve batch jobs on the smoke
+runs' tiny model: a check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
 from broker_config import keys  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from broker_config.stats import serving_workers, workers  # noqa: E402
@@ -101,11 +102,18 @@ def main() -> None:
         help="words of an interactive prompt, plus 0-23 (about 3 tokens a word)",
     )
     p.add_argument("--pause", type=float, default=0.05, help="seconds between requests")
+    p.add_argument(
+        "--fill", type=float, default=2.0, help="seconds for the batch work to fill the workers"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument(
         "--kv-jobs", type=int, default=8, help="batch jobs a worker's KV cache holds at once"
     )
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.requests, a.batch, a.interactive_tokens, a.kv_jobs, a.fill = 3, 12, 16, 2, 0.5
+        a.model = a.model or str(smoke_model())
 
     result: dict = {}
     with tempfile.TemporaryDirectory() as d:
@@ -131,6 +139,8 @@ def main() -> None:
         p99_ratio_without_preemption=off["p99_ratio"],
         isa=cpu_isa(),
     )
+    if a.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 
@@ -153,7 +163,8 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
                 raise SystemExit("a worker exited")
             time.sleep(0.1)
         reqs = interactive(a.requests, a.interactive_tokens, a.interactive_words)
-        ttfts(client, reqs[:5], 0.0)  # warm up
+        warm = reqs[:5]
+        ttfts(client, warm, 0.0)  # warm up
         idle = ttfts(client, reqs, a.pause)
         print(f"idle:   {summary(idle)}", flush=True)
 
@@ -168,7 +179,7 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
                 for i in range(a.batch)
             ]
         )
-        time.sleep(2.0)  # the workers fill up with batch work
+        time.sleep(a.fill)  # the workers fill up with batch work
         t = time.perf_counter()
         loaded = ttfts(client, reqs, a.pause)
         seconds = time.perf_counter() - t
@@ -186,7 +197,7 @@ def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
         made = sum(w.generation_tokens for w in beats)
         moved = sum(w.jobs_handed_over for w in beats)
         jobs = client.records([j.id for j in batch])
-        answered = a.interactive_tokens * (len(reqs) * 2 + 5)  # warm-up, idle and loaded
+        answered = a.interactive_tokens * (len(warm) + 2 * len(reqs))  # warm-up, idle, loaded
         delivered = sum(rec.output_tokens for rec in jobs) + answered
         result = {
             "idle": summary(idle),

@@ -2,7 +2,7 @@
 Redis with one worker; and the enqueue rate of submit_many beside a plain XADD peer.
 
     python bench/queue_overhead.py [--model DIR] [--jobs 200] [--enqueue 20000]
-        [--cost-model DIR] [--cost-jobs 200] [--parts e2e,enqueue,cost]
+        [--cost-model DIR] [--cost-jobs 200] [--parts e2e,enqueue,cost] [--smoke]
 
 Redis cost: commands per job and per generated token (INFO commandstats; the slope between
 jobs of 16 and 64 tokens) on the tiny model, whose fast steps are where a GPU fleet is
@@ -15,7 +15,9 @@ otherwise raw pipelined XADD from redis-py with the same entry fields (said in t
 Both rates come with the CPU time per job of the client and of Redis (INFO cpu): where the
 machine's cores are busy with other work, the client and Redis cannot run at once and the
 rates follow the sum of the two.
-The last line is one JSON object of measured figures and ratios.
+The last line is one JSON object of measured figures and ratios. --smoke: every part
+with a few jobs on the smoke runs' tiny model (random weights, for the cost runs too): a
+check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
 from broker_config import (  # noqa: E402
     fastpipe,  # noqa: E402
     keys,
@@ -336,7 +338,7 @@ def idle_ttft(url: str, n: int) -> list[int]:
     return out
 
 
-def redis_cost(model: str, url: str, n: int) -> dict:
+def redis_cost(model: str, url: str, n: int, idle_jobs: int = 30) -> dict:
     """Redis commands per job and per generated token (the slope between jobs of 16 and of
     64 tokens), with the stream's default holding of tokens and with a write per token
     (PLURAI_STREAM_FLUSH_TOKENS=1, as before holding), on one worker."""
@@ -345,7 +347,7 @@ def redis_cost(model: str, url: str, n: int) -> dict:
         worker = start_worker(model, url, env)
         try:
             short, long = cost_run(url, n, 16), cost_run(url, n, 64)
-            idle = sorted(idle_ttft(url, 30))
+            idle = sorted(idle_ttft(url, idle_jobs))
         finally:
             worker.terminate()
             worker.wait(timeout=120)
@@ -397,7 +399,7 @@ def cost_part(a: argparse.Namespace) -> dict:
 
         make_model(Path(a.cost_model), family="llama", size="tiny", train=True)
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
-        cost = redis_cost(a.cost_model, url, a.cost_jobs)
+        cost = redis_cost(a.cost_model, url, a.cost_jobs, 3 if a.smoke else 30)
     held, every = cost["held"], cost["every_token"]
     return {
         "redis_cost_model": Path(a.cost_model).name,
@@ -438,7 +440,11 @@ def main() -> None:
         help="which measurements, comma-separated (default: all): e2e (offline and end to "
         "end), enqueue (submit_many and its peer), cost (Redis commands, TTFT)",
     )
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.model = a.cost_model = str(smoke_model())
+        a.jobs, a.enqueue, a.cost_jobs, a.threads = 8, 200, 4, 1
     parts = set(a.parts.split(","))
     if not parts or parts - set(PARTS):
         p.error(f"--parts takes {', '.join(PARTS)}, got {a.parts!r}")
@@ -471,6 +477,8 @@ def main() -> None:
     if "cost" in parts:
         result.update(cost_part(a))
     result["isa"] = cpu_isa()
+    if a.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

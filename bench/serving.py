@@ -7,6 +7,7 @@ life; the workload (serving_workload.py) and the figures (serving_figures.py) ar
     python bench/serving.py [--k 2] [--stacks plurai-vllm,plurai-native,round_robin,...]
         [--scenarios idle,sweep,flood,add,kill] [--duration 40] [--scales 0.3,0.6,0.9,1.3]
         [--repeats 1] [--capacity REQ_S] [--model DIR] [--dtype auto] [--bind-peers] [--out DIR]
+        [--smoke]
 
 Stacks (each started fresh, K engines, engine i bound to core i mod cores):
 - plurai-vllm: a Redis, `plurai gateway`, K `plurai worker --backend vllm` with the Redis KV
@@ -59,6 +60,13 @@ attainment, failed and lost requests, prompt tokens computed and served from a c
 CPU seconds per process kind (engines, front: gateway or router, Redis, load generator).
 The last line is one JSON object with the ISA and the ratios of plurai-vllm against the best
 router policy on each target figure.
+
+--smoke: every scenario on one engine per stack, on the factory's small random Llama (the
+smallest vLLM runs) in float32, with short prompts and outputs, 2 s runs, one load of the
+sweep, a flood of 4, arrivals ending 1 s after an added engine carries load; by default
+every stack whose programs are installed (plurai-native always; plurai-vllm with vLLM's
+environment; round_robin with vllm-router), the others named in the JSON with why. A check
+that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ from bench.serving_workload import (  # noqa: E402
     generate,
     write_jsonl,
 )
-from bench.workload import bench_model, cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
 from broker_config import keys, stats  # noqa: E402
 from broker_config.embedded import EmbeddedRedis, find_binary, free_port  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
@@ -106,6 +114,7 @@ from broker_config.settings import Settings  # noqa: E402
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PLURAI_STACKS = ("plurai-vllm", "plurai-native")
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+ALL_STACKS = (*ROUTER_POLICIES, *PLURAI_STACKS)  # the routers first: they set the SLOs
 # Plurai's fault settings for the bench (printed in the JSON): a dead worker's jobs are
 # taken over after 10 s of silence instead of the default 60 s.
 PLURAI_ENV = {"PLURAI_HEARTBEAT_INTERVAL_S": "1", "PLURAI_RECLAIM_IDLE_MS": "10000"}
@@ -665,7 +674,9 @@ async def replay(
         tasks = {r.id: asyncio.create_task(_one(http, stack, r, t0, stop)) for r in reqs}
         side = asyncio.create_task(during(t0, stop)) if during else None
         last = max((r.arrival_s for r in reqs), default=0.0)
-        done, pending = await asyncio.wait(tasks.values(), timeout=last + drain_s)
+        done, pending = set(), set()
+        if tasks:  # a short burst may draw no arrival at all
+            done, pending = await asyncio.wait(tasks.values(), timeout=last + drain_s)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -707,6 +718,12 @@ class Bench:
         self.capacity: float | None = a.capacity
         self.slos: dict[str, sf.Slo] | None = slos_from(a.slos_from) if a.slos_from else None
         self.idle: dict[str, Any] = {}
+        # requests one at a time on the idle stack; the flood's shortest run (enough
+        # interactive requests for a p99); how long arrivals go on once an added engine
+        # carries load
+        self.idle_n, self.flood_min_s, self.add_after_s = (
+            (4, 0.0, 1.0) if a.smoke else (10, 40.0, 10.0)
+        )
 
     def config(self, **kw: Any) -> WorkloadConfig:
         lo, hi = map(int, self.a.prompt.split("-"))
@@ -760,7 +777,7 @@ class Bench:
         cfg = self.config(rate=1.0, duration_s=12.0, batch_share=0.3)
         reqs = self.workload("idle", cfg)
         results = []
-        for i, r in enumerate(reqs[:10]):  # one at a time: nothing waits
+        for i, r in enumerate(reqs[: self.idle_n]):  # one at a time: nothing waits
             one = ServingRequest(**{**asdict(r), "arrival_s": 0.0, "id": f"idle{i}"})
             results += asyncio.run(replay(stack, [one], 300))[0]
         lanes = {
@@ -818,7 +835,7 @@ class Bench:
         assert self.capacity is not None
         base = self.config(rate=self.capacity, scale=0.5, seed=self.a.seed + 100)
         base.batch_share = 0.0  # steady interactive traffic; the batch comes as the flood
-        base.duration_s = max(base.duration_s, 40.0)  # enough interactive requests for a p99
+        base.duration_s = max(base.duration_s, self.flood_min_s)
         cfg = flood_scenario(**asdict(base))
         cfg.flood_requests = self.a.flood or max(20, round(self.capacity * cfg.duration_s))
         cfg.flood_at_s = cfg.duration_s / 3
@@ -831,7 +848,7 @@ class Bench:
         # requests only), at most --add-wait s after it was started: the same for every
         # stack (an engine started on cores its peers keep busy takes minutes)
         at = self.a.duration / 3
-        span = at + self.a.add_wait + 10
+        span = at + self.a.add_wait + self.add_after_s
         cfg = self.config(rate=self.capacity, scale=1.2, seed=self.a.seed + 200, duration_s=span)
         reqs = self.workload("add", cfg)
         times: dict[str, float | None] = {"started_s": None, "ready_s": None, "first_load_s": None}
@@ -865,7 +882,7 @@ class Bench:
             while times["ready_s"] is not None and time.monotonic() < give_up:
                 if await loop.run_in_executor(None, stack.carries_load, key):
                     times["first_load_s"] = time.monotonic() - t0
-                    await asyncio.sleep(10)
+                    await asyncio.sleep(self.add_after_s)
                     stop.set()
                     return
                 await asyncio.sleep(0.2)
@@ -1002,7 +1019,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/bench-llama")
     p.add_argument("--k", type=int, default=2, help="engines per stack")
-    p.add_argument("--stacks", default=",".join(ROUTER_POLICIES) + ",plurai-vllm,plurai-native")
+    p.add_argument(
+        "--stacks",
+        default=None,
+        help="default: " + ",".join(ALL_STACKS) + "; with --smoke, those installed",
+    )
     p.add_argument("--scenarios", default="idle,sweep,flood,add,kill")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--drain", type=float, default=120.0, help="seconds after the last arrival")
@@ -1062,11 +1083,26 @@ def main() -> None:
         "for its prompt; 0: the product's default",
     )
     p.add_argument("--out", default=None, help="folder for logs and workload files")
+    add_smoke_arg(p)
     a = p.parse_args()
+    skipped: dict[str, str] = {}  # stacks a smoke run leaves out, and why
+    if a.smoke:
+        a.k, a.duration, a.drain, a.scales = 1, 2.0, 5.0, "1.0"
+        a.prompt, a.output, a.flood, a.add_wait, a.dtype = "32-256", "4-8", 4, 30.0, "float32"
+        if a.stacks is None:
+            a.stacks = "plurai-native"
+            if VLLM_PY.exists():
+                a.stacks += ",plurai-vllm"
+            else:
+                skipped["plurai-vllm"] = f"no {VLLM_PY} (make vllm-install)"
+            if (VLLM_PY.parent / "vllm-router").exists():
+                a.stacks += ",round_robin"
+            else:
+                skipped["round_robin"] = "no vllm-router (make peers)"
     a.scales = [float(x) for x in a.scales.split(",")]
-    stacks = [s for s in a.stacks.split(",") if s]
+    stacks = [s for s in (a.stacks or ",".join(ALL_STACKS)).split(",") if s]
     scenarios = [s for s in a.scenarios.split(",") if s]
-    if not VLLM_PY.exists():
+    if any(s != "plurai-native" for s in stacks) and not VLLM_PY.exists():
         sys.exit("vLLM's environment is missing: run `make vllm-install peers` first")
     routed = [s for s in stacks if not s.startswith("plurai-")]
     if routed and not (VLLM_PY.parent / "vllm-router").exists():
@@ -1078,7 +1114,12 @@ def main() -> None:
         if a.dtype != "auto"
         else ("bfloat16" if isa in ("avx512_bf16", "amx") else "float32")
     )
-    model = bench_model(a.model) if a.model == "models/bench-llama" else Path(a.model)
+    if a.smoke:
+        model = smoke_model("small")
+    elif a.model == "models/bench-llama":
+        model = bench_model(a.model)
+    else:
+        model = Path(a.model)
     lo, hi = map(int, a.prompt.split("-"))
     olo, ohi = map(int, a.output.split("-"))
     max_len = -(-(hi + ohi + 64) // 256) * 256
@@ -1171,6 +1212,7 @@ def main() -> None:
         },
         "stacks": figures,
         "stacks_not_started": failed,
+        **({"smoke": True, "stacks_not_installed": skipped} if a.smoke else {}),
         "ratios": ratios(figures),
         "work_dir": str(work),
         "wall_s": round(time.monotonic() - started, 1),

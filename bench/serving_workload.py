@@ -3,7 +3,10 @@ to a JSON-lines file that every stack replays.
 
     python bench/serving_workload.py --model DIR --out FILE [--seed 0] [--rate 2]
         [--scale 1] [--burstiness 1] [--duration 60] [--flood N --flood-at S]
-        [--vllm-custom FILE] [--vllm-trace FILE]
+        [--vllm-custom FILE] [--vllm-trace FILE] [--smoke]
+
+--smoke: 4 s of short requests with a flood of 4 on the smoke runs' tiny model, every file
+written (to a temporary folder unless --out says where): a check that the script runs.
 
 Two lanes. Interactive: one-shot chats whose system prompt is one of a few long shared
 prompts (a prefix group), and multi-turn sessions on those same system prompts whose
@@ -25,6 +28,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -438,7 +442,7 @@ def vllm_rate_args(cfg: WorkloadConfig) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/bench-llama", help="its tokenizer counts the lengths")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="required, but with --smoke")
     d = WorkloadConfig()
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--duration", type=float, default=d.duration_s)
@@ -452,7 +456,24 @@ def main() -> None:
     p.add_argument("--flood-at", type=float, default=None, help="seconds; default a third in")
     p.add_argument("--vllm-custom", help="also write vLLM's custom dataset here")
     p.add_argument("--vllm-trace", help="also write vLLM's timed_trace dataset here")
+    from bench.workload import add_smoke_arg, cpu_isa, smoke_model
+
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.model, a.duration, a.prompt, a.output, a.flood = (
+            str(smoke_model()),
+            4.0,
+            "32-256",
+            "4-8",
+            4,
+        )
+        tmp = Path(tempfile.mkdtemp(prefix="plurai-workload-"))
+        a.out = a.out or str(tmp / "workload.jsonl")
+        a.vllm_custom = a.vllm_custom or str(tmp / "vllm-custom.jsonl")
+        a.vllm_trace = a.vllm_trace or str(tmp / "vllm-trace.jsonl")
+    elif not a.out:
+        p.error("the following arguments are required: --out")
 
     lo_in, hi_in = map(int, a.prompt.split("-"))
     lo_out, hi_out = map(int, a.output.split("-"))
@@ -481,11 +502,13 @@ def main() -> None:
     tokens = Tokens(model)
     reqs = generate(cfg, tokens)
     write_jsonl(a.out, reqs)
-    summary: dict = {"requests": len(reqs), "file": a.out, "config": asdict(cfg)}
+    summary: dict = {"requests": len(reqs), "file": a.out, "config": asdict(cfg), "isa": cpu_isa()}
     if a.vllm_custom:
         summary["vllm_custom_args"] = write_vllm_custom(a.vllm_custom, reqs) + vllm_rate_args(cfg)
     if a.vllm_trace:
         summary["vllm_trace_args"] = write_vllm_trace(a.vllm_trace, reqs, tokens)
+    if a.smoke:
+        summary["smoke"] = True
     print(json.dumps(summary))
 
 

@@ -4,7 +4,7 @@ where it runs it.
 
     python bench/speculative.py [--dtype fp32|bf16] [--k 4] [--runs 3] [--requests 32]
         [--doc-size small] [--draft-size tiny] [--train-steps 10000] [--copy-share 0.75]
-        [--max-tokens 0] [--skip-vllm]
+        [--max-tokens 0] [--skip-vllm] [--smoke]
 
 Workloads (greedy, EOS ignored, so every run makes the same tokens):
 - documents: the factory's Llama (--doc-size) trained on its shipped book (--train-steps;
@@ -31,6 +31,11 @@ request's first token to its last) and batch (--requests at once: output tok/s);
 of proposed tokens accepted. vLLM: batch only (its offline `generate`), same requests.
 The last line is one JSON object with the ISA and the device (on a GPU the engine runs
 there, and a small model's step costs its kernel launches more than its rows).
+
+--smoke: the smallest run through every step: both models trained 4 steps, the tiny
+random model for the random workload, two requests of 8 tokens, one run; vLLM (eager) on
+the documents alone, with n-gram speculation alone. A check that the bench runs, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -49,7 +54,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.throughput import vllm_peer, vllm_python  # noqa: E402
-from bench.workload import Request, bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    SMOKE_KV_BYTES,
+    Request,
+    add_smoke_arg,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 
 
 def doc_model(size: str, steps: int, copy_share: float) -> Path:
@@ -100,8 +113,17 @@ def _word_end(p: str, i: int) -> int:
     return j if j > 0 else i
 
 
-def run_native(model: Path, reqs: list[Request], dtype: str, spec: str, k: int, batch: bool):
-    """(output tok/s: batch all at once, or decode tok/s one at a time; acceptance)."""
+def run_native(
+    model: Path,
+    reqs: list[Request],
+    dtype: str,
+    spec: str,
+    k: int,
+    batch: bool,
+    kv_bytes: int | None = None,
+):
+    """(output tok/s: batch all at once, or decode tok/s one at a time; acceptance).
+    kv_bytes: the engine's KV budget (None: the default)."""
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
 
@@ -113,6 +135,7 @@ def run_native(model: Path, reqs: list[Request], dtype: str, spec: str, k: int, 
             speculative=spec,
             num_speculative_tokens=k,
             max_model_len=max(1024, max_len),
+            **({"kv_cache_bytes": kv_bytes} if kv_bytes else {}),
         )
     )
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
@@ -149,7 +172,9 @@ def run_native(model: Path, reqs: list[Request], dtype: str, spec: str, k: int, 
     return rate, (accepted / proposed if proposed else None)
 
 
-def run_vllm(model: Path, reqs: list[Request], dtype: str, k: int | None) -> dict:
+def run_vllm(
+    model: Path, reqs: list[Request], dtype: str, k: int | None, eager: bool = False
+) -> dict:
     """vLLM's offline generate of every request at once, with n-gram speculation (k
     tokens) or none: output tok/s, or why it did not run."""
     py = vllm_python()
@@ -157,6 +182,8 @@ def run_vllm(model: Path, reqs: list[Request], dtype: str, k: int | None) -> dic
         return {"skipped": "no .venv-vllm (make vllm-install)"}
     max_len = max(len(r.prompt) + r.max_tokens for r in reqs) + 16
     options: dict = {"max_model_len": max(1024, max_len)}
+    if eager:  # no torch.compile: a start in seconds, not minutes
+        options["enforce_eager"] = True
     if k:
         options["speculative_config"] = {
             "method": "ngram",
@@ -165,10 +192,10 @@ def run_vllm(model: Path, reqs: list[Request], dtype: str, k: int | None) -> dic
             "prompt_lookup_min": 2,
         }
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    out, stderr, _ = vllm_peer(py, model, reqs, dtype, threads, options)
+    out, log, _ = vllm_peer(py, model, reqs, dtype, threads, options)
     if out is None:
-        lines = [x for x in stderr.splitlines() if "Error" in x or "error" in x]
-        return {"failed": (lines[-1] if lines else stderr[-300:])[-300:]}
+        lines = [x for x in log.splitlines() if "Error" in x or "error" in x]
+        return {"failed": (lines[-1] if lines else log[-300:])[-300:]}
     return {"tok_s": round(out["tokens"] / out["seconds"], 1)}
 
 
@@ -194,17 +221,22 @@ def main() -> None:
         "--copy-share", type=float, default=0.75, help="share of their training that copies"
     )
     ap.add_argument("--skip-vllm", action="store_true")
+    add_smoke_arg(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.train_steps, a.requests, a.single, a.runs, a.max_tokens = 4, 2, 1, 1, 8
     started = time.monotonic()
-    # trained side by side on first use (one core each): ~40 minutes rather than ~60
-    with ProcessPoolExecutor(2) as pool:
-        book, draft = pool.map(
-            doc_model, (a.doc_size, a.draft_size), (a.train_steps,) * 2, (a.copy_share,) * 2
-        )
-    rand = bench_model()
+    sizes, steps, shares = (a.doc_size, a.draft_size), (a.train_steps,) * 2, (a.copy_share,) * 2
+    if a.smoke:  # a few steps: here, at once
+        book, draft = map(doc_model, sizes, steps, shares)
+    else:  # trained side by side on first use (one core each): ~40 minutes rather than ~60
+        with ProcessPoolExecutor(2) as pool:
+            book, draft = pool.map(doc_model, sizes, steps, shares)
+    rand = smoke_model() if a.smoke else bench_model()
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(rand)).vocab_size
+    lengths = {"prompt_median": 16, "output_median": 8} if a.smoke else {}
     ngram = {"ngram": "ngram"}
     work = {
         "documents": (
@@ -212,7 +244,7 @@ def main() -> None:
             documents(book, a.requests, a.max_tokens),
             ngram | {"draft": f"draft:{draft}"},
         ),
-        "random": (rand, mixed(a.requests, vocab, 0), ngram),
+        "random": (rand, mixed(a.requests, vocab, 0, **lengths), ngram),
     }
     import torch
 
@@ -220,6 +252,7 @@ def main() -> None:
     out: dict = {"bench": "speculative", "isa": cpu_isa(), "device": gpu or "cpu"}
     out |= {"dtype": a.dtype, "k": a.k}
     out |= {"doc_model": book.name, "draft_model": draft.name}
+    kv = SMOKE_KV_BYTES if a.smoke else None
     for name, (model, reqs, specs) in work.items():
         fig: dict = {"requests": len(reqs), "output_tokens": sum(r.max_tokens for r in reqs)}
         modes = {"off": "off"} | specs
@@ -228,7 +261,7 @@ def main() -> None:
             acc: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(a.runs):  # interleaved, so a slow minute lands on every mode
                 for m, spec in modes.items():
-                    rate, accepted = run_native(model, rs, a.dtype, spec, a.k, batch)
+                    rate, accepted = run_native(model, rs, a.dtype, spec, a.k, batch, kv)
                     rates[m].append(rate)
                     if accepted is not None:
                         acc[m].append(accepted)
@@ -248,16 +281,24 @@ def main() -> None:
                     f"{pre}acceptance": round(statistics.median(acc[m]), 3) if acc[m] else None,
                     f"runs_{m}": [round(x, 1) for x in rates[m]],
                 }
-        if not a.skip_vllm:
-            v_off, v_on = run_vllm(model, reqs, a.dtype, None), run_vllm(model, reqs, a.dtype, a.k)
+        if not a.skip_vllm and a.smoke and name != "documents":
+            # one vLLM start, on the documents: the random workload's tiny model has heads
+            # smaller than vLLM's CPU attention takes
+            fig["vllm_batch"] = {"skipped": "smoke: vLLM on the documents alone"}
+        elif not a.skip_vllm:
+            v_on = run_vllm(model, reqs, a.dtype, a.k, eager=a.smoke)
+            v_off = {"skipped": "smoke"} if a.smoke else run_vllm(model, reqs, a.dtype, None)
             fig["vllm_batch"] = {"off": v_off, "ngram": v_on}
-            if "tok_s" in v_off and "tok_s" in v_on:
-                fig["vllm_batch"]["speedup"] = round(v_on["tok_s"] / v_off["tok_s"], 3)
+            if "tok_s" in v_on:
                 fig["batch"]["ratio_vs_vllm_ngram"] = round(
                     fig["batch"]["ngram_tok_s"] / v_on["tok_s"], 3
                 )
+            if "tok_s" in v_off and "tok_s" in v_on:
+                fig["vllm_batch"]["speedup"] = round(v_on["tok_s"] / v_off["tok_s"], 3)
         out[name] = fig
     out["wall_s"] = round(time.monotonic() - started, 1)
+    if a.smoke:
+        out["smoke"] = True
     print(json.dumps(out))
 
 

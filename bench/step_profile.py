@@ -5,9 +5,10 @@ Runs the `bench/throughput.py` workload through the engine and groups its steps 
 time in the forward and in the rest of the step. Then it times the model's own linear
 layers alone, in order, at every step's row count (lm_head on the rows that sample): the
 GEMM-only time of the same steps, which no change outside the matmuls can go below.
-The last line is one JSON object.
+The last line is one JSON object. --smoke: two short requests on the tiny test model: a
+check that the bench runs, not a measurement.
 
-    python bench/step_profile.py [--requests 32] [--dtype bf16]
+    python bench/step_profile.py [--requests 32] [--dtype bf16] [--smoke]
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    SMOKE_KV_BYTES,
+    add_smoke_arg,
+    add_workload_args,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 
 PREFILL = 1 << 30  # group key of steps that carry a prefill chunk
 
@@ -47,17 +56,23 @@ def main() -> None:
     )
     add_workload_args(ap)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests = 2
 
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
     from gpu_workers.engine.sequence import Sequence
     from gpu_workers.layers.linear import Linear
 
-    engine = Engine(EngineConfig(model=str(bench_model(args.model)), dtype=args.dtype))
+    model = smoke_model() if args.smoke else bench_model(args.model)
+    kv = {"kv_cache_bytes": SMOKE_KV_BYTES} if args.smoke else {}
+    engine = Engine(EngineConfig(model=str(model), dtype=args.dtype, **kv))
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
     runner = engine.runner
-    reqs = mixed(args.requests, runner.vocab_size, args.seed)
+    lengths = {"prompt_median": 16, "output_median": 8} if args.smoke else {}
+    reqs = mixed(args.requests, runner.vocab_size, args.seed, **lengths)
 
     # per step: rows, rows that sample, decode rows, forward seconds (set by the wrapper)
     shape: list[int] = []
@@ -164,6 +179,7 @@ def main() -> None:
                     }
                     for k, (n, f, st, mm) in sorted(groups.items())
                 },
+                **({"smoke": True} if args.smoke else {}),
             }
         )
     )

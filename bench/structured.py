@@ -13,9 +13,12 @@ With --libraries, the grammar libraries are compared on this model's tokenizer a
 compile time and per-token mask time of llguidance (the engine's) and xgrammar (when
 installed), driving each schema with random logits.
 
-The last line is one JSON object of the measured figures and ratios.
+The last line is one JSON object of the measured figures and ratios. --smoke: four short
+requests (two constrained) on the tiny test model, one run, the libraries too: a check
+that the bench runs, not a measurement.
 
     python bench/structured.py [--requests 32] [--runs 3] [--max-tokens 128] [--libraries]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -33,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    SMOKE_KV_BYTES,
+    add_smoke_arg,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 
 # bounded strings (a pattern, an enum or a maxLength): a random-weight model would rarely
 # close a free one, and the outputs must end by themselves to be checked
@@ -115,13 +125,15 @@ def response_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(
-    model: Path, prompts: list[list[int]], params: list, dtype: str
+    model: Path, prompts: list[list[int]], params: list, dtype: str, kv_bytes: int | None = None
 ) -> tuple[float, list, dict]:
-    """One batch on a fresh engine: seconds, completions, and the constraint's own figures."""
+    """One batch on a fresh engine: seconds, completions, and the constraint's own figures.
+    kv_bytes: the engine's KV budget (None: the default)."""
     from gpu_workers.engine.engine import Engine, EngineConfig
     from gpu_workers.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(model), dtype=dtype, prefix_caching=False))
+    kv = {"kv_cache_bytes": kv_bytes} if kv_bytes else {}
+    engine = Engine(EngineConfig(model=str(model), dtype=dtype, prefix_caching=False, **kv))
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
     masks = {"s": 0.0, "calls": 0}
     allowed = engine.grammars.allowed
@@ -245,17 +257,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--libraries", action="store_true", help="also compare grammar libraries")
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.runs, args.max_tokens, args.libraries = 4, 1, 64, True
 
     import jsonschema
 
     from gpu_workers.engine.sampling_params import SamplingParams
 
-    model = bench_model(args.model)
+    model = smoke_model() if args.smoke else bench_model(args.model)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(model)).vocab_size
-    reqs = mixed(args.requests, vocab, args.seed)
+    lengths = {"prompt_median": 16, "output_median": 8} if args.smoke else {}
+    reqs = mixed(args.requests, vocab, args.seed, **lengths)
+    kv = SMOKE_KV_BYTES if args.smoke else None
     prompts = [r.prompt for r in reqs]
 
     def sampling(i: int) -> dict[str, Any]:
@@ -286,7 +303,7 @@ def main() -> None:
         "constrained_requests": len(schema_of),
     }
     for n in range(args.runs):
-        t, out, figures = run(model, prompts, constrained, args.dtype)
+        t, out, figures = run(model, prompts, constrained, args.dtype, kv)
         got = [len(c.token_ids) for c in out]
         assert lengths is None or got == lengths, "a constrained run gave other lengths"
         lengths = got
@@ -305,7 +322,7 @@ def main() -> None:
             SamplingParams(max_tokens=got[i], ignore_eos=True, **sampling(i))
             for i in range(len(reqs))
         ]
-        u, out_u, _ = run(model, prompts, plain, args.dtype)
+        u, out_u, _ = run(model, prompts, plain, args.dtype, kv)
         assert [len(c.token_ids) for c in out_u] == got
         times["unconstrained"].append(u)
         tokens = sum(got)
@@ -345,6 +362,8 @@ def main() -> None:
     from gpu_workers.kernels import build_isa
 
     result["kernels_isa"] = build_isa()
+    if args.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

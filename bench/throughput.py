@@ -17,9 +17,11 @@ Every request ignores EOS so each peer produces exactly max_tokens per request.
 The last line is one JSON object of the measured figures and ratios.
 
 With --runs N each peer runs N times (interleaved) and the figures are medians.
+--smoke: every peer once on the factory's small random Llama (the smallest vLLM runs),
+two short requests, vLLM eager: a check that the bench runs, not a measurement.
 
     python bench/throughput.py [--requests 32] [--runs 3] [--hf-batch 8] [--skip-hf-cb]
-        [--skip-vllm] [--skip-torch-path]
+        [--skip-vllm] [--skip-torch-path] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,7 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import Request, add_workload_args, bench_model, cpu_isa, mixed  # noqa: E402
+from bench.workload import (  # noqa: E402
+    Request,
+    add_smoke_arg,
+    add_workload_args,
+    bench_model,
+    cpu_isa,
+    mixed,
+    smoke_model,
+)
 
 
 def run_plurai(
@@ -107,8 +117,10 @@ def run_hf_static(
     return time.perf_counter() - start
 
 
-def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype) -> float:
-    from transformers import GenerationConfig
+def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype, small: bool = False) -> float:
+    """small: a cache of 16 pages and 256-token batches, not sized from the free memory
+    (whose allocation, at the first request, takes seconds)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     m = _hf_model(model, dtype)
     gc = GenerationConfig(
@@ -117,7 +129,8 @@ def run_hf_cb(model: Path, reqs: list[Request], dtype: torch.dtype) -> float:
         eos_token_id=None,
         pad_token_id=0,
     )
-    manager = m.init_continuous_batching(generation_config=gc)
+    cb = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256) if small else None
+    manager = m.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
     manager.start()
     try:
         start = time.perf_counter()
@@ -150,8 +163,8 @@ def vllm_peer(
     py: Path, model: Path, reqs: list[Request], dtype: str, threads: int, options: dict
 ) -> tuple[dict | None, str, list[str]]:
     """bench/vllm_peer.py on these requests with vLLM's EngineArgs `options`, with the
-    set-up vLLM's CPU docs recommend: its figures (None when it failed), its stderr, and
-    the libraries preloaded."""
+    set-up vLLM's CPU docs recommend: its figures (None when it failed), its log (stdout,
+    where vLLM logs its engine's errors too, then stderr), and the libraries preloaded."""
     preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
     preload += [t for t in TCMALLOC if Path(t).exists()]
     spec = {
@@ -177,24 +190,27 @@ def vllm_peer(
         )
     names = [Path(p).name for p in preload]
     if run.returncode != 0:
-        return None, run.stderr, names
+        return None, run.stdout + run.stderr, names
     out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:])
-    return out, run.stderr, names
+    return out, run.stdout + run.stderr, names
 
 
 def run_vllm(
-    model: Path, reqs: list[Request], dtype: str, threads: int
+    model: Path, reqs: list[Request], dtype: str, threads: int, eager: bool = False
 ) -> tuple[float, list[str]] | None:
-    """Seconds of vLLM's run and the libraries preloaded; None when vLLM is not installed."""
+    """Seconds of vLLM's run and the libraries preloaded; None when vLLM is not installed.
+    eager: without torch.compile (a start in seconds, not minutes)."""
     py = vllm_python()
     if py is None:
         print("vllm       skipped: no .venv-vllm (make vllm-install) nor PLURAI_VLLM_PYTHON")
         return None
     max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
-    options = {"max_model_len": max(1024, max_len)}
-    out, stderr, preload = vllm_peer(py, model, reqs, dtype, threads, options)
+    options: dict = {"max_model_len": max(1024, max_len)}
+    if eager:
+        options["enforce_eager"] = True
+    out, log, preload = vllm_peer(py, model, reqs, dtype, threads, options)
     if out is None:
-        raise SystemExit(f"the vLLM peer failed:\n{stderr[-3000:]}")
+        raise SystemExit(f"the vLLM peer failed:\n{log[-3000:]}")
     assert out["tokens"] == sum(r.max_tokens for r in reqs), out
     return out["seconds"], preload
 
@@ -211,13 +227,17 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-torch-path", action="store_true")
     ap.add_argument("--runs", type=int, default=1, help="runs per peer; figures are medians")
+    add_smoke_arg(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.hf_batch, args.runs = 2, 2, 1
 
-    model = bench_model(args.model)
+    model = smoke_model("small") if args.smoke else bench_model(args.model)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(model)).vocab_size
-    reqs = mixed(args.requests, vocab, args.seed)
+    lengths = {"prompt_median": 16, "output_median": 8} if args.smoke else {}
+    reqs = mixed(args.requests, vocab, args.seed, **lengths)
     useful = sum(r.max_tokens for r in reqs)
     tdtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     print(
@@ -247,7 +267,7 @@ def main() -> None:
     if not args.skip_vllm:
 
         def vllm() -> float | None:
-            ran = run_vllm(model, reqs, args.dtype, torch.get_num_threads())
+            ran = run_vllm(model, reqs, args.dtype, torch.get_num_threads(), eager=args.smoke)
             if ran is None:
                 return None
             preload[:] = [ran[1]]
@@ -257,7 +277,7 @@ def main() -> None:
     if not args.skip_hf_static:
         peers["hf_static"] = lambda: run_hf_static(model, reqs, tdtype, args.hf_batch, pad_id=0)
     if not args.skip_hf_cb:
-        peers["hf_cb"] = lambda: run_hf_cb(model, reqs, tdtype)
+        peers["hf_cb"] = lambda: run_hf_cb(model, reqs, tdtype, small=args.smoke)
     times: dict[str, list[float]] = {name: [] for name in peers}
     for run in range(args.runs):
         for name, fn in peers.items():
@@ -282,6 +302,9 @@ def main() -> None:
     from gpu_workers.kernels import build_isa
 
     result["kernels_isa"] = build_isa()
+    result["peers"] = [name for name, ts in times.items() if ts]  # those that ran
+    if args.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

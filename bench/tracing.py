@@ -1,13 +1,15 @@
 """What tracing costs: the same jobs through Redis and one worker with tracing off, and on
 (every span exported over OTLP/HTTP to a collector this bench runs on loopback).
 
-    python bench/tracing.py [--model DIR] [--jobs 300] [--max-tokens 16] [--runs 3]
+    python bench/tracing.py [--model DIR] [--jobs 300] [--max-tokens 16] [--runs 3] [--smoke]
 
 The tiny model's steps are fast, as a GPU fleet's are heading, so a job's fixed costs (its
 submit, intake and result, where the spans are made) weigh most. Runs alternate off and on;
 each run starts a fresh worker, submits the jobs at once (`submit_many`) and waits for all.
 Figures: jobs/s and tokens/s (medians), the ratio on/off, the spans the collector received
 per job (the bench's submit spans and the worker's) and their bytes. The last line is one JSON object of measured figures and ratios.
+--smoke: one run each way of eight jobs of four tokens on the smoke runs' tiny model: a
+check that the bench runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.queue_overhead import WORDS, start_worker  # noqa: E402
-from bench.workload import cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
 from broker_config import tracing  # noqa: E402
 from broker_config.embedded import EmbeddedRedis  # noqa: E402
 from producer.client import Client  # noqa: E402
@@ -102,7 +104,10 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=300)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
+    add_smoke_arg(p)
     a = p.parse_args()
+    if a.smoke:
+        a.model, a.jobs, a.max_tokens, a.runs = str(smoke_model()), 8, 4, 1
     if not (Path(a.model) / "config.json").exists():
         from gpu_workers.models.factory import make_model
 
@@ -152,6 +157,7 @@ def main() -> int:
                 "spans_per_job": round(spans_on / (a.runs * a.jobs), 2),  # submit's too
                 "otlp_bytes_per_span": round(collector.bytes / max(1, collector.spans), 1),
                 "cpus": os.cpu_count(),
+                **({"smoke": True} if a.smoke else {}),
             }
         )
     )

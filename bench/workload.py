@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 # the widest vector ISA of this CPU, for every bench's JSON: speed-ups must hold on AVX2-only
 # machines as well as on AVX-512 (with or without native bf16)
 from gpu_workers.kernels import cpu_isa  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -56,3 +60,36 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="models/bench-llama")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+
+
+# an engine's KV budget in a --smoke run: a few requests need little, and the default (up
+# to 1 GiB) takes a second to allocate at every engine's start
+SMOKE_KV_BYTES = 32 << 20
+
+
+def add_smoke_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run through every step of the bench (the tiny test model, a few "
+        "requests, short runs): a check that it runs to its end, not a measurement",
+    )
+
+
+def smoke_model(size: str = "tiny") -> Path:
+    """The factory's random-weight Llama of this size for --smoke runs ("small": the
+    smallest that vLLM's CPU attention takes), made once under models/. It is written to a
+    folder of its own and then renamed into place, so that smoke runs started at once (the
+    test suites run side by side) never read a half-written model."""
+    from gpu_workers.models.factory import factory_record, make_model
+
+    path = ROOT / "models" / f"smoke-{size}-llama"
+    if factory_record(path) is None:  # written last: a whole model
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        make_model(tmp, family="llama", size=size)
+        tmp.with_name(f".{tmp.name}.lock").unlink(missing_ok=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another run put it there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

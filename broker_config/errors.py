@@ -45,6 +45,7 @@ class Code:
     INVALID_UTF8 = "invalid_utf8"
     UNKNOWN_MODEL = "unknown_model"
     MAX_TOKENS_OVER_LIMIT = "max_tokens_over_limit"
+    N_OVER_LIMIT = "n_over_limit"  # more choices (`n`) than PLURAI_MAX_N
     # Engine level: the engine's own codes (ErrorCode above, defined once).
     INVALID_PROMPT = ErrorCode.INVALID_PROMPT
     PROMPT_TOO_LONG = ErrorCode.PROMPT_TOO_LONG

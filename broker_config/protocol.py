@@ -48,6 +48,7 @@ SAMPLING_FIELDS = (
     "response_format",
     "regex",
     "choice",
+    "n",
 )
 PROMPT_FIELDS = ("prompt", "messages", "token_ids")
 BODY_FIELDS = frozenset(
@@ -79,6 +80,7 @@ class Limits:
     logprobs: int = 20
     grammar_bytes: int = 64 << 10  # `response_format`, `regex` or `choice`, as compact JSON
     cache_salt_chars: int = 256
+    n: int = 16  # choices of one request (its `n`)
     # Tokens a prompt may have: the engine's max_model_len less one (the worker sets it);
     # a `prompt_tokens` claim or `token_ids` list over it is refused at once.
     prompt_tokens: int | None = None
@@ -175,6 +177,13 @@ class Request:
     stream: bool = True
     cache_salt: str | None = None
     special_tokens: bool = False  # opt-in: special-token strings in the prompt are control tokens
+
+    @property
+    def n(self) -> int:
+        """The choices it asks for: its `n` where that is a count (any other value the
+        engine refuses), else 1."""
+        n = self.params.get("n", 1)
+        return n if type(n) is int and n >= 1 else 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -440,6 +449,12 @@ def _check_sampling_sizes(params: dict[str, Any], limits: Limits) -> None:
     ids = params.get("stop_token_ids")
     if isinstance(ids, list) and len(ids) > limits.stop_token_ids:
         raise _too_large("'stop_token_ids'", len(ids), limits.stop_token_ids, "MAX_STOP_TOKEN_IDS")
+    n = params.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > limits.n:
+        raise WireError(
+            Code.N_OVER_LIMIT,
+            f"n {n} is over this deployment's limit of {limits.n} choices (PLURAI_MAX_N)",
+        )
     lp = params.get("logprobs")
     if isinstance(lp, int) and not isinstance(lp, bool) and lp > limits.logprobs:
         raise _too_large("'logprobs'", lp, limits.logprobs, "MAX_LOGPROBS")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -141,6 +141,7 @@ class Settings(_Sourced):
     max_metadata_bytes: int = Field(default=Limits.metadata_bytes, ge=2)
     max_logprobs: int = Field(default=Limits.logprobs, ge=0, le=20)
     max_grammar_bytes: int = Field(default=Limits.grammar_bytes, ge=2)
+    max_n: int = Field(default=Limits.n, ge=1)  # larger `n` is refused with n_over_limit
     block_ms: int = Field(default=200, ge=1, le=BLOCK_LIMIT_MS)  # an idle worker's XREADGROUP wait
     poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
     # SIGTERM: how long running jobs run on before they are handed back with their progress
@@ -222,6 +223,19 @@ class Settings(_Sourced):
     # The shared KV tier's Redis, when `--engine kv_redis_url=` does not name one (serve.py
     # connects it and hands it to the engine); here a password stays out of `ps`.
     kv_redis_url: str | None = None
+    # The HMAC key of the KV tier's blocks (kv_store/redis_tier.py): workers share blocks
+    # only with workers that hold the same key; None: blocks are not authenticated.
+    kv_secret: SecretStr | None = None
+    # The fused CPU kernels (gpu_workers/kernels) where `--engine kernels=` names no mode:
+    # auto (when they build), native (else the start fails) or torch (the pure-torch path).
+    kernels: Literal["auto", "native", "torch"] = "auto"
+    # Build the kernels for a narrower ISA than the CPU's (baseline, avx2, avx512,
+    # avx512_bf16), e.g. to test an AVX2 build on an AVX-512 host; None: the CPU's.
+    kernel_isa: str | None = None
+    kernels_dir: str | None = None  # where their builds live; None: <venv>/lib/plurai-kernels
+    # a build at start (none for this CPU yet) that takes longer fails the start (one on 2
+    # busy cores takes a minute or two)
+    kernels_build_timeout_s: float = Field(default=900.0, gt=0)
     # The vLLM backend on CPU: the share of the host's memory (or its container's limit)
     # its KV cache takes, unless --vllm kv_cache_memory_bytes / gpu_memory_utilization or
     # VLLM_CPU_KVCACHE_SPACE give one (vLLM's own default takes nearly all of it, so a
@@ -311,6 +325,7 @@ class Settings(_Sourced):
             metadata_bytes=self.max_metadata_bytes,
             logprobs=self.max_logprobs,
             grammar_bytes=self.max_grammar_bytes,
+            n=self.max_n,
             prompt_tokens=prompt_tokens,
         )
 

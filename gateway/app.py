@@ -36,7 +36,7 @@ from gateway.apikeys import Key
 from gateway.dashboard import Dashboard
 from gateway.errors import ApiError, client_status, error, model_not_found, no_workers
 from gateway.lag import LoopWatch
-from gateway.lease import Lease, OpenStreams, StreamSlot, request_tokens
+from gateway.lease import Lease, OpenStreams, StreamSlot, max_output, request_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.sse import (
     BAD_RECORD,
@@ -237,7 +237,7 @@ class Gateway:
             raise ApiError(429, message, "too_many_streams", retry_after=1, kind="rate_limit_error")
         lease = Lease(self.client.redis, key, sub.job_id)
         try:
-            await lease.admit(request_tokens(options), options["max_tokens"])
+            await lease.admit(request_tokens(options), max_output(options))
             job_id = (await self.client.send([sub]))[0].id
             if job_id != sub.job_id and not await self.client.redis.exists(keys.job(job_id)):
                 # an Idempotency-Key's earlier job, whose record has expired: nothing comes

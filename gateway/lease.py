@@ -22,16 +22,21 @@ log = logging.getLogger("plurai.gateway")
 FINAL_POLL_S = 1.0  # how often a background job's record is read for its end
 
 
+def max_output(options: dict[str, Any]) -> int:
+    """The most output tokens a request can make: max_tokens for each of its n choices."""
+    return options["max_tokens"] * options.get("n", 1)
+
+
 def request_tokens(options: dict[str, Any]) -> int:
     """What a request counts against a tokens/min quota: its prompt estimate (the same as
-    the queue's length metadata) plus its max_tokens."""
+    the queue's length metadata) plus its output tokens at most."""
     if "token_ids" in options:
         prompt = len(options["token_ids"])
     else:
         prompt = protocol.estimate_prompt_tokens(
             {k: options[k] for k in ("prompt", "messages") if k in options}
         )
-    return prompt + options["max_tokens"]
+    return prompt + max_output(options)
 
 
 class StreamSlot:

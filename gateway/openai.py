@@ -9,7 +9,7 @@ from typing import Any
 
 from broker_config.protocol import Code
 from producer.openai_body import Job
-from results.records import JobRecord
+from results.records import Choice, JobRecord
 
 # HTTP status of each job error code: what the client sent (400, 404, 413) or not (5xx).
 STATUS = {
@@ -21,6 +21,7 @@ STATUS = {
     Code.PROMPT_TOO_LONG: 400,
     Code.TOKEN_OUT_OF_VOCAB: 400,
     Code.MAX_TOKENS_OVER_LIMIT: 400,
+    Code.N_OVER_LIMIT: 400,
     Code.UNSUPPORTED_VERSION: 400,
     Code.TOO_LARGE: 413,
     Code.UNKNOWN_MODEL: 404,
@@ -45,6 +46,7 @@ def response_id(job: Job, job_id: str) -> str:
 
 
 def usage(rec: JobRecord) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, the output tokens of every choice."""
     prompt, out = rec.prompt_tokens or 0, rec.output_tokens or 0
     return {
         "prompt_tokens": prompt,
@@ -90,24 +92,28 @@ def logprobs_body(job: Job, entries: list[dict[str, Any]] | None) -> dict[str, A
 
 
 def completion(job: Job, rec: JobRecord) -> dict[str, Any]:
-    """The whole response of a finished job."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": logprobs_body(job, rec.logprobs),
-        "finish_reason": rec.finish_reason or "stop",
-    }
-    if job.chat:
-        choice["message"] = {"role": "assistant", "content": rec.text or ""}
-    else:
-        choice["text"] = rec.text or ""
+    """The whole response of a finished job: a choice per choice of its record."""
     return {
         "id": response_id(job, rec.id),
         "object": "chat.completion" if job.chat else "text_completion",
         "created": (rec.created_ms or int(time.time() * 1000)) // 1000,
         "model": job.model,
-        "choices": [choice],
+        "choices": [_choice(job, c) for c in rec.choices],
         "usage": usage(rec),
     }
+
+
+def _choice(job: Job, c: Choice) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": c.index,
+        "logprobs": logprobs_body(job, c.logprobs),
+        "finish_reason": c.finish_reason or "stop",
+    }
+    if job.chat:
+        choice["message"] = {"role": "assistant", "content": c.text}
+    else:
+        choice["text"] = c.text
+    return choice
 
 
 def chunk(
@@ -117,9 +123,11 @@ def chunk(
     text: str | None,
     finish_reason: str | None = None,
     first: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One stream chunk: a text delta, or (text None) the closing one with finish_reason."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    """One stream chunk of choice `index`: a text delta, or (text None) the closing one
+    with finish_reason; `first`: the choice's first chunk (a chat's carries the role)."""
+    choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
     if job.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:

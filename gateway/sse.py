@@ -178,8 +178,9 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 class SseBody:
     """The SSE chunks of a stream whose first text (or end) is read: one chunk per batch of
-    events read together, the end's chunk (finish_reason, and logprobs or usage when
-    asked) carrying the text that came with it, and `[DONE]` in the same write.
+    events read together (of each choice, a job of n > 1 choices having chunks of each,
+    with its index), the end's chunks (each choice's finish_reason, and logprobs or usage
+    when asked) carrying the text that came with it, and `[DONE]` in the same write.
 
     `cancel` cancels the job (one nobody will read on); `damaged` is told of a damaged
     entry or record, whose job it cancels unless it runs in the background."""
@@ -198,34 +199,40 @@ class SseBody:
         self.r, self.job, self.job_id, self.created = r, job, job_id, created
         self.follower, self.open_streams = follower, open_streams
         self.cancel, self.damaged = cancel, damaged
-        self.text = ""  # read, not yet sent
-        self.head = True  # whether the first chunk is still due
+        self.text: dict[int, str] = {}  # read, not yet sent, by choice
+        self.started: set[int] = set()  # the choices whose first chunk is sent
 
-    def _chunk(self, text: str | None, reason: str | None = None) -> dict[str, Any]:
-        out = openai.chunk(self.job, self.job_id, self.created, text, reason, first=self.head)
-        self.head = False
-        return out
+    def _chunk(self, text: str | None, reason: str | None = None, index: int = 0) -> dict[str, Any]:
+        first = index not in self.started
+        self.started.add(index)
+        return openai.chunk(self.job, self.job_id, self.created, text, reason, first, index)
 
     def _take(self, batch: list[tokens.Event]) -> tokens.Event | None:
         """Feed a batch's text in; its end event, if it holds one."""
         for e in batch:
-            self.text += self.follower.feed(e)
+            new = self.follower.feed(e)
+            if new:
+                self.text[e.index] = self.text.get(e.index, "") + new
             if e.type == tokens.END:
                 return e
         return None
 
     def _pieces(self, keep: int = 0) -> list[bytes]:
-        """Chunks of the text read, CHUNK_CHARS each, until at most `keep` chars are left."""
+        """Chunks of the text read, CHUNK_CHARS each, until at most `keep` chars of each
+        choice are left."""
         out = []
-        while self.text and len(self.text) > keep:
-            piece, self.text = self.text[:CHUNK_CHARS], self.text[CHUNK_CHARS:]
-            out.append(_event(self._chunk(piece)))
+        for i, text in self.text.items():
+            while len(text) > keep:
+                piece, text = text[:CHUNK_CHARS], text[CHUNK_CHARS:]
+                out.append(_event(self._chunk(piece, index=i)))
+            self.text[i] = text
+        self.text = {i: t for i, t in self.text.items() if t}
         return out
 
     def _failed(self, message: str, code: str) -> bytes:
         """The end of a stream that cannot finish: the text not yet sent, the error event,
         [DONE]."""
-        unsent = _event(self._chunk(self.text)) if self.text else b""
+        unsent = b"".join(_event(self._chunk(t, index=i)) for i, t in self.text.items() if t)
         return unsent + _event(error_body(message, code, kind="server_error")) + DONE
 
     async def chunks(
@@ -237,7 +244,8 @@ class SseBody:
     ) -> AsyncGenerator[bytes, None]:
         """Every chunk, from the first text (or end) `ev` brought and the events read with
         it (`rest`), on through `batches`."""
-        self.text = first
+        if first and ev is not None:
+            self.text[ev.index] = first
         end = ev if ev is not None and ev.type == tokens.END else None
         self.open_streams.inc()
         try:
@@ -261,9 +269,9 @@ class SseBody:
                 yield piece
             job = self.job
             if end is not None and end.state == records.COMPLETED:
-                if not job.include_usage and job.logprobs is None:
+                if not job.include_usage and job.logprobs is None and job.n == 1:
                     # the end entry says all the closing chunk needs: no record to read
-                    last = self._chunk(self.text or None, end.finish_reason or "stop")
+                    last = self._chunk(self.text.pop(0, None), end.finish_reason or "stop")
                     yield _event(last) + DONE
                     return
             rec = await records.get_async(self.r, self.job_id)
@@ -288,10 +296,12 @@ class SseBody:
             message = rec.error_message or f"the job ended {rec.state}"
             return self._failed(message, rec.error_code or rec.state)
         job = self.job
-        last = self._chunk(self.text or None, rec.finish_reason or "stop")
-        # the token stream carries no logprobs: they come whole, on the last chunk
-        last["choices"][0]["logprobs"] = openai.logprobs_body(job, rec.logprobs)
-        closing = _event(last)
+        closing = b""
+        for c in rec.choices:  # each choice's closing chunk, with its finish reason
+            last = self._chunk(self.text.pop(c.index, None), c.finish_reason or "stop", c.index)
+            # the token stream carries no logprobs: they come whole, on the last chunk
+            last["choices"][0]["logprobs"] = openai.logprobs_body(job, c.logprobs)
+            closing += _event(last)
         if job.include_usage:
             closing += _event(openai.usage_chunk(job, rec, self.created))
         return closing + DONE

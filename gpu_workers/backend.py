@@ -37,12 +37,13 @@ class StepOutput:
     # speculative decoding, this request's so far: tokens proposed, and of those accepted
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    index: int = 0  # the choice it is of, for a request with n > 1 (its params' `n`)
 
 
 class Backend(Protocol):
     model_fingerprint: str  # identity of the weights: part of every KV block's key
     max_model_len: int  # prompt plus output tokens one request may hold
-    max_num_seqs: int  # requests it runs at once
+    max_num_seqs: int  # sequences it runs at once (a request's choices are one each)
 
     def add(
         self,
@@ -55,19 +56,26 @@ class Backend(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-        output_ids: list[int] | None = None,
-    ) -> str:
+        output_ids: list[list[int]] | None = None,
+    ) -> list[str]:
         """Queue a request; `params` are the wire's sampling fields. Raises RequestError.
 
-        `output_ids`: the output tokens a run of this request cut off elsewhere (a crash, a
-        drain) had generated. The request then goes on after them and gives exactly what
-        the uninterrupted run would have: the rest of its tokens, text deltas, logprobs
-        and finish reason; num_output_tokens and max_tokens count the tokens given. A
-        backend that cannot continue this request exactly (or that finds the progress
-        wrong: ids out of range, more than max_tokens, a request already finished after
-        them) raises RequestError with code BAD_PROGRESS, and the caller starts it again
-        from no output. Returns the output text the cut-off run had reported for
-        `output_ids` (the concatenation of its text deltas); "" without output_ids."""
+        With `n` > 1 in `params` the request has n choices, choice i sampled as a request
+        of seed `seed` + i (mod 2^63) would be; each step output says its choice
+        (`index`), and a choice's `finished` ends that choice only. The request is over
+        once every choice has finished.
+
+        `output_ids`: per choice, the output tokens a run of this request cut off
+        elsewhere (a crash, a drain) had generated. Each choice then goes on after its
+        tokens and gives exactly what the uninterrupted run would have: the rest of its
+        tokens, text deltas, logprobs and finish reason (a choice its tokens ended is
+        reported finished, with no new token); num_output_tokens and max_tokens count the
+        tokens given. A backend that cannot continue this request exactly (or that finds
+        the progress wrong: ids out of range, more than max_tokens, tokens after the one
+        that ended a choice, every choice ended) raises RequestError with code
+        BAD_PROGRESS, and the caller starts it again from no output. Returns, per choice,
+        the output text the cut-off run had reported for its tokens (the concatenation of
+        its text deltas); "" each without output_ids."""
         ...
 
     def step(self) -> list[StepOutput]: ...

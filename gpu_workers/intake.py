@@ -237,6 +237,11 @@ class Intake:
                     continue
                 fields = claimed[0][1]
                 times = before + 1
+                if self._advanced(fields):  # not a failure: see _advanced
+                    self.r.xclaim(
+                        stream, keys.GROUP, self.id, 0, [entry_id], retrycount=before, justid=True
+                    )
+                    times = before
                 # Each delivery before this one ended without a result: a failure.
                 failures = protocol.attempts_of(fields) + times - 1
                 if failures >= self.settings.max_deliveries:
@@ -263,6 +268,19 @@ class Intake:
                 return [(lane, stream, entry_id, fields, since)]
         self._next_reclaim = time.monotonic() + self.settings.reclaim_interval_s
         return []
+
+    def _advanced(self, fields: dict[bytes, bytes]) -> bool:
+        """Whether the job's run that just ended without a result (its worker died or
+        stalled) had made its progress grow. Then the job was not what stopped that worker:
+        a worker that dies on a poison job dies before the job's progress grows (at most
+        up to the point where it dies, once), so its deliveries still count, and one killed
+        at random, or stalled, while it ran the job does not charge the job for it. A run
+        that never began counts, as before."""
+        try:
+            job_id = protocol.job_id_of(fields)
+        except protocol.NoJobId:
+            return False
+        return jobs.run(self.r, jobs.advanced(job_id=job_id)) == 1
 
     def _ack_deleted(self, stream: str, entry_id: bytes) -> None:
         """Ack a pending entry that no longer exists (trimmed or deleted by hand); one that
@@ -500,7 +518,7 @@ class Intake:
             priority=env.priority,
             metadata_json=json.dumps(metadata) if metadata is not None else None,
             progress_head=head,
-            progress_limit=progress.limit(head, env.max_tokens, asked),
+            progress_limit=progress.limit(head, env.max_tokens, asked, entry.req.n),
         )
 
     def _pipeline(self, commands: list[list[Any]]) -> list[Any]:

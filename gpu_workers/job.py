@@ -1,5 +1,5 @@
-"""A job while it runs on this worker: what it has produced so far, and what its stream
-and its result are to say."""
+"""A job while it runs on this worker: what it has produced so far (each of its choices:
+n of them for a job that asks for n > 1), and what its stream and its result are to say."""
 
 from __future__ import annotations
 
@@ -24,11 +24,26 @@ class Stream:
 
 
 @dataclass
-class Running:
-    entry: Entry
+class Choice:
+    """One choice's output so far (a job has n of them, one unless it asks for more), and
+    how much of it its stream and the progress have."""
+
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None  # once it has ended
+    sent_pieces: int = 0  # pieces of `text` written
+    sent_tokens: int = 0  # tokens written (stream and progress)
+
+    @property
+    def has_unsent(self) -> bool:
+        return len(self.token_ids) > self.sent_tokens or len(self.text) > self.sent_pieces
+
+
+@dataclass
+class Running:
+    entry: Entry
+    choices: list[Choice] = field(init=False)  # its request's n
     prompt_tokens: int = 0
     cached_tokens: int = 0
     spec_proposed: int = 0  # speculative decoding: tokens proposed, and accepted
@@ -41,80 +56,131 @@ class Running:
     # The job's token stream may lack deltas (Redis failed while they were sent): its next
     # write is a reset followed by the whole text so far.
     resync: bool = False
-    # What the stream and the progress have (pieces of `text`, tokens) and since when tokens
-    # wait to be written (monotonic seconds; None: none wait). A job's tokens are held back
-    # and written together (Stream above), so a job costs Redis a few writes rather than one
-    # a token.
-    sent_pieces: int = 0
-    sent_tokens: int = 0
+    # Whether its progress has been started (header first) since its stream's start or
+    # last reset, and since when tokens wait to be written (monotonic seconds; None: none
+    # wait). A job's tokens are held back and written together (Stream above), so a job
+    # costs Redis a few writes rather than one a token.
+    saved: bool = False
     held_since: float | None = None
     span: Any = None  # its open phase span while traced (gpu_workers/spans.py)
 
-    def absorb(self, out: StepOutput, now: float, every: Stream) -> jobs.Delta | None:
-        """Take one step's output; returns what to write to the job's stream now, if anything."""
-        self.token_ids += out.new_token_ids
+    def __post_init__(self) -> None:
+        self.choices = [Choice() for _ in range(self.entry.req.n)]
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens of all its choices."""
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def done(self) -> bool:
+        """Whether every choice has ended."""
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def absorb(self, out: StepOutput, now: float, every: Stream) -> list[jobs.Delta]:
+        """Take one step's output (of one choice); returns what to write to the job's stream
+        now, if anything."""
+        c = self.choices[out.index]
+        c.token_ids += out.new_token_ids
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
         self.spec_proposed, self.spec_accepted = out.num_spec_proposed, out.num_spec_accepted
         if out.logprobs:
-            self.logprobs += out.logprobs
+            c.logprobs += out.logprobs
         if out.text_delta:
-            self.text.append(out.text_delta)
+            c.text.append(out.text_delta)
+        if out.finished:
+            c.finish_reason = out.finish_reason or ""
         streams = self.entry.req.stream
-        if out.finished and (self.resync or not streams):
-            return None  # its FINALIZE writes the rest (the whole stream after a resync)
+        if self.done and (self.resync or not streams):
+            return []  # its FINALIZE writes the rest (the whole stream after a resync)
         if self.held_since is None and self.has_unsent:
             self.held_since = now
-        first = streams and self.sent_pieces == 0  # until its first text is out: TTFT
+        held = sum(len(c.token_ids) - c.sent_tokens for c in self.choices)
+        # until its first text is out, tokens go at once: time to first token
+        first = streams and not any(c.sent_pieces for c in self.choices)
         if (
             self.resync
-            or out.finished
+            or self.done
             or first
-            or len(self.token_ids) - self.sent_tokens >= every.tokens
+            or held >= every.tokens
             or (self.held_since is not None and now - self.held_since >= every.seconds)
         ):
             return self.unsent()
-        return None
+        return []
 
     @property
     def has_unsent(self) -> bool:
-        return len(self.token_ids) > self.sent_tokens or len(self.text) > self.sent_pieces
+        return any(c.has_unsent for c in self.choices)
 
-    def unsent(self) -> jobs.Delta | None:
-        """The write of everything not yet written (a reset and the whole text after a
-        resync, and the whole progress); None when there is nothing to write."""
+    def unsent(self) -> list[jobs.Delta]:
+        """The writes of everything not yet written, a Delta per choice with something (a
+        reset and the whole text after a resync, and the whole progress); [] when there is
+        nothing to write."""
         if not (self.resync or self.has_unsent):
-            return None
+            return []
         reset, self.resync = self.resync, False
-        start_piece = 0 if reset else self.sent_pieces
-        start_token = 0 if reset else self.sent_tokens
-        self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
+        if reset:
+            self.saved = False
+        asked = self.entry.req.params.get("logprobs") is not None
+        several = len(self.choices) > 1
+        out: list[jobs.Delta] = []
+        for i, c in enumerate(self.choices):
+            start_piece = 0 if reset else c.sent_pieces
+            start_token = 0 if reset else c.sent_tokens
+            # a reset is written (with the first choice's whole text) even when empty
+            if not (c.has_unsent or reset and (i == 0 or c.token_ids)):
+                continue
+            c.sent_pieces, c.sent_tokens = len(c.text), len(c.token_ids)
+            ids = c.token_ids[start_token:]
+            lps = c.logprobs[start_token:] if asked else None
+            out.append(
+                jobs.Delta(
+                    job_id=self.entry.job_id,
+                    text="".join(c.text[start_piece:]),
+                    token_ids=ids,
+                    reset=reset and not out,
+                    stream=self.entry.req.stream,
+                    progress=progress.chunk(ids, lps, i if several else None),
+                    whole=not self.saved,
+                    index=i if several else None,
+                )
+            )
+            self.saved = True
         self.held_since = None
-        ids = self.token_ids[start_token:]
-        asked = self.entry.req.params.get("logprobs") is not None
-        return jobs.Delta(
-            job_id=self.entry.job_id,
-            text="".join(self.text[start_piece:]),
-            token_ids=ids,
-            reset=reset,
-            stream=self.entry.req.stream,
-            progress=progress.chunk(ids, self.logprobs[start_token:] if asked else None),
-            whole=start_token == 0,
-        )
+        return out
 
-    def resume(self, saved: progress.Progress, text: str) -> None:
-        """Take over the output a previous run made (its stream and progress have it all)."""
-        self.token_ids = list(saved.token_ids)
-        self.resumed = len(self.token_ids)
-        self.logprobs = list(saved.logprobs or [])
-        self.text = [text] if text else []
-        self.sent_pieces, self.sent_tokens = len(self.text), len(self.token_ids)
+    def resume(self, saved: list[progress.Progress], texts: list[str]) -> None:
+        """Take over the output a previous run made, of each choice (its stream and progress
+        have it all)."""
+        for c, p, text in zip(self.choices, saved, texts, strict=True):
+            c.token_ids = list(p.token_ids)
+            c.logprobs = list(p.logprobs or [])
+            c.text = [text] if text else []
+            c.sent_pieces, c.sent_tokens = len(c.text), len(c.token_ids)
+        self.resumed = self.num_tokens
+        self.saved = True
 
-    def result_fields(self, worker: str, finished_ms: int, code: str, message: str) -> list[Any]:
+    def result_fields(
+        self, worker: str, finished_ms: int, finish_reason: str, code: str, message: str
+    ) -> list[Any]:
+        """The record's final fields; a choice that has not ended (the job was cancelled,
+        or failed) ends with the job's `finish_reason`."""
         asked = self.entry.req.params.get("logprobs") is not None
+        choices = [
+            records.Choice(
+                index=i,
+                text="".join(c.text),
+                token_ids=c.token_ids,
+                finish_reason=finish_reason if c.finish_reason is None else c.finish_reason,
+                logprobs=c.logprobs if asked else None,
+            )
+            for i, c in enumerate(self.choices)
+        ]
+        first = choices[0]
         return records.final_fields(
-            text="".join(self.text),
-            token_ids=self.token_ids,
+            text=first.text,
+            token_ids=first.token_ids,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             spec_proposed=self.spec_proposed,
@@ -124,7 +190,8 @@ class Running:
             first_token_ms=round(self.first_token_s * 1000),  # 0 (left out): none
             error_code=code,
             error_message=message,
-            logprobs=self.logprobs if asked else None,
+            logprobs=first.logprobs,
+            choices=choices if len(choices) > 1 else None,
         )
 
     @property

@@ -115,6 +115,7 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
             vllm_options.setdefault("speculative_config", spec)
         try:
             from gpu_workers.vllm_backend.backend import VllmBackend
+            from gpu_workers.vllm_backend.cpu_support import Unsupported
         except ImportError as e:
             raise StartError(
                 Exit.BACKEND_FAILED,
@@ -129,6 +130,8 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
                 options=vllm_options,
                 kv_redis_url=kv_url,
             )
+        except Unsupported as e:
+            raise StartError(Exit.MODEL_UNSUPPORTED, str(e)) from e
         except ValueError as e:
             raise StartError(Exit.USAGE, str(e)) from e
     if args.vllm:

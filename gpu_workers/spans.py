@@ -89,8 +89,8 @@ class Spans:
             "plurai.prompt_tokens": run.prompt_tokens,
             "gen_ai.usage.input_tokens": run.prompt_tokens,
             "plurai.cached_tokens": run.cached_tokens,
-            "plurai.output_tokens": len(run.token_ids),
-            "gen_ai.usage.output_tokens": len(run.token_ids),
+            "plurai.output_tokens": run.num_tokens,
+            "gen_ai.usage.output_tokens": run.num_tokens,
         }
         if run.span is not None:
             tracing.end(run.span, now, code, **usage)
@@ -104,7 +104,7 @@ class Spans:
         """The run ends without a result: preempted, drained, crashed, failed (the backend
         raised on it) or lost (another worker owns its entry now)."""
         if run.span is not None:
-            tokens = len(run.token_ids)
+            tokens = run.num_tokens
             attrs = {"plurai.outcome": outcome, "plurai.output_tokens": tokens}
             tracing.end(run.span, None, error, **attrs)
             run.span = None

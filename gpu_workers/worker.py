@@ -299,7 +299,7 @@ class Worker:
         lanes, nor of the top lane unless lower-lane jobs run here (`_lower_running`)."""
         top = self.lanes[0]
         slow = self.pace.over_target() and any(
-            r.entry.lane == top and r.token_ids for r in self.running.values()
+            r.entry.lane == top and r.num_tokens for r in self.running.values()
         )
         if slow != self._slow:
             self._slow = slow
@@ -342,7 +342,8 @@ class Worker:
         """Whether the engine has room for the request now, and its prompt fits in the
         backlog bound beside the prompts not computed yet (a prompt alone always does):
         all of them, or for a top-lane request the top lane's only. With preemption on, a
-        top-lane request needs room beside the top lane's jobs only."""
+        top-lane request needs room beside the top lane's jobs only. A request's n choices
+        count as one request of n times its max_tokens."""
         bound = self.settings.prefill_backlog_tokens
         backlog = self._top_backlog() if top else self.engine.prompt_backlog
         if bound and backlog and backlog + req.prompt_tokens > bound:
@@ -351,7 +352,8 @@ class Worker:
         preempt = top and self.settings.preempt
         priority = protocol.engine_priority(0, protocol.MAX_PRIORITY) if preempt else None
         spare = 0 if top else self._top_kv_reserve()
-        return self.engine.can_admit(req.prompt_tokens, req.envelope.max_tokens, priority, spare)
+        output = req.envelope.max_tokens * req.n
+        return self.engine.can_admit(req.prompt_tokens, output, priority, spare)
 
     def _top_kv_reserve(self) -> int:
         """Tokens of KV that lower-lane work leaves free for the top lane: room for
@@ -369,7 +371,7 @@ class Worker:
         return sum(
             r.entry.req.prompt_tokens
             for r in self.running.values()
-            if r.entry.lane == top and not r.token_ids
+            if r.entry.lane == top and not r.num_tokens
         )
 
     def _backlog_room(self, backlog: int) -> int:
@@ -434,7 +436,7 @@ class Worker:
             return e
         return None
 
-    def _engine_add(self, entry: Entry, output_ids: list[int] | None = None) -> str:
+    def _engine_add(self, entry: Entry, output_ids: list[list[int]] | None = None) -> list[str]:
         req, env = entry.req, entry.req.envelope
         return self.engine.add(
             entry.job_id,
@@ -522,12 +524,13 @@ class Worker:
         entry = run.entry
         req = entry.req
         asked = req.params.get("logprobs") is not None
-        saved = progress.parse(blob, self.writer.progress_head, req.envelope.max_tokens, asked)
+        head, limit = self.writer.progress_head, req.envelope.max_tokens
+        saved = progress.parse(blob, head, limit, asked, req.n)
         why = "its progress is damaged"
-        if saved is not None and saved.token_ids:
+        if saved is not None and any(c.token_ids for c in saved):
             self.engine.abort(entry.job_id)
             try:
-                made = self._engine_add(entry, saved.token_ids)
+                made = self._engine_add(entry, [c.token_ids for c in saved])
             except RequestError as e:
                 why = e.message
             except Exception as e:  # a Plurai bug met on this job: start it over
@@ -537,10 +540,10 @@ class Worker:
                 run.resume(saved, made)
                 self.jobs_resumed += 1
                 self.metrics.jobs_resumed.labels(entry.lane).inc()
-                self.metrics.resumed_tokens.inc(len(saved.token_ids))
+                self.metrics.resumed_tokens.inc(run.resumed)
                 log.info(
                     "job resumed after %d output tokens",
-                    len(saved.token_ids),
+                    run.resumed,
                     extra={"job_id": entry.job_id, "lane": entry.lane},
                 )
                 return None
@@ -573,7 +576,7 @@ class Worker:
         if not outputs:
             return
         items: list[jobs.Delta] = []
-        finished: list[tuple[Running, str]] = []
+        finished: list[Running] = []
         errors: list[tuple[Entry, str]] = []
         now, mono, generated = time.time(), time.monotonic(), 0
         # a top-lane job's tokens of this step, for the pace: a backend may give several
@@ -586,6 +589,7 @@ class Worker:
                 continue
             if out.error:  # the backend raised on this job and dropped it
                 del self.running[out.request_id]
+                self.engine.abort(out.request_id)  # its other choices too
                 if run.span is not None:
                     self.spans.stopped(run, "failed", Code.INTERNAL)
                 errors.append((run.entry, out.error))
@@ -601,25 +605,22 @@ class Worker:
                 made = top_made.get(out.request_id, (run, 0))[1]
                 top_made[out.request_id] = (run, made + len(out.new_token_ids))
             generated += len(out.new_token_ids)
-            delta = run.absorb(out, mono, self.stream)
-            if delta is not None:
-                items.append(delta)
-            if out.finished:
-                finished.append((run, out.finish_reason or ""))
+            items += run.absorb(out, mono, self.stream)
+            if out.finished and run.done:  # its last choice ended
+                finished.append(run)
         for run, made in top_made.values():
             if run.last_token_s:
                 self.pace.tokens(mono - run.last_token_s, made, mono)
             run.last_token_s = mono
         for run in self.running.values():  # tokens held too long by jobs that did not step
             if run.held_since is not None and mono - run.held_since >= self.stream.seconds:
-                delta = run.unsent()
-                if delta is not None:
-                    items.append(delta)
+                items += run.unsent()
         self._generated += generated
         self.metrics.generation_tokens.inc(generated)
         calls = self.writer.deltas(items) if items else []
-        for run, reason in finished:
+        for run in finished:
             del self.running[run.entry.job_id]
+            reason = run.choices[0].finish_reason or ""  # the record's is its first choice's
             calls.append(self._end(run, records.COMPLETED, reason))
         # The backend is done with the finished jobs: from here their results live only in
         # `calls` until Redis has them (the writer keeps them through failures).
@@ -639,7 +640,7 @@ class Worker:
     ) -> jobs.Call:
         """The FINALIZE call of the job's result (and the ack of its entry); counts it."""
         entry = run.entry
-        fields = run.result_fields(self.id, now_ms(), code, message)
+        fields = run.result_fields(self.id, now_ms(), finish_reason, code, message)
         if tracing.ON:
             self.spans.ended(run, state, finish_reason, code)
         call = self.writer.final(
@@ -659,12 +660,13 @@ class Worker:
         m.prompt_tokens.inc(run.prompt_tokens)
         m.cached_tokens.inc(run.cached_tokens)
         m.e2e.labels(lane).observe(max(0.0, now - entry.entered_s))
-        n = len(run.token_ids) - run.resumed  # the tokens of this run
+        made = run.num_tokens - run.resumed  # the tokens of this run
         done = self.lanes_done.setdefault(lane, [0, 0])
         done[0] += 1
-        done[1] += n
-        if n > 1 and run.first_token_s:
-            m.tpot.labels(lane).observe((now - run.first_token_s) / (n - 1))
+        done[1] += made
+        each = made / len(run.choices)  # a choice's: they make their tokens side by side
+        if each > 1 and run.first_token_s:
+            m.tpot.labels(lane).observe((now - run.first_token_s) / (each - 1))
         log.debug(
             "job finished",
             extra={"job_id": entry.job_id, "lane": lane, "state": state, "code": code},
@@ -676,8 +678,8 @@ class Worker:
     ) -> None:
         """End a job outside a step: its result goes out now (after its deltas, the held
         ones included)."""
-        delta = run.unsent() if run.entry.req.stream else None
-        held = self.writer.deltas([delta]) if delta is not None else []
+        deltas = run.unsent() if run.entry.req.stream else []
+        held = self.writer.deltas(deltas) if deltas else []
         self.writer.store(held + [self._end(run, state, finish_reason, code, message)])
 
     def _redis_full(self, e: redis.ResponseError, outage: Outage) -> None:
@@ -768,7 +770,7 @@ class Worker:
             log.info(
                 "job preempted: %s with %d token(s)",
                 "handed over" if handed else "dropped (done, or another worker's now)",
-                len(run.token_ids),
+                run.num_tokens,
                 extra={"job_id": run.entry.job_id, "lane": run.entry.lane},
             )
 
@@ -776,7 +778,7 @@ class Worker:
         """Write the jobs' tokens not written yet (stream and progress), so that whichever
         worker takes a job next resumes it where it stopped here. Returns what Redis
         refused for now (Writer.execute)."""
-        items = [d for run in runs if (d := run.unsent()) is not None]
+        items = [d for run in runs for d in run.unsent()]
         return self.writer.execute(self.writer.deltas(items)) if items else []
 
     def _hand_back(self, failed: str = "") -> None:

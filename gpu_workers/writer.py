@@ -65,7 +65,7 @@ class Writer:
 
     # -- calls ----------------------------------------------------------------------
     def deltas(self, items: list[jobs.Delta]) -> list[jobs.Call]:
-        """The DELTAS calls of a step: one, or one per job on a Cluster (one slot each)."""
+        """The DELTAS calls of a step: one, or one per delta on a Cluster (one slot each)."""
         groups = [[d] for d in items] if self.cluster else [items]
         ttl, head = self.settings.result_ttl_s, self.progress_head
         return [

@@ -10,19 +10,19 @@ to an error for a request. The writer's queue is bounded in blocks and in bytes
 maxmemory that refuses writes (OOM, policy noeviction) stops the writes for a while,
 doubling up to a minute while it stays full; its reads go on meanwhile.
 
-Authentication: with a secret (`PLURAI_KV_SECRET` unless given), every block written
-carries an HMAC-SHA256 of the secret over its header and payload, and every block read is
-checked before it is handed out; one with a missing or wrong MAC is a miss (counted in
-`refused`, and recomputed by the engine), never used. Workers share blocks only with
-workers that have the same secret. Without a secret, anyone who can write this Redis can
-change what the engines read, and so their outputs. The secret is never logged.
+Authentication: with a secret (`PLURAI_KV_SECRET`, Settings.kv_secret, unless given),
+every block written carries an HMAC-SHA256 of the secret over its header and payload, and
+every block read is checked before it is handed out; one with a missing or wrong MAC is a
+miss (counted in `refused`, and recomputed by the engine), never used. Workers share
+blocks only with workers that have the same secret. Without a secret, anyone who can
+write this Redis can change what the engines read, and so their outputs. The secret is
+never logged.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import os
 import queue
 import re
 import threading
@@ -35,18 +35,19 @@ import torch
 from broker_config import keys
 from broker_config.connection import is_cluster
 from broker_config.memory import is_oom
+from broker_config.settings import Settings
 from kv_store import block_format
 
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "PLURAI_KV_SECRET"
+SECRET_ENV = "PLURAI_KV_SECRET"  # Settings.kv_secret's variable
 
 
-class _Env(enum.Enum):
-    SECRET = SECRET_ENV
+class _Default(enum.Enum):
+    SECRET = "kv_secret"
 
 
-FROM_ENV = _Env.SECRET  # RedisTier's default: the secret comes from the environment
+FROM_SETTINGS = _Default.SECRET  # RedisTier's default: the secret of Settings
 # what a Redis being down, full or gone raises; a Redis Cluster with no node left to reach
 # raises RedisClusterException, which is not a RedisError
 ERRORS = (redis.RedisError, redis.RedisClusterException)
@@ -55,10 +56,11 @@ FULL_BACKOFF_MAX_S = 60.0
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 
 
-def secret_from_env() -> bytes | None:
-    """PLURAI_KV_SECRET as bytes; None when it is unset or empty."""
-    value = os.environ.get(SECRET_ENV, "")
-    return value.encode() if value else None
+def settings_secret() -> bytes | None:
+    """Settings.kv_secret (PLURAI_KV_SECRET) as bytes; None when it is unset or empty."""
+    value = Settings().kv_secret
+    text = value.get_secret_value() if value is not None else ""
+    return text.encode() if text else None
 
 
 def fingerprint_bytes(fingerprint: Any) -> bytes:
@@ -84,12 +86,12 @@ class RedisTier:
         ttl_s: int = 3600,
         max_pending: int = 1024,
         retry_after_s: float = 5.0,
-        secret: bytes | None | _Env = FROM_ENV,
+        secret: bytes | None | _Default = FROM_SETTINGS,
         max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
         self.r = r
         self.fp = fingerprint_bytes(fingerprint)
-        self.secret = (secret_from_env() if isinstance(secret, _Env) else secret) or None
+        self.secret = (settings_secret() if isinstance(secret, _Default) else secret) or None
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s

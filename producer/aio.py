@@ -218,13 +218,21 @@ class AsyncJob:
 
     async def stream(self, block_ms: int = 1000) -> AsyncIterator[str]:
         """As Job.stream."""
+        choices = self.stream_choices(block_ms)
+        async with aclosing(choices):
+            async for index, delta in choices:
+                if index == 0:
+                    yield delta
+
+    async def stream_choices(self, block_ms: int = 1000) -> AsyncIterator[tuple[int, str]]:
+        """As Job.stream_choices."""
         follower = tokens.TextFollower()
         events = tokens.events_async(self.client.redis, self.id, block_ms=block_ms)
         async with aclosing(events):
             async for ev in events:
                 delta = follower.feed(ev)
                 if delta:
-                    yield delta
+                    yield ev.index, delta
         final(await self.record(), None)
 
     async def cancel(self) -> str:

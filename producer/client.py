@@ -166,13 +166,21 @@ class Job:
         return final(wait.wait(self.client.redis, self.id, timeout, self.client.listeners), timeout)
 
     def stream(self, block_ms: int = 1000) -> Iterator[str]:
-        """Text deltas as the worker produces them; raises JobFailed / JobCancelled at the end
-        of a job that did not complete."""
+        """Text deltas as the worker produces them (the first choice's, of a job of n > 1:
+        see stream_choices); raises JobFailed / JobCancelled at the end of a job that did
+        not complete."""
+        for index, delta in self.stream_choices(block_ms):
+            if index == 0:
+                yield delta
+
+    def stream_choices(self, block_ms: int = 1000) -> Iterator[tuple[int, str]]:
+        """(choice index, text delta) of every choice of the job as the worker produces
+        them; raises as `stream`."""
         follower = tokens.TextFollower()
         for ev in tokens.events(self.client.redis, self.id, block_ms=block_ms):
             delta = follower.feed(ev)
             if delta:
-                yield delta
+                yield ev.index, delta
         final(self.record(), None)
 
     def cancel(self) -> str:

@@ -6,7 +6,8 @@ the fields this server does not support) and return the options of a job
 (producer.request.prepare); the sampling values themselves are checked by the worker, which
 refuses bad ones with a stable code. Defaults are OpenAI's: temperature 1, max_tokens 16 for a
 completion; a chat's max_tokens is the caller's `default_max_tokens`
-(PLURAI_GATEWAY_DEFAULT_MAX_TOKENS).
+(PLURAI_GATEWAY_DEFAULT_MAX_TOKENS). `n` > 1 asks for that many choices of one job (its
+bound, PLURAI_MAX_N, is the worker's to check, as max_tokens' is).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Job:
     include_usage: bool
     logprobs: int | None  # None: none asked for
     background: bool
+    n: int = 1  # choices
 
 
 def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
@@ -140,9 +142,7 @@ def _common(
         model = ""
     elif not isinstance(model, str) or not model:
         raise BadRequest("model is required: one of GET /v1/models", param="model")
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):  # not true, not 1.0
-        raise BadRequest("n must be 1: send one request per choice", param="n")
+    n = _int(body, "n", 1, 2**31 - 1) or 1
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     # include_obfuscation pads chunks against size side channels: none here, so it is moot
@@ -175,6 +175,8 @@ def _common(
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise BadRequest("stop must be a string or a list of strings", param="stop")
         options["stop"] = stop
+    if n > 1:  # a job of one choice leaves it out, as before n was taken
+        options["n"] = n
     priority = _int(body, "priority", -(10**6), 10**6)
     if priority is not None:
         options["priority"] = priority
@@ -189,7 +191,7 @@ def _common(
             raise BadRequest("metadata must be an object", param="metadata")
         options["metadata"] = body["metadata"]
     background = _bool(body, "background")
-    job = Job(options, False, model, stream, include_usage, None, background)
+    job = Job(options, False, model, stream, include_usage, None, background, n)
     return options, job
 
 

@@ -58,10 +58,13 @@ class Call:
 
 @dataclass(slots=True)
 class Delta:
-    """One job's write in a DELTAS call: `text` and `token_ids` are new, or, with `reset`,
-    the whole text so far (the stream gets a reset entry first); `progress` is the chunk
-    of the same tokens for the job's progress (results/progress.py), the whole of it when
-    `whole`. A job that does not stream (`stream` False) writes its progress only."""
+    """One job's write in a DELTAS call, of one choice: `text` and `token_ids` are new, or,
+    with `reset`, the whole text so far (the stream gets a reset entry first); `progress`
+    is the chunk of the same tokens for the job's progress (results/progress.py), written
+    as its start (header first) when `whole`, else appended. A job that does not stream
+    (`stream` False) writes its progress only. `index`: the choice, for a job of n > 1
+    (its deltas carry it); one write of such a job is a Delta per choice, only the first
+    resetting or starting the progress."""
 
     job_id: str
     text: str
@@ -70,6 +73,7 @@ class Delta:
     stream: bool = True
     progress: bytes = b""
     whole: bool = False
+    index: int | None = None
 
 
 def sha(name: str) -> str:
@@ -269,13 +273,13 @@ def deltas(
 ) -> Call:
     """Write the token deltas of one engine step, each to its job's stream, and each job's
     progress (`head` first where written whole, expiring after `ttl_s`), while the job's
-    record names `worker`. Returns how many jobs were written."""
+    record names `worker`. Returns how many deltas were written."""
     k: list[str] = []
     args: list[Any] = [worker, maxlen, ttl_s]
     for d in items:
         k += [keys.job(d.job_id), keys.output(d.job_id), keys.progress(d.job_id)]
         mode = ("r" if d.reset else "d") if d.stream else "n"
-        args += [mode, d.text, records.json_ids(d.token_ids)]
+        args += [mode, d.text, records.json_ids(d.token_ids), "" if d.index is None else d.index]
         args += ["s", head + d.progress] if d.whole else ["a", d.progress]
     return Call("DELTAS", k, args)
 
@@ -382,6 +386,11 @@ def renew(*, stream: str, consumer: str, entry_ids: Iterable[bytes | str]) -> Ca
     """Renew `consumer`'s lease on its entries of `stream`; returns the ids another consumer
     owns now."""
     return Call("RENEW", [stream], [keys.GROUP, consumer, *entry_ids])
+
+
+def advanced(*, job_id: str) -> Call:
+    """1 when the job's progress grew during its last run (noted, so counted once), else 0."""
+    return Call("ADVANCED", [keys.job(job_id), keys.progress(job_id)], [], job_id=job_id)
 
 
 def check(*, job_ids: Iterable[str]) -> Call:

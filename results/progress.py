@@ -8,11 +8,15 @@ hold the same tokens:
 
     b"plurai-progress/1 <model fingerprint>\\n"  [token_ids, logprobs or nil]  [...]  ...
 
+A job of n > 1 choices (its `n`) writes each choice's tokens in chunks of their own,
+`[token_ids, logprobs or nil, index]`, in any order; a choice's chunks keep its order.
+
 A worker resumes only from progress it can trust: its own model's header (checked by
 BEGIN, which starts the job over with a reset otherwise), chunks that parse, token ids
-that are ints, at most max_tokens of them, logprobs for every token or for none; the
-engine then checks the ids against its vocabulary and context (RequestError
-bad_progress). Anything else restarts the job from its first token.
+that are ints, at most max_tokens of them per choice, a choice index for each chunk of a
+job of n > 1 and none otherwise, logprobs for every token or for none; the engine then
+checks the ids against its vocabulary and context (RequestError bad_progress). Anything
+else restarts the job from its first token.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ LOGPROB_BYTES = 4096
 
 @dataclass
 class Progress:
+    """One choice's output so far."""
+
     token_ids: list[int]
     logprobs: list[dict[str, Any]] | None  # one entry per token, or None when not asked
 
@@ -38,45 +44,55 @@ def header(fingerprint: str) -> bytes:
     return f"plurai-progress/1 {fingerprint}\n".encode()
 
 
-def chunk(token_ids: list[int], logprobs: list[dict[str, Any]] | None) -> bytes:
-    return msgpack.packb([token_ids, logprobs], use_bin_type=True)
+def chunk(
+    token_ids: list[int], logprobs: list[dict[str, Any]] | None, index: int | None = None
+) -> bytes:
+    """A chunk of one choice's new tokens; `index` only for a job of n > 1 choices."""
+    item = [token_ids, logprobs] if index is None else [token_ids, logprobs, index]
+    return msgpack.packb(item, use_bin_type=True)
 
 
-def limit(head: bytes, max_tokens: int, logprobs: bool) -> int:
-    """The largest progress a job of `max_tokens` can have made: BEGIN drops a larger one
-    unread."""
-    return len(head) + max_tokens * (TOKEN_BYTES + (LOGPROB_BYTES if logprobs else 0))
+def limit(head: bytes, max_tokens: int, logprobs: bool, n: int = 1) -> int:
+    """The largest progress a job of `max_tokens` and `n` choices can have made: BEGIN
+    drops a larger one unread."""
+    return len(head) + n * max_tokens * (TOKEN_BYTES + (LOGPROB_BYTES if logprobs else 0))
 
 
-def parse(blob: bytes, head: bytes, max_tokens: int, logprobs: bool) -> Progress | None:
-    """The progress in `blob`, or None where it cannot be trusted (see the module's text)."""
-    if not blob.startswith(head) or len(blob) > limit(head, max_tokens, logprobs):
+def parse(
+    blob: bytes, head: bytes, max_tokens: int, logprobs: bool, n: int = 1
+) -> list[Progress] | None:
+    """The progress in `blob` of each of the job's `n` choices, or None where it cannot be
+    trusted (see the module's text)."""
+    if not blob.startswith(head) or len(blob) > limit(head, max_tokens, logprobs, n):
         return None
-    ids: list[int] = []
-    lps: list[dict[str, Any]] = []
+    choices = [Progress([], [] if logprobs else None) for _ in range(n)]
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(blob))
     unpacker.feed(blob[len(head) :])
     try:
         for item in unpacker:
-            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], list):
+            if not isinstance(item, list) or len(item) != (2 if n == 1 else 3):
                 return None
-            new, entries = item
+            new, entries, *index = item
+            i = index[0] if index else 0
+            if not isinstance(new, list) or type(i) is not int or not 0 <= i < n:
+                return None
             if not all(type(t) is int for t in new):
                 return None
-            if logprobs:
+            c = choices[i]
+            if c.logprobs is not None:
                 if not isinstance(entries, list) or len(entries) != len(new):
                     return None
                 if not all(_logprob_ok(e, t) for e, t in zip(entries, new, strict=True)):
                     return None
-                lps += entries
+                c.logprobs += entries
             elif entries is not None:
                 return None
-            ids += new
-            if len(ids) > max_tokens:
+            c.token_ids += new
+            if len(c.token_ids) > max_tokens:
                 return None
     except (ValueError, msgpack.UnpackException):
         return None
-    return Progress(ids, lps if logprobs else None)
+    return choices
 
 
 def _logprob_ok(entry: Any, token_id: int) -> bool:

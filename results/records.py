@@ -2,13 +2,18 @@
 
 States: queued → running → completed | failed | cancelled. A record with the field
 `final` holds the job's one final result; nothing overwrites it.
+
+A job that asked for n > 1 choices (its `n`) has them all in its `choices` field (JSON);
+`text`, `token_ids`, `finish_reason` and `logprobs` are its first choice's, and
+`output_tokens` counts the tokens of all. `JobRecord.choices` lists the choices of any
+final record, one for a job of n 1.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
@@ -66,6 +71,43 @@ def _json(h: dict[str, str], name: str) -> Any:
 
 
 @dataclass
+class Choice:
+    """One choice of a job's result."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+def _choices(h: dict[str, str]) -> list[Choice]:
+    """The choices of a record: its `choices` field, else (a job of n 1) the one its text
+    fields hold once it is final."""
+    listed = _json(h, "choices")
+    if listed is None:
+        if "final" not in h:
+            return []
+        ids, reason = _json(h, "token_ids") or [], h.get("finish_reason") or None
+        return [Choice(0, h.get("text") or "", ids, reason, _json(h, "logprobs"))]
+    try:
+        out = [Choice(**c) for c in listed]
+    except TypeError:
+        out = []
+    if not out or any(
+        c.index != i
+        or not isinstance(c.text, str)
+        or not isinstance(c.token_ids, list)
+        or not isinstance(c.finish_reason, (str, type(None)))
+        for i, c in enumerate(out)
+    ):
+        raise BadRecord(f"record field 'choices' is not a list of choices: {h['choices'][:40]!r}")
+    for c in out:
+        c.finish_reason = c.finish_reason or None
+    return out
+
+
+@dataclass
 class JobRecord:
     id: str
     state: str  # one of the states above, or UNKNOWN when no record exists
@@ -89,6 +131,8 @@ class JobRecord:
     finished_ms: int | None = None
     metadata: dict[str, Any] | None = None
     logprobs: list[dict[str, Any]] | None = None
+    # every choice, in index order (the first is text, token_ids, ...); none before final
+    choices: list[Choice] = field(default_factory=list)
     raw: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -130,11 +174,18 @@ class JobRecord:
             finished_ms=_int(h, "finished_ms"),
             metadata=_json(h, "metadata"),
             logprobs=_json(h, "logprobs"),
+            choices=_choices(h),
             raw=h,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "raw" and v is not None}
+        """The fields that are set; `choices` only for a job of n > 1 (the others' one
+        choice is text, token_ids, ...)."""
+        d = {
+            k: v for k, v in self.__dict__.items() if k not in ("raw", "choices") and v is not None
+        }
+        if "choices" in self.raw:
+            d["choices"] = [asdict(c) for c in self.choices]
         return d
 
 
@@ -207,9 +258,13 @@ def final_fields(
     error_code: str = "",
     error_message: str = "",
     logprobs: list[dict[str, Any]] | None = None,
+    choices: list[Choice] | None = None,
 ) -> list[str | int]:
-    """Field/value pairs of a final result, flat, for the FINALIZE script."""
+    """Field/value pairs of a final result, flat, for the FINALIZE script. `text`,
+    `token_ids` and `logprobs` are the first choice's; `choices`: every choice of a job of
+    n > 1 (their tokens are its output_tokens)."""
     ids = token_ids or []
+    made = sum(len(c.token_ids) for c in choices) if choices else len(ids)
     out: list[str | int] = [
         "text",
         text,
@@ -218,7 +273,7 @@ def final_fields(
         "prompt_tokens",
         prompt_tokens,
         "output_tokens",
-        len(ids),
+        made,
         "cached_tokens",
         cached_tokens,
         "worker",
@@ -234,4 +289,7 @@ def final_fields(
         out += ["error_code", error_code, "error_message", error_message]
     if logprobs is not None:
         out += ["logprobs", json.dumps(logprobs, separators=(",", ":"))]
+    if choices:
+        listed = [asdict(c) for c in choices]
+        out += ["choices", json.dumps(listed, separators=(",", ":"), ensure_ascii=False)]
     return out

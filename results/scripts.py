@@ -187,6 +187,8 @@ return out
 # KEYS: job record, token stream, progress
 # ARGV: worker id, now ms, ttl, deadline ms or '', lane, priority, metadata JSON or '',
 #       the progress header of the worker's model, the largest progress the job can have
+# The record's `resumed_bytes` is the size of the progress this run starts from (0: from the
+# first token): a reclaim compares it with the progress then, to tell a run that advanced.
 # Returns 'run' ({'run', progress} where the job resumes from progress: results/progress.py;
 # its stream then gets no reset), or why not: 'done' (a final result exists: only ack the entry),
 # 'cancelled' (cancel asked while queued), 'expired' (deadline passed), 'badkey' (the record
@@ -228,7 +230,7 @@ if full(added) then return redis.error_reply(OOM) end
 if type(added) == 'table' and added.err then return 'badkey' end
 redis.call('EXPIRE', stream, ttl)
 redis.call('HSET', record, 'state', 'running', 'worker', worker, 'started_ms', now_ms,
-           'lane', lane, 'priority', priority)
+           'lane', lane, 'priority', priority, 'resumed_bytes', saved and #saved or 0)
 if metadata ~= '' then redis.call('HSETNX', record, 'metadata', metadata) end
 redis.call('EXPIRE', record, ttl)
 if saved then return {'run', saved} end
@@ -236,28 +238,30 @@ return 'run'
 """
 )
 
-# KEYS: job record, token stream, progress, for each job in turn
-# ARGV: worker id, stream maxlen, progress ttl, then for each job: mode ('d': one delta,
+# KEYS: job record, token stream, progress, for each delta in turn
+# ARGV: worker id, stream maxlen, progress ttl, then for each delta: mode ('d': one delta,
 #       of one or more tokens; 'r': a reset, then the whole text so far as one delta; 'n':
-#       nothing to the stream, a job that does not stream), text, token_ids JSON, progress
-#       ('a': append the chunk; 's': set the whole progress, header first), its bytes
+#       nothing to the stream, a job that does not stream), text, token_ids JSON, choice
+#       index ('' for a job of n 1: no index field), progress ('a': append the chunk; 's':
+#       set the whole progress, header first), its bytes
 # One call writes every delta of an engine step (a job's tokens are held back and written
-# together: gpu_workers/job.py), and each job's progress with its delta, so that the
-# stream and the progress hold the same tokens. A job is written only while its
-# record names this worker and holds no final result, so a worker whose job was taken
-# over (or already finished elsewhere) never mixes its tokens into the new run's.
-# Returns how many jobs were written; Redis's OOM error when it is full (then nothing was
+# together: gpu_workers/job.py; a job of n > 1 choices has a delta per choice), and each
+# job's progress with its deltas, so that the stream and the progress hold the same
+# tokens. A job is written only while its record names this worker and holds no final
+# result, so a worker whose job was taken over (or already finished elsewhere) never mixes
+# its tokens into the new run's.
+# Returns how many deltas were written; Redis's OOM error when it is full (then nothing was
 # written for that job nor the ones after it: see BEGIN).
 DELTAS = (
     _OOM
     + """
 local worker, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3]
-local JOBS = 4  -- ARGV[4..]: mode, text, token_ids, progress mode, progress of each job
+local JOBS = 4  -- ARGV[4..]: mode, text, token_ids, index, progress mode, progress of each
 local n = 0
 for i = 1, #KEYS, 3 do
   local record, stream, progress = KEYS[i], KEYS[i + 1], KEYS[i + 2]
-  local a = JOBS + 5 * (i - 1) / 3
-  local mode, text, ids, pmode, saved = unpack(ARGV, a, a + 4)
+  local a = JOBS + 6 * (i - 1) / 3
+  local mode, text, ids, index, pmode, saved = unpack(ARGV, a, a + 5)
   local rec = redis.pcall('HMGET', record, 'worker', 'final')
   if type(rec) == 'table' and rec.err == nil and rec[1] == worker and not rec[2] then
     -- the progress first: a full Redis refuses a script's first write, and then nothing
@@ -277,8 +281,9 @@ for i = 1, #KEYS, 3 do
       ok = type(x) == 'string'
     end
     if ok and mode ~= 'n' then
-      x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type',
-                      'delta', 'text', text, 'token_ids', ids)
+      local entry = {'type', 'delta', 'text', text, 'token_ids', ids}
+      if index ~= '' then entry[#entry + 1] = 'index'; entry[#entry + 1] = index end
+      x = redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(entry))
       if full(x) then return redis.error_reply(OOM) end
       ok = type(x) == 'string'
     end
@@ -295,7 +300,8 @@ return n
 #       missing (the record does not name the result's worker) or may be stale (the stream
 #       exists and the result has no text); 'n': never, a job without deltas), group and
 #       entry id of the job's request entry (or ''), then record field/value pairs (with
-#       text, token_ids and worker)
+#       text, token_ids and worker; a job of n > 1 choices has them all in `choices`
+#       (JSON), and its whole text is one delta per choice)
 # Writes the final result only if none exists (HSETNX on 'final'), so a second run of the
 # same job can never overwrite the first result. With the request stream (a single Redis:
 # its keys and the job's on one server), then acks and deletes the job's request entry,
@@ -313,22 +319,37 @@ if rt ~= 'hash' and rt ~= 'none' then return -1 end
 local stored = redis.call('HSETNX', record, 'final', '1')
 if stored == 1 then
   local owner = redis.call('HGET', record, 'worker')
-  local text, ids, worker = '', '[]', ''
+  local text, ids, worker, choices = '', '[]', '', nil
   for i = FIELDS, #ARGV - 1, 2 do
     if ARGV[i] == 'text' then text = ARGV[i + 1] end
     if ARGV[i] == 'token_ids' then ids = ARGV[i + 1] end
     if ARGV[i] == 'worker' then worker = ARGV[i + 1] end
+    if ARGV[i] == 'choices' then choices = cjson.decode(ARGV[i + 1]) end
+  end
+  -- the deltas that spell the whole result: its text, or each choice's
+  local whole = {{'text', text, 'token_ids', ids}}
+  local said = text ~= ''
+  if choices then
+    whole = {}
+    for _, c in ipairs(choices) do
+      local cids = '[]'  -- cjson writes an empty list as {}
+      if #c.token_ids > 0 then cids = cjson.encode(c.token_ids) end
+      whole[#whole + 1] = {'text', c.text, 'token_ids', cids, 'index', tostring(c.index)}
+      said = said or c.text ~= ''
+    end
   end
   redis.call('HSET', record, 'state', state, 'finish_reason', finish_reason,
              unpack(ARGV, FIELDS))
   redis.call('EXPIRE', record, ttl)
   local st = redis.call('TYPE', stream).ok
   if st == 'stream' or st == 'none' then
-    local stale = st == 'stream' and text == ''
-    if resync == '1' or (resync == '' and ((text ~= '' and owner ~= worker) or stale)) then
+    local stale = st == 'stream' and not said
+    if resync == '1' or (resync == '' and ((said and owner ~= worker) or stale)) then
       redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'reset')
-      redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'delta',
-                  'text', text, 'token_ids', ids)
+      for _, delta in ipairs(whole) do
+        redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'delta',
+                    unpack(delta))
+      end
     end
     redis.pcall('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'type', 'end',
                 'state', state, 'finish_reason', finish_reason)
@@ -432,6 +453,21 @@ if again ~= '1' then
 end
 -- the deliveries before this worker's ended without a result: failures, kept in the count
 redis.call('XCLAIM', stream, group, to, 0, entry_id, 'RETRYCOUNT', p[1][4] - 1, 'JUSTID')
+return 1
+"""
+
+# KEYS: job record, progress
+# Whether the job's progress grew since its last run began (the record's resumed_bytes, set
+# by BEGIN): 1, and the size now noted as the new start, so that one advance is counted
+# once; else 0. A reclaim asks it of the run whose worker died or stalled.
+ADVANCED = """
+local record, progress = KEYS[1], KEYS[2]
+if redis.call('TYPE', record).ok ~= 'hash' then return 0 end
+local now = 0
+if redis.call('TYPE', progress).ok == 'string' then now = redis.call('STRLEN', progress) end
+local was = tonumber(redis.call('HGET', record, 'resumed_bytes') or '0') or 0
+if now <= was then return 0 end
+redis.call('HSET', record, 'resumed_bytes', now)
 return 1
 """
 

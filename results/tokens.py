@@ -1,8 +1,9 @@
 """The per-job token stream, `plurai:out:<id>`.
 
 Entries, in order: `type=start` (a worker began the job), `type=delta` (`text`: the new
-text, `token_ids`: JSON list), `type=reset` (the job restarted: drop the text received so
-far), and one `type=end` (`state`, `finish_reason`) written with the final result.
+text, `token_ids`: JSON list; `index`: its choice, in the stream of a job of n > 1 choices
+only), `type=reset` (the job restarted: drop the text received so far, of every choice),
+and one `type=end` (`state`, `finish_reason`) written with the final result.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Event:
     token_ids: list[int] | None = None
     state: str | None = None
     finish_reason: str | None = None
+    index: int = 0  # a delta's choice
 
 
 def parse(fields: dict[Any, Any]) -> Event:
@@ -43,12 +45,16 @@ def parse(fields: dict[Any, Any]) -> Event:
         raise records.BadRecord(
             f"a token stream entry's token_ids is not JSON: {ids[:40]!r}"
         ) from None
+    index = f.get("index", "0")
+    if not (index.isascii() and index.isdigit() and len(index) <= 6):
+        raise records.BadRecord(f"a token stream entry's index is not a count: {index[:40]!r}")
     return Event(
         type=f.get("type", ""),
         text=f.get("text", ""),
         token_ids=token_ids,
         state=f.get("state"),
         finish_reason=f.get("finish_reason") or None,
+        index=int(index),
     )
 
 
@@ -77,13 +83,14 @@ class Reader:
 
     def gone(self, rec: records.JobRecord) -> Iterator[Event]:
         """The events of a final job whose stream has expired (PLURAI_OUTPUT_TTL_S is shorter
-        than the record's TTL): a reset, the record's whole text, its end. Nothing while the
-        job is not final: the stream may be yet to come."""
+        than the record's TTL): a reset, the record's whole text (each choice's), its end.
+        Nothing while the job is not final: the stream may be yet to come."""
         if not rec.final:
             return
         self.ended = True
         yield Event(RESET)
-        yield Event(DELTA, text=rec.text or "", token_ids=rec.token_ids or [])
+        for c in rec.choices:
+            yield Event(DELTA, text=c.text, token_ids=c.token_ids, index=c.index)
         yield Event(END, state=rec.state, finish_reason=rec.finish_reason)
 
 
@@ -132,7 +139,8 @@ def stream_items(reply: Any) -> list[tuple[Any, list[Any]]]:
 
 
 class TextFollower:
-    """Turns events into text deltas, coping with restarts.
+    """Turns events into text deltas, coping with restarts; a text per choice (a delta's
+    `index`).
 
     After a `reset`, the new run's text is compared with what was already handed out: text
     that repeats it is skipped, and only what goes beyond is yielded. If the new run differs
@@ -140,29 +148,31 @@ class TextFollower:
     """
 
     def __init__(self) -> None:
-        self.given = ""  # text handed to the caller
-        self.run = ""  # text of the current run
+        self.given: dict[int, str] = {}  # text handed to the caller, by choice
+        self.run: dict[int, str] = {}  # text of the current run, by choice
         self.restarted = False
 
     def feed(self, ev: Event) -> str:
+        """The new text of the event's choice (ev.index)."""
         if ev.type == RESET:
-            self.run, self.restarted = "", True
+            self.run, self.restarted = {}, True
             return ""
         if ev.type != DELTA:
             return ""
-        self.run += ev.text
+        i = ev.index
+        run = self.run[i] = self.run.get(i, "") + ev.text
+        given = self.given.get(i, "")
         if not self.restarted:
-            self.given = self.run
+            self.given[i] = run
             return ev.text
-        if len(self.run) <= len(self.given):
-            if not self.given.startswith(self.run):
+        if len(run) <= len(given):
+            if not given.startswith(run):
                 raise JobRestarted("the job restarted and produced different text")
             return ""
-        if not self.run.startswith(self.given):
+        if not run.startswith(given):
             raise JobRestarted("the job restarted and produced different text")
-        out = self.run[len(self.given) :]
-        self.given = self.run
-        return out
+        self.given[i] = run
+        return run[len(given) :]
 
 
 class JobRestarted(RuntimeError):

@@ -1,4 +1,5 @@
-"""Paged KV cache bookkeeping: blocks, ref counts, prefix cache, LRU eviction.
+"""Paged KV cache bookkeeping: blocks, ref counts, prefix cache, LRU eviction, and the
+prompt blocks the choices of one request share (`match_prefix`).
 
 A block whose ref count drops to zero stays in the prefix cache (its hash still maps
 to it) until a new allocation needs it; the free queue hands out the least recently
@@ -61,15 +62,20 @@ class BlockManager:
             )
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Ids of cached blocks holding the longest prefix of seq's tokens.
+        """Ids of computed blocks holding the longest prefix of seq's tokens: a choice of a
+        request with n > 1 forks its lead's full prompt blocks while the lead holds them
+        computed (with or without prefix caching); other sequences get cached blocks.
 
         At least one token is always left to compute, since the step needs its logits.
         """
+        bs = self.block_size
+        limit = (len(seq.token_ids) - 1) // bs
+        lead = seq.lead
+        if lead is not None and lead.num_computed_tokens >= seq.num_prompt_tokens:
+            return lead.block_table[: min(limit, seq.num_prompt_tokens // bs)]
         if not self.prefix_caching:
             return []
         self._hash_full_blocks(seq)
-        bs = self.block_size
-        limit = (len(seq.token_ids) - 1) // bs
         out: list[int] = []
         for i in range(limit):
             bid = self.cached.get(seq.block_hashes[i])

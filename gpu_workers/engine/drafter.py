@@ -69,14 +69,15 @@ class Drafter:
         self.blocks = BlockManager(
             self.runner.num_blocks, cfg.block_size, b"draft", prefix_caching=False
         )
-        self.shadows: dict[str, Shadow] = {}
+        self.shadows: dict[tuple[str, int], Shadow] = {}  # by Sequence.key
         self.forwards = 0  # draft-model forwards run (a round of k proposals is k)
 
-    def propose(self, seqs: list[Sequence], k: int) -> dict[str, list[int]]:
-        """Up to k tokens for each of `seqs` (decoding: one token not computed), by request
-        id; fewer where the draft's cache has no room, or the sequence's room ends."""
+    def propose(self, seqs: list[Sequence], k: int) -> dict[tuple[str, int], list[int]]:
+        """Up to k tokens for each of `seqs` (decoding: one token not computed), by
+        sequence key; fewer where the draft's cache has no room, or the sequence's room
+        ends."""
         batch: list[Sequence] = []
-        base: dict[str, int] = {}
+        base: dict[tuple[str, int], int] = {}
         evicted = False
         for s in seqs:
             sh = self._sync(s)
@@ -85,15 +86,15 @@ class Drafter:
                 continue
             if not self.blocks.can_grow(sh, need) and not evicted:
                 evicted = True
-                drafting = {x.request_id for x in seqs}
-                for rid in [r for r in self.shadows if r not in drafting]:
-                    self.forget(rid)
+                drafting = {x.key for x in seqs}
+                for key in [k for k in self.shadows if k not in drafting]:
+                    self.forget(key)
             if not self.blocks.can_grow(sh, need):
                 continue
             self.blocks.grow(sh, need)
             sh.num_scheduled = len(sh) - sh.num_computed_tokens
             batch.append(sh)
-            base[sh.request_id] = len(s)
+            base[sh.key] = len(s)
         for _ in range(k):
             if not batch:
                 break
@@ -104,11 +105,11 @@ class Drafter:
                 sh.num_computed_tokens += sh.num_scheduled
                 sh.token_ids.append(tok)
                 sh.num_scheduled = 1
-        return {rid: self.shadows[rid].seq.token_ids[n:] for rid, n in base.items()}
+        return {key: self.shadows[key].seq.token_ids[n:] for key, n in base.items()}
 
-    def forget(self, request_id: str) -> None:
-        """The sequence ended: its shadow's blocks go back."""
-        sh = self.shadows.pop(request_id, None)
+    def forget(self, key: tuple[str, int]) -> None:
+        """The sequence (Sequence.key) ended: its shadow's blocks go back."""
+        sh = self.shadows.pop(key, None)
         if sh is not None:
             self.blocks.release(sh.seq)
 
@@ -116,9 +117,10 @@ class Drafter:
         """seq's shadow, holding seq's tokens, its KV kept for the leading tokens that still
         agree with them (the accepted proposals of the last round) and at least the last
         token left to compute (the round's first proposal is drawn from it)."""
-        sh = self.shadows.get(seq.request_id)
+        sh = self.shadows.get(seq.key)
         if sh is None:
-            sh = self.shadows[seq.request_id] = Shadow(Sequence(seq.request_id, [], seq.params))
+            draft = Sequence(seq.request_id, [], seq.params, index=seq.index)
+            sh = self.shadows[seq.key] = Shadow(draft)
         d, ids = sh.seq, seq.token_ids
         done = min(d.num_computed_tokens, len(ids) - 1)
         same = min(done, sh.known)

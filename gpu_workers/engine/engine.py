@@ -11,11 +11,16 @@ detokenize and check stop conditions. `generate` is the offline loop over the sa
 A step whose batched forward or sampling raises is run again one sequence at a time; the
 sequences that fail alone end with finish_reason "error" and the rest go on.
 
-A request cut off elsewhere (a crash, a drain) is resumed with the output tokens it had:
-`add(..., output_ids=...)` books them as if this engine had sampled them, emitting nothing
-(`_replay`), and computes prompt and outputs as one prefill, as after a preemption. With
-seeded draws that depend on position only (sampler.py), the request then goes on exactly as
-the uninterrupted run did.
+A request with n > 1 (SamplingParams.n) runs n sequences, its choices, that share the
+prompt: the first (the lead) computes it, and the others are admitted once it has, with its
+full prompt blocks (scheduler.py). Choice i samples as a request of seed seed + i would
+(SamplingParams.for_choice); its outputs carry its `index`.
+
+A request cut off elsewhere (a crash, a drain) is resumed with the output tokens each of
+its choices had: `add(..., output_ids=...)` books them as if this engine had sampled them,
+emitting nothing (`_replay`), and computes prompt and outputs as one prefill, as after a
+preemption. With seeded draws that depend on position only (sampler.py), the request then
+goes on exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -40,7 +45,13 @@ from gpu_workers.engine.parallel import Group, encode_step, send_step
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.scheduler import Scheduler
-from gpu_workers.engine.sequence import Completion, Sequence, Status, check_progress
+from gpu_workers.engine.sequence import (
+    Completion,
+    Sequence,
+    Status,
+    check_progress,
+    finished_at,
+)
 from gpu_workers.engine.speculator import Speculator
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
@@ -93,7 +104,9 @@ class Engine:
         self.sampler = Sampler(config.seed, self.grammars, self.runner.ops, self.max_model_len)
         self.prompts = Prompts(self.tokenizer, self.vocab_size, self.max_model_len)
         self.tokenize = self.prompts.tokenize
+        # a request's first choice (which holds the others), until every choice has ended
         self.seqs: dict[str, Sequence] = {}
+        self.ended: list[Sequence] = []  # choices a resume found ended, reported next step
         self.num_steps = 0
         self._batches = itertools.count()
 
@@ -155,18 +168,20 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-        output_ids: list[int] | None = None,
-    ) -> str:
+        output_ids: list[list[int]] | None = None,
+    ) -> list[str]:
         """Queue a request. Raises RequestError for bad input; nothing else is affected.
 
         Requests share prefix-cache blocks (device, host and Redis tiers) only when their
         `cache_salt` is equal (None is a salt of its own). `special_tokens=True` lets the
         prompt's text name special tokens (see `tokenize`).
 
-        `output_ids`: the output tokens a cut-off run of this request generated; it goes on
-        after them (they count toward max_tokens). Returns the output text that run had
-        reported for them in text deltas ("" without output_ids). Progress this engine
-        cannot continue is refused with BAD_PROGRESS (see `_replay`).
+        `output_ids`: per choice (params.n lists), the output tokens a cut-off run of this
+        request generated; each choice goes on after its own (they count toward
+        max_tokens), and a choice they ended is reported ended at the next step, with no
+        new token. Returns, per choice, the output text that run had reported for them in
+        text deltas ("" without output_ids). Progress this engine cannot continue is
+        refused with BAD_PROGRESS (see `_replay`).
         """
         if request_id in self.seqs:
             raise RequestError(
@@ -178,53 +193,90 @@ class Engine:
             params = SamplingParams.from_dict(params)
         check_options(priority, cache_salt, special_tokens)
         ids = self.tokenize(prompt, token_ids, messages, special_tokens)
-        matcher = self.grammars.matcher(params)  # compiled (or cached) before any KV block
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=ids,
-            params=params,
-            priority=priority,
-            cache_salt=cache_salt,
-        )
-        seq.matcher = matcher
-        seq.steer = Steer() if matcher is not None else None
-        seq.detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        text = "" if output_ids is None else self._replay(seq, output_ids)
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
-        return text
+        if output_ids is None:
+            output_ids = [[]] * params.n
+        elif not isinstance(output_ids, list) or len(output_ids) != params.n:
+            raise RequestError(
+                ErrorCode.BAD_PROGRESS, f"output_ids must hold one list per choice ({params.n})"
+            )
+        seqs = []
+        for i, outputs in enumerate(output_ids):
+            p = params.for_choice(i)
+            seq = Sequence(
+                request_id=request_id,
+                token_ids=list(ids),
+                params=p,
+                priority=priority,
+                index=i,
+                cache_salt=cache_salt,
+            )
+            seq.matcher = self.grammars.matcher(p)  # compiled (or refused) once, then copied
+            seq.steer = Steer() if seq.matcher is not None else None
+            seq.detok = Detokenizer(self.tokenizer, ids, p.skip_special_tokens)
+            if outputs:
+                self._replay(seq, outputs)
+            seqs.append(seq)
+        going = [s for s in seqs if s.finish_reason is None]
+        if not going:  # (each choice ended by its last token: the first's is said)
+            ended = output_ids[0]
+            raise finished_at(seqs[0].finish_reason or "", len(ended) - 1, ended[-1])
+        for seq in going[1:]:
+            seq.lead = going[0]
+        for seq in seqs:
+            if seq.finish_reason is None:
+                self.scheduler.add(seq)
+            else:
+                seq.status = Status.FINISHED
+                self.ended.append(seq)
+        seqs[0].others = seqs[1:]
+        self.seqs[request_id] = seqs[0]
+        return [seq.detok.text[: seq.emitted] for seq in seqs]  # type: ignore[union-attr]
 
-    def _replay(self, seq: Sequence, output_ids: Any) -> str:
+    def _replay(self, seq: Sequence, output_ids: Any) -> None:
         """Book a cut-off run's output tokens on a new `seq` as `_append` booked them, without
         emitting: output counts, detokenizer, stop strings, grammar and the text already
-        reported end as that run left them. Returns that text. Refuses (BAD_PROGRESS)
-        tokens out of range, too many of them, a token the grammar refuses, and tokens
-        after which the request had finished; only `seq` has changed then."""
+        reported end as that run left them, and a finish reason where its last token ended
+        it. Refuses (BAD_PROGRESS) tokens out of range, too many of them, a token the
+        grammar refuses, and tokens after the one that ended it."""
 
         def bad(message: str) -> RequestError:
             return RequestError(ErrorCode.BAD_PROGRESS, message)
 
         p = seq.params
         check_progress(output_ids, len(seq), p.max_tokens, self.vocab_size, self.max_model_len)
+        last = len(output_ids) - 1
         for i, token in enumerate(output_ids):
             try:
                 reason, _ = self._record(seq, token)
             except GrammarError as e:
                 raise bad(f"output token {i}: {e}") from None
-            if reason is not None:
-                raise bad(
-                    f"the request finished ({reason}) at output token {i} ({token}): "
-                    "there is nothing to resume"
-                )
-        assert seq.detok is not None
-        return seq.detok.text[: seq.emitted]
+            if reason is not None and i < last:
+                raise finished_at(reason, i, token)
+            seq.finish_reason = reason
 
     def abort(self, request_id: str) -> bool:
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
+        first = self.seqs.pop(request_id, None)
+        if first is None:
             return False
-        self.scheduler.finish(seq)
+        self._drop(first)
         return True
+
+    def _drop(self, first: Sequence) -> None:
+        """Take every choice of a request (`first`, its first) out, its blocks freed at once."""
+        for seq in first.choices:
+            seq.num_scheduled = 0
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq)
+        self.ended = [s for s in self.ended if s.request_id != first.request_id]
+
+    def _live(self) -> list[Sequence]:
+        """Every sequence in the engine that has not ended."""
+        return [
+            s
+            for first in self.seqs.values()
+            for s in first.choices
+            if s.status is not Status.FINISHED
+        ]
 
     # -- capacity -----------------------------------------------------------------
 
@@ -240,7 +292,7 @@ class Engine:
         priority or better only; the scheduler preempts the others to run it (their blocks
         count as free)."""
         reserved = held = kept = 0
-        for seq in self.seqs.values():
+        for seq in self._live():
             if priority is not None and seq.priority > priority:
                 held += len(seq.block_table)  # freed if it is preempted
                 continue
@@ -253,19 +305,23 @@ class Engine:
         )
 
     def preempted(self) -> list[str]:
-        """The requests preempted since the last call and still waiting to go on."""
-        out = list(self.scheduler.preempted)
+        """The requests preempted since the last call (one of their choices) and still in the
+        engine."""
+        out = [rid for rid in self.scheduler.preempted if rid in self.seqs]
         self.scheduler.preempted.clear()
         return out
 
     @property
     def prompt_backlog(self) -> int:
+        """Prompt tokens not computed yet: the leads' (a choice computes little of it)."""
         return sum(
-            max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.seqs.values()
+            max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            for seq in self._live()
+            if seq.lead is None
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.ended)
 
     @property
     def num_running(self) -> int:
@@ -279,9 +335,12 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
+        ended, self.ended = [self._output(s) for s in self.ended], []
+        for out in ended:
+            self._forget(out.request_id)
         seqs = self.scheduler.schedule()
         if not seqs:
-            return []
+            return ended
         self.num_steps += 1
         if self.group is not None:
             self.group.check()
@@ -295,12 +354,12 @@ class Engine:
         except Exception as e:
             if not self.runner.in_lockstep:
                 raise  # the other ranks are mid-step: the group cannot go on
-            return self._recover(seqs, e)
+            return ended + self._recover(seqs, e)
         outs = self._advance(seqs, *sampled)
         if spec is not None and decoding:
             made = sum(len(o.new_token_ids) for o in outs)
             spec.observe(rows, time.perf_counter() - start, made, len(seqs))
-        return outs
+        return ended + outs
 
     def _run(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """The batched part of a step: inputs, forward, sampling. It changes no bookkeeping,
@@ -364,6 +423,8 @@ class Engine:
             self.blocks.commit(seq)
         outs = []
         for seq, toks, lps, proposed in drawn:
+            if seq.status is Status.FINISHED:
+                continue  # a choice of a request that failed in this step
             if proposed:
                 seq.drop_draft()  # booked again below, as drawn tokens
                 self.blocks.trim(seq, seq.num_computed_tokens + 1)
@@ -385,6 +446,8 @@ class Engine:
         )
         outs: list[StepOutput] = []
         for seq in seqs:
+            if seq.status is Status.FINISHED:
+                continue  # a choice of a request that failed alone already
             try:
                 sampled = self._run([seq])
             except Exception as e:
@@ -397,22 +460,44 @@ class Engine:
         return outs
 
     def _fail(self, seq: Sequence, error: Exception) -> StepOutput:
-        """End a sequence that cannot be computed: its blocks are freed at once."""
+        """End the request of a sequence that cannot be computed, every choice of it: their
+        blocks are freed at once."""
         seq.finish_reason = "error"
-        seq.num_scheduled = 0
-        self.scheduler.finish(seq)
-        del self.seqs[seq.request_id]
+        self._drop(self.seqs.pop(seq.request_id))
+        return self._output(seq, error=_describe(error))
+
+    def _output(
+        self,
+        seq: Sequence,
+        new: list[int] | None = None,
+        delta: str = "",
+        logprobs: list[dict] | None = None,
+        error: str | None = None,
+    ) -> StepOutput:
+        """What a step reports of `seq`: `new` tokens and text, and its counts; the cached
+        tokens are its request's, its lead's (a choice forked the rest)."""
+        st = seq.spec
         return StepOutput(
             request_id=seq.request_id,
-            new_token_ids=[],
-            text_delta="",
-            finished=True,
-            finish_reason="error",
+            new_token_ids=new or [],
+            text_delta=delta,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            error=_describe(error),
+            num_cached_tokens=(seq.lead or seq).num_cached_tokens,
+            logprobs=logprobs,
+            error=error,
+            num_spec_proposed=st.proposed if st is not None else 0,
+            num_spec_accepted=st.accepted if st is not None else 0,
+            index=seq.index,
         )
+
+    def _forget(self, request_id: str) -> None:
+        """Let go of a request once every choice of it has ended."""
+        first = self.seqs.get(request_id)
+        if first is not None and all(s.status is Status.FINISHED for s in first.choices):
+            del self.seqs[request_id]
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict | None]) -> StepOutput:
         """Book a step's drawn tokens on `seq` in order, up to the one it ends with."""
@@ -436,21 +521,8 @@ class Engine:
         if reason:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
-            del self.seqs[seq.request_id]
-        st = seq.spec
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=new,
-            text_delta=delta,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=lps or None,
-            num_spec_proposed=st.proposed if st is not None else 0,
-            num_spec_accepted=st.accepted if st is not None else 0,
-        )
+            self._forget(seq.request_id)
+        return self._output(seq, new, delta, lps or None)
 
     def _record(self, seq: Sequence, token: int) -> tuple[str | None, str]:
         """Book one output token on `seq`: output counts, text, grammar, stop conditions.
@@ -494,34 +566,35 @@ class Engine:
         params: SamplingParams | list[SamplingParams] | None = None,
         priorities: list[int] | None = None,
     ) -> list[Completion]:
-        """Run prompts (text or token ids) to completion; results in input order."""
+        """Run prompts (text or token ids) to completion; results in input order, a
+        prompt's n choices (params.n) one after another."""
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
         batch = next(self._batches)
         ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
-        seqs: dict[str, Sequence] = {}
+        seqs: list[Sequence] = []
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
             prio = priorities[i] if priorities else 0
             if isinstance(prompt, str):
                 self.add(rid, prompt=prompt, params=p, priority=prio)
             else:
                 self.add(rid, token_ids=list(prompt), params=p, priority=prio)
-            seqs[rid] = self.seqs[rid]
-        while any(s.status is not Status.FINISHED for s in seqs.values()):
+            seqs += self.seqs[rid].choices
+        while any(s.status is not Status.FINISHED for s in seqs):
             self.step()
         out = []
-        for rid in ids:
-            s = seqs[rid]
+        for s in seqs:
             assert s.detok is not None and s.finish_reason is not None
             out.append(
                 Completion(
-                    request_id=rid,
+                    request_id=s.request_id,
                     prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
                     token_ids=s.output_token_ids,
                     text=s.detok.text,
                     finish_reason=s.finish_reason,
                     num_cached_tokens=s.num_cached_tokens,
                     logprobs=s.logprobs or None,
+                    index=s.index,
                 )
             )
         return out
@@ -531,8 +604,7 @@ class Engine:
         used = bm.num_blocks - bm.num_free  # every block with no reference is in the free queue
         # per sequence, not per block: stats() runs every second in a serving worker
         stored = sum(
-            min(s.num_computed_tokens, len(s.block_table) * bm.block_size)
-            for s in self.seqs.values()
+            min(s.num_computed_tokens, len(s.block_table) * bm.block_size) for s in self._live()
         )
         tiers = {f"kv_{k}": v for k, v in vars(bm.tiers.counters).items()} if bm.tiers else {}
         if bm.tiers is not None and bm.tiers.remote is not None:

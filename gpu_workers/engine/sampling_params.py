@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from gpu_workers.engine.errors import ErrorCode, RequestError
 
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+SEEDS = 2**63  # a seed is in [0, SEEDS)
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -51,6 +52,7 @@ class SamplingParams:
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    n: int = 1  # choices: sequences sampled from the one prompt (see for_choice)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> RequestError:
@@ -95,7 +97,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEEDS):
             raise bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -112,7 +114,16 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
             raise bad(f"logprobs must be an integer in [0, 20] or null, got {self.logprobs!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {_short(self.n)}")
         self._check_constraint(bad)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: one sequence, sampled as a request of seed
+        seed + index (mod 2^63; vLLM's rule), so each choice is reproducible on its own and
+        choice 0 is the request with n 1. Unseeded choices share the engine's generator."""
+        seed = None if self.seed is None else (self.seed + index) % SEEDS
+        return replace(self, n=1, seed=seed)
 
     def _check_constraint(self, bad: Any) -> None:
         """Shapes only: the grammar compiler says whether a schema or regex is usable."""

@@ -16,6 +16,11 @@ not slowed by the batch it overtakes; the decodes continue at the next step.
 
 With a speculator (speculator.py), a decode may carry proposed tokens: they take budget
 and blocks like a prefill chunk, and are the first thing given up when blocks run short.
+
+The choices of a request with n > 1 wait behind their lead (its first choice) until it has
+computed the prompt; each is then admitted with the lead's full prompt blocks (the
+block manager's fork: `match_prefix`), and computes only the prompt's last partial block
+before sampling on its own. The prompt is computed once.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or (better_than is not None and self.rank(seq)[0] >= better_than):
                 break
+            if _behind_lead(seq):
+                continue
             hit = bm.match_prefix(seq)
             loaded = bm.match_tiers(seq, len(hit))
             cached = (len(hit) + len(loaded)) * bm.block_size
@@ -168,7 +175,6 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks now."""
-        self.preempted.pop(seq.request_id, None)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
@@ -177,3 +183,15 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.forget(seq)
         seq.status = Status.FINISHED
+
+
+def _behind_lead(seq: Sequence) -> bool:
+    """Whether a choice waits for its lead to compute the prompt it will share: while the
+    lead has not ended and its prompt is not computed (not yet, or again after it was
+    preempted)."""
+    lead = seq.lead
+    return (
+        lead is not None
+        and lead.status is not Status.FINISHED
+        and lead.num_computed_tokens < seq.num_prompt_tokens
+    )

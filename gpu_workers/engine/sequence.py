@@ -31,6 +31,12 @@ class Sequence:
     token_ids: list[int]  # prompt followed by every generated token
     params: SamplingParams
     priority: int = 0
+    index: int = 0  # which of its request's choices (params n > 1) it is
+    # a choice's lead: its request's first choice that runs (the first, unless a resume
+    # found it ended), whose computed prompt blocks it shares (BlockManager.match_prefix);
+    # None for the lead itself
+    lead: Sequence | None = None
+    others: list[Sequence] = field(default_factory=list, repr=False)  # on choice 0: the rest
     detok: Detokenizer | None = None
     status: Status = Status.WAITING
     num_prompt_tokens: int = 0
@@ -79,6 +85,16 @@ class Sequence:
             self.stop_matcher = StopMatcher(self.params.stop)
             self.stop_hold = self.stop_matcher.longest - 1
 
+    @property
+    def choices(self) -> list[Sequence]:
+        """Every choice of its request, from its first choice (the others have none)."""
+        return [self, *self.others]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Which sequence it is: its request and choice."""
+        return self.request_id, self.index
+
     def __len__(self) -> int:
         return len(self.token_ids)
 
@@ -122,14 +138,26 @@ class Completion:
     finish_reason: str
     num_cached_tokens: int = 0
     logprobs: list[dict] | None = None
+    index: int = 0  # which of its request's choices (params n > 1)
+
+
+def finished_at(reason: str, i: int, token: int) -> RequestError:
+    """The refusal of output tokens that ended the request at output token `i`: nothing
+    to resume after it (the same message on every backend)."""
+    return RequestError(
+        ErrorCode.BAD_PROGRESS,
+        f"the request finished ({reason}) at output token {i} ({token}): "
+        "there is nothing to resume",
+    )
 
 
 def check_progress(
     output_ids: Any, num_prompt: int, max_tokens: int, vocab_size: int, max_model_len: int
 ) -> list[int]:
     """The checks of a resumed request's output tokens that need no replay, the same on
-    every backend: token ids in [0, vocab_size), fewer than max_tokens, and room for one
-    more token within max_model_len. Raises RequestError(BAD_PROGRESS)."""
+    every backend: token ids in [0, vocab_size), at most max_tokens of them, within
+    max_model_len. Whether the tokens ended the request (a stop, max_tokens reached) is
+    the backend's to judge. Raises RequestError(BAD_PROGRESS)."""
 
     def bad(message: str) -> RequestError:
         return RequestError(ErrorCode.BAD_PROGRESS, message)
@@ -144,11 +172,9 @@ def check_progress(
     n = len(output_ids)
     if n > max_tokens:
         raise bad(f"{n} output tokens are more than max_tokens ({max_tokens})")
-    if n == max_tokens:
-        raise bad(f"the request finished (length): its {n} output tokens reach max_tokens")
-    if num_prompt + n >= max_model_len:
+    if num_prompt + n > max_model_len:
         raise bad(
-            f"the prompt's {num_prompt} tokens and {n} output tokens leave no room for "
-            f"another token within max_model_len ({max_model_len})"
+            f"the prompt's {num_prompt} tokens and {n} output tokens are more than "
+            f"max_model_len ({max_model_len})"
         )
     return output_ids

@@ -128,15 +128,15 @@ class Speculator:
                 k = max(k, want)
         if not seqs:
             return
-        by_id = {s.request_id: s for s in seqs}
-        for rid, tokens in self.drafter.propose(seqs, k).items():
-            seq = by_id[rid]
+        by_key = {s.key: s for s in seqs}
+        for key, tokens in self.drafter.propose(seqs, k).items():
+            seq = by_key[key]
             seq.spec.pending, seq.spec.pending_at = tokens, len(seq)
 
     def forget(self, seq: Sequence) -> None:
         """seq has finished: the draft model's cache gives its blocks back."""
         if self.drafter is not None:
-            self.drafter.forget(seq.request_id)
+            self.drafter.forget(seq.key)
 
     def _paying(self, st: SpecState, n: int) -> int:
         """How many of up to n proposals pay at the sequence's acceptance (see above)."""

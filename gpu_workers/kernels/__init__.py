@@ -8,7 +8,7 @@ extension module: no lock, nothing to wait for. A start that finds no build for 
 new ISA, a changed source) builds one, under a lock that dies with its holder and with a
 time limit. Where it cannot be built (no compiler), the engine keeps the pure-torch path.
 
-The choice (EngineConfig.kernels, default from PLURAI_KERNELS):
+The choice (EngineConfig.kernels, default Settings.kernels, PLURAI_KERNELS):
     auto    the kernels when they build and load, else torch (said once in the log)
     native  the kernels, or an error saying why not
     torch   the pure-torch path
@@ -32,6 +32,7 @@ from pathlib import Path
 from types import ModuleType
 
 from broker_config import locks
+from broker_config.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ FLAGS = {
 }
 
 LDFLAGS = ["-fopenmp"]
-BUILD_TIMEOUT_S = 900.0  # a build on 2 busy cores takes about a minute or two
 
 WIDTH = ["baseline", "avx2", "avx512", "avx512_bf16"]  # each runs where the next one does
 
@@ -88,12 +88,13 @@ def cpu_isa() -> str:
 
 def build_isa() -> str:
     """The flag set the kernels are built with here: the CPU's, unless PLURAI_KERNEL_ISA
-    asks for a narrower one (an AVX2 build can be tested on an AVX-512 machine)."""
+    (Settings.kernel_isa, read now: `--with-avx2` sets it for a child) asks for a narrower
+    one (an AVX2 build can be tested on an AVX-512 machine)."""
     isa = cpu_isa()
     if isa == "amx":  # AMX tiles are oneDNN's (the matmuls); these kernels use AVX-512
         isa = "avx512_bf16"
     isa = isa if isa in FLAGS else "baseline"
-    want = os.environ.get("PLURAI_KERNEL_ISA")
+    want = Settings().kernel_isa
     if want:
         if want not in FLAGS:
             raise ValueError(f"PLURAI_KERNEL_ISA={want!r}: expected one of {sorted(FLAGS)}")
@@ -106,7 +107,7 @@ def build_isa() -> str:
 def kernels_dir() -> Path:
     """Where this installation keeps its builds: PLURAI_KERNELS_DIR, else a folder of the
     Python environment it is installed in (each venv, image or checkout its own)."""
-    return Path(os.environ.get("PLURAI_KERNELS_DIR") or Path(sys.prefix) / "lib" / "plurai-kernels")
+    return Path(Settings().kernels_dir or Path(sys.prefix) / "lib" / "plurai-kernels")
 
 
 def cflags(isa: str) -> list[str]:
@@ -169,7 +170,7 @@ def _build(isa: str, path: Path) -> None:
             "run `python -m gpu_workers.kernels` as the installing user, or set "
             "PLURAI_KERNELS_DIR to a writable folder"
         ) from e
-    timeout = float(os.environ.get("PLURAI_KERNELS_BUILD_TIMEOUT_S") or BUILD_TIMEOUT_S)
+    timeout = Settings().kernels_build_timeout_s
     with locks.held(path.with_suffix(".lock"), timeout, f"the {isa} kernel build"):
         if path.exists():  # built by the process that held the lock before
             return
@@ -275,7 +276,7 @@ def _import(isa: str, path: Path) -> ModuleType:
 def load(mode: str | None = None) -> ModuleType | None:
     """The kernels module for `mode` (None: PLURAI_KERNELS, else auto); None means the
     torch path."""
-    mode = mode or os.environ.get("PLURAI_KERNELS") or "auto"
+    mode = mode or Settings().kernels
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {MODES}, got {mode!r}")
     if mode == "torch":

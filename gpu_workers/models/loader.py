@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from broker_config.settings import Settings
 from gpu_workers.layers.linear import can_pack, pack_linears
 from gpu_workers.layers.quant_linear import finish_quantized, start_quantized
 from gpu_workers.models.files import INDEX, weight_files
@@ -121,9 +122,10 @@ def _file_digest(f: Path) -> str:
 
 def fingerprint_cache(model_dir: Path) -> list[Path]:
     """Where the digests are cached, in order of preference: beside the model, else (a
-    read-only model folder) under PLURAI_DATA_DIR, named after the folder's path."""
+    read-only model folder) under Settings.data_dir (PLURAI_DATA_DIR), named after the
+    folder's path."""
     key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:32]
-    data = Path(os.environ.get("PLURAI_DATA_DIR") or "data")
+    data = Path(Settings().data_dir)
     return [model_dir / CACHE_NAME, data / "fingerprints" / f"{key}.json"]
 
 

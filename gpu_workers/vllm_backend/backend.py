@@ -35,7 +35,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import AutoTokenizer
 from vllm import TokensPrompt
 from vllm.config import KVTransferConfig, StructuredOutputsConfig
@@ -51,10 +50,10 @@ from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode
 from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import check_progress
+from gpu_workers.engine.sequence import check_progress, finished_at
 from gpu_workers.models.loader import fingerprint
 from gpu_workers.prompts import Prompts, check_options
-from gpu_workers.vllm_backend import connector, cores, reaper
+from gpu_workers.vllm_backend import connector, cores, cpu_support, reaper
 from gpu_workers.vllm_backend.params import logprob_entries, resume_refusal, to_vllm
 from gpu_workers.vllm_backend.stats import Figures
 
@@ -65,32 +64,6 @@ FINISH_REASONS = ("stop", "length", "abort")
 KV_SIZES = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 POLL_S = 0.02  # how long step() waits for the engine process's next outputs
-
-
-def cpu_fp32_refusal(config: Any) -> str:
-    """Why vLLM cannot serve this config, where it would start and then fail at its first
-    step (so a worker would take a job, die, and hand it on to die again): on the CPU, its
-    weight-only int4/int8 kernel (CPUWNA16) has no fp32 path. '' when nothing is known
-    wrong."""
-    model = config.model_config
-    if config.device_config.device_type != "cpu" or model.dtype != torch.float32:
-        return ""
-    quant = getattr(model.hf_config, "quantization_config", None) or {}
-    if not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
-    method = str(quant.get("quant_method", "")).lower()
-    groups = quant.get("config_groups") or {}
-    weight_only = method in ("gptq", "awq") or (
-        method == "compressed-tensors"
-        and groups
-        and all(isinstance(g, dict) and not g.get("input_activations") for g in groups.values())
-    )
-    if not weight_only:
-        return ""
-    return (
-        f"vLLM's CPU build runs weight-only quantized checkpoints ({method}) in bf16 only: "
-        "start the worker with --vllm dtype=bfloat16"
-    )
 
 
 def cpu_kv_bytes(options: dict[str, Any], share: float | None, ranks: int) -> int | None:
@@ -114,15 +87,35 @@ def cpu_kv_bytes(options: dict[str, Any], share: float | None, ranks: int) -> in
     return each
 
 
+def engine_config(model: str, tensor_parallel: int, pipeline_parallel: int, options: dict) -> Any:
+    try:
+        args = EngineArgs(
+            model=model,
+            tensor_parallel_size=tensor_parallel,
+            pipeline_parallel_size=pipeline_parallel,
+            disable_log_stats=False,
+            **options,
+        )
+    except TypeError as e:
+        raise ValueError(f"unknown vLLM engine option: {e}") from e
+    return args.create_engine_config()
+
+
 @dataclass
 class _Request:
     num_prompt: int
     max_len: int  # prompt plus max_tokens, capped at max_model_len
     top_logprobs: int | None
-    num_output: int = 0
+    names: list[str]  # vLLM's request of each choice (one unless n > 1)
+    outputs: list[int]  # output tokens of each choice
     num_given: int = 0  # output tokens a resumed request came with, computed with the prompt
     detok: Detokenizer | None = None  # a resumed request's text is decoded here
     priority: int = 0
+    num_cached: int | None = None  # the prompt's cached tokens, as its first output said
+
+    @property
+    def num_output(self) -> int:
+        return sum(self.outputs)
 
 
 class VllmBackend:
@@ -164,14 +157,15 @@ class VllmBackend:
             StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True),
         )
         self.model_fingerprint = fingerprint(model)
-        if kv_redis_url:
-            os.environ[connector.URL_ENV] = kv_redis_url  # not in vLLM's config: it logs its config
+        kv_redis_url = kv_redis_url or Settings().kv_redis_url
+        if kv_redis_url:  # for the connector in vLLM's processes; not in vLLM's config: it logs it
+            os.environ[connector.URL_ENV] = kv_redis_url
         if engine_process is None:
             engine_process = Settings().vllm_engine_process
         self.engine_process = engine_process
         self.tier = False  # the Redis KV tier (Plurai's connector) on
         self.kv = None  # the connector's counters, where it runs in this process
-        if os.environ.get(connector.URL_ENV) and "kv_transfer_config" not in options:
+        if kv_redis_url and "kv_transfer_config" not in options:
             self.tier = True
             self.kv = None if engine_process else connector.COUNTERS
             # given to EngineArgs (not set on the config afterwards), so that vLLM adapts
@@ -183,20 +177,16 @@ class VllmBackend:
                 kv_load_failure_policy="recompute",  # a block that fails to load is a miss
                 kv_connector_extra_config={"ttl_s": kv_ttl_s},
             )
-        try:
-            args = EngineArgs(
-                model=model,
-                tensor_parallel_size=tensor_parallel,
-                pipeline_parallel_size=pipeline_parallel,
-                disable_log_stats=False,
-                **options,
-            )
-        except TypeError as e:
-            raise ValueError(f"unknown vLLM engine option: {e}") from e
-        config = args.create_engine_config()
-        refusal = cpu_fp32_refusal(config)
+        config = engine_config(model, tensor_parallel, pipeline_parallel, options)
+        refusal = cpu_support.config_refusal(config)
+        if refusal and options.get("dtype", "auto") == "auto":
+            # the dtype was vLLM's choice, not the user's: take one its kernels run here
+            log.info("vLLM: bfloat16 rather than %s: %s", config.model_config.dtype, refusal)
+            options["dtype"] = "bfloat16"
+            config = engine_config(model, tensor_parallel, pipeline_parallel, options)
+            refusal = cpu_support.config_refusal(config)
         if refusal:
-            raise ValueError(refusal)
+            raise cpu_support.Unsupported(refusal)
         cache = config.cache_config
         # blocks of another backend, dtype or block size are never mixed up with these
         self.kv_fingerprint = hashlib.blake2b(
@@ -235,6 +225,7 @@ class VllmBackend:
         gen_eos = config.model_config.try_get_generation_config().get("eos_token_id")
         self.eos_ids = {*eos, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])}
         self.reqs: dict[str, _Request] = {}
+        self.choices: dict[str, tuple[str, int]] = {}  # vLLM request -> (request, choice)
         self.added = 0  # requests added since the last step (not in vLLM's figures yet)
         self.steps = 0
 
@@ -251,16 +242,25 @@ class VllmBackend:
         priority: int = 0,
         cache_salt: str | None = None,
         special_tokens: bool = False,
-        output_ids: list[int] | None = None,
-    ) -> str:
-        """See gpu_workers/backend.py. Resumes (`output_ids`) only what vLLM continues exactly
-        (params.resume_refusal); refuses the rest with BAD_PROGRESS."""
+        output_ids: list[list[int]] | None = None,
+    ) -> list[str]:
+        """See gpu_workers/backend.py. A request of n > 1 choices is n vLLM requests
+        '<request id>/<choice>', choice i seeded as the native engine seeds it
+        (SamplingParams.for_choice), which share the prompt's blocks through vLLM's prefix
+        cache (vLLM's own `n` is the same fan-out, but refuses greedy sampling). Resumes
+        (`output_ids`) only what vLLM continues exactly (params.resume_refusal) and
+        refuses the rest with BAD_PROGRESS."""
         if request_id in self.reqs:
             raise RequestError(
                 ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
             )
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params or {})
+        names = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        if any(name in self.choices for name in names):
+            raise RequestError(
+                ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
+            )
         check_options(priority, cache_salt, special_tokens)
         ids = self.prompts.tokenize(prompt, token_ids, messages, special_tokens)
         # a bad schema, regex or choice list is refused here with the native engine's reason
@@ -274,48 +274,63 @@ class VllmBackend:
         request = TokensPrompt(prompt_token_ids=ids + given)
         if cache_salt is not None:
             request["cache_salt"] = cache_salt
+        added: list[str] = []
         try:
-            vllm_params = to_vllm(params, len(given))
-            self.engine.add_request(request_id, request, vllm_params, priority=priority)
+            for i, name in enumerate(names):
+                vllm_params = to_vllm(params.for_choice(i), len(given))
+                self.engine.add_request(name, dict(request), vllm_params, priority=priority)
+                added.append(name)
         except (ValueError, TypeError, VLLMClientError) as e:  # beyond the shared checks
+            if added:
+                self.engine.abort_request(added)
             raise RequestError(ErrorCode.INVALID_PARAMS, f"vLLM refused the request: {e}") from e
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         self.reqs[request_id] = _Request(
             num_prompt=len(ids),
             max_len=max_len,
             top_logprobs=params.logprobs,
-            num_output=len(given),
+            names=names,
+            outputs=[len(given)] + [0] * (params.n - 1),
             num_given=len(given),
             detok=detok,
             priority=priority,
         )
-        self.added += 1
-        return text
+        self.choices.update((name, (request_id, i)) for i, name in enumerate(names))
+        self.added += len(names)
+        return [text] + [""] * (params.n - 1)
 
     def _progress(self, ids: list[int], params: SamplingParams, output_ids: Any) -> list[int]:
         """A resumed request's output tokens, checked as the native engine checks them."""
+
+        def bad(message: str) -> RequestError:
+            return RequestError(ErrorCode.BAD_PROGRESS, message)
+
+        if not isinstance(output_ids, list) or len(output_ids) != params.n:
+            raise bad(f"output_ids must hold one list per choice ({params.n})")
+        if params.n > 1 and any(output_ids):
+            raise bad("vLLM cannot resume a request of n > 1 choices exactly")
         given = check_progress(
-            output_ids, len(ids), params.max_tokens, self.prompts.vocab_size, self.max_model_len
+            output_ids[0], len(ids), params.max_tokens, self.prompts.vocab_size, self.max_model_len
         )
         why = resume_refusal(params) if given else None
         if why is not None:
-            raise RequestError(
-                ErrorCode.BAD_PROGRESS, f"vLLM cannot resume a request with {why} exactly"
-            )
+            raise bad(f"vLLM cannot resume a request with {why} exactly")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         for i, t in enumerate(given):
             if t in stops:
-                raise RequestError(
-                    ErrorCode.BAD_PROGRESS,
-                    f"the request finished (stop) at output token {i} ({t}): "
-                    "there is nothing to resume",
-                )
+                raise finished_at("stop", i, t)
+        if given and (
+            len(given) >= params.max_tokens or len(ids) + len(given) >= self.max_model_len
+        ):
+            raise finished_at("length", len(given) - 1, given[-1])
         return given
 
     def abort(self, request_id: str) -> bool:
-        if self.reqs.pop(request_id, None) is None:
+        req = self.reqs.pop(request_id, None)
+        if req is None:
             return False
-        self.engine.abort_request([request_id])
+        going = [name for name in req.names if self.choices.pop(name, None) is not None]
+        self.engine.abort_request(going)
         self._settle()
         return True
 
@@ -344,41 +359,52 @@ class VllmBackend:
             self.steps += 1
         out = []
         for o in outputs:
-            req = self.reqs.get(o.request_id)
-            if req is None:  # aborted since
+            choice = self.choices.get(o.request_id)
+            if choice is None:  # aborted since
                 continue
-            c = o.outputs[0]
-            new = list(c.token_ids)
-            req.num_output += len(new)
-            text = c.text
-            if req.detok is not None:
-                # vLLM leaves the text of the stop token (EOS, stop_token_ids) out
-                stopped = o.finished and c.finish_reason == "stop"
-                text = "".join(req.detok.add(t) for t in (new[:-1] if stopped else new))
-            reason, error = None, None
+            request_id, index = choice
+            req = self.reqs[request_id]
+            if req.num_cached is None:  # the request's: its first output's
+                req.num_cached = o.num_cached_tokens or 0
+            out.append(self._output(request_id, index, req, o.outputs[0], o.finished))
             if o.finished:
-                del self.reqs[o.request_id]
-                reason = c.finish_reason if c.finish_reason in FINISH_REASONS else "error"
-                if reason == "error":
-                    error = f"vLLM ended the request: {c.finish_reason} ({c.stop_reason})"
-            out.append(
-                StepOutput(
-                    request_id=o.request_id,
-                    new_token_ids=new,
-                    text_delta=text,
-                    finished=o.finished,
-                    finish_reason=reason,
-                    num_prompt_tokens=req.num_prompt,
-                    num_output_tokens=req.num_output,
-                    num_cached_tokens=o.num_cached_tokens or 0,
-                    logprobs=logprob_entries(new, c.logprobs, req.top_logprobs or 0)
-                    if req.top_logprobs is not None
-                    else None,
-                    error=error,
-                )
-            )
+                del self.choices[o.request_id]
+                if not any(name in self.choices for name in req.names):
+                    del self.reqs[request_id]
         self._settle()
         return out
+
+    def _output(
+        self, request_id: str, index: int, req: _Request, c: Any, finished: bool
+    ) -> StepOutput:
+        """A step's output of one choice, vLLM's CompletionOutput `c`."""
+        new = list(c.token_ids)
+        req.outputs[index] += len(new)
+        text = c.text
+        if req.detok is not None:
+            # vLLM leaves the text of the stop token (EOS, stop_token_ids) out
+            stopped = finished and c.finish_reason == "stop"
+            text = "".join(req.detok.add(t) for t in (new[:-1] if stopped else new))
+        reason, error = None, None
+        if finished:
+            reason = c.finish_reason if c.finish_reason in FINISH_REASONS else "error"
+            if reason == "error":
+                error = f"vLLM ended the request: {c.finish_reason} ({c.stop_reason})"
+        return StepOutput(
+            request_id=request_id,
+            new_token_ids=new,
+            text_delta=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt,
+            num_output_tokens=req.outputs[index],
+            num_cached_tokens=req.num_cached or 0,
+            logprobs=logprob_entries(new, c.logprobs, req.top_logprobs or 0)
+            if req.top_logprobs is not None
+            else None,
+            error=error,
+            index=index,
+        )
 
     # -- capacity -----------------------------------------------------------------
 
@@ -396,13 +422,16 @@ class VllmBackend:
         new one first and preempts the worst running request when blocks run short (it
         keeps its output and is recomputed)."""
         mine = [r for r in self.reqs.values() if priority is None or r.priority <= priority]
-        if len(mine) >= self.max_num_seqs or (priority is None and self.figures.waiting > 0):
+        seqs = sum(len(r.outputs) for r in mine)  # a sequence a choice
+        if seqs >= self.max_num_seqs or (priority is None and self.figures.waiting > 0):
             return False
         used = round(self.figures.kv_usage * self.num_blocks)
         growth = 0
         for r in mine:
-            held = self._blocks(r.num_prompt + r.num_output) if r.num_output > r.num_given else 0
-            growth += self._blocks(r.max_len) - held
+            for i, made in enumerate(r.outputs):
+                given = r.num_given if i == 0 else 0
+                held = self._blocks(r.num_prompt + made) if made > given else 0
+                growth += self._blocks(r.max_len) - held
         need = self._blocks(min(prompt_tokens + max_tokens, self.max_model_len)) + self._blocks(
             spare
         )

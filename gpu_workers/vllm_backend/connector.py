@@ -12,7 +12,8 @@ Enabled by the backend with
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"fingerprint": <32 hex>, "ttl_s": 3600})
 and the Redis URL in PLURAI_KV_REDIS_URL (vLLM logs its config; the URL may hold a
-password). Without the URL the connector finds nothing and writes nothing.
+password), read as Settings.kv_redis_url. Without the URL the connector finds nothing and
+writes nothing.
 
 Loading: the scheduler side reads the prompt's next blocks (past vLLM's local prefix hit,
 never the last token) and decodes them fully, so it claims only the leading run of
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from broker_config.connection import connect
+from broker_config.settings import Settings
 from gpu_workers.vllm_backend.kv_layout import block_spec, from_native, layer_pages, to_native
 from kv_store import block_format
 from kv_store.block_hash import chain_hashes, salt_root
@@ -79,6 +80,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Settings.kv_redis_url's variable. The backend writes the URL it uses there, so that the
+# connector in vLLM's engine and rank processes (which inherit the environment) reads the
+# same one from Settings.
 URL_ENV = "PLURAI_KV_REDIS_URL"
 
 
@@ -160,8 +164,9 @@ class Store:
 def open_store(
     fingerprint: str, ttl_s: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> Store | None:
-    """A Store on PLURAI_KV_REDIS_URL; None when it is unset or unusable."""
-    url = os.environ.get(URL_ENV, "")
+    """A Store on Settings.kv_redis_url (PLURAI_KV_REDIS_URL); None when it is unset or
+    unusable."""
+    url = Settings().kv_redis_url
     if not url:
         return None
     try:

@@ -42,7 +42,8 @@ def resume_refusal(p: SamplingParams) -> str | None:
 
 
 def to_vllm(p: SamplingParams, num_output: int = 0) -> VllmParams:
-    """`num_output`: output tokens a resumed request already has (given as prompt); they
+    """One sequence's parameters (a choice's: the backend adds a vLLM request per choice).
+    `num_output`: output tokens a resumed request already has (given as prompt); they
     count toward max_tokens."""
     return VllmParams(
         max_tokens=p.max_tokens - num_output,

@@ -17,6 +17,7 @@ import redis
 from broker_config import keys
 from broker_config.text import text
 from producer.bulk import store
+from results.records import Choice
 
 
 def _id(batch_id: str, index: int) -> str:
@@ -34,34 +35,36 @@ def ok_line(
     index: int,
     request: dict[str, Any],
     *,
-    text: str,
-    finish_reason: str,
+    choices: list[Choice],
     usage: tuple[int, int],
     request_id: str,
     created_s: int,
 ) -> str:
-    kind = request["kind"]
+    """The output line of a request that completed: its body has a choice per `choices`
+    (one, unless the request asked for n > 1)."""
+    chat = request["kind"] == "chat"
     usage_obj = {
         "prompt_tokens": usage[0],
         "completion_tokens": usage[1],
         "total_tokens": usage[0] + usage[1],
     }
-    if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason,
-        }
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        obj, prefix = "text_completion", "cmpl-"
+    listed = []
+    for c in choices:
+        reason = c.finish_reason or "stop"
+        if chat:
+            message = {"role": "assistant", "content": c.text}
+            listed.append({"index": c.index, "message": message, "finish_reason": reason})
+        else:
+            listed.append(
+                {"index": c.index, "text": c.text, "finish_reason": reason, "logprobs": None}
+            )
+    prefix = "chatcmpl-" if chat else "cmpl-"
     body = {
         "id": prefix + request_id,
-        "object": obj,
+        "object": "chat.completion" if chat else "text_completion",
         "created": created_s,
         "model": request.get("model") or "",
-        "choices": [choice],
+        "choices": listed,
         "usage": usage_obj,
     }
     return _dump(

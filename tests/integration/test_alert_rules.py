@@ -86,7 +86,7 @@ def test_each_alert_has_a_runbook_entry():
 def test_the_rules_pass_promtool():
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (OS package prometheus; make install tries it)")
+        pytest.skip("no promtool (Debian package prometheus: `make install` installs it)")
     run = subprocess.run(
         [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
     )

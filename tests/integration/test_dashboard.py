@@ -48,7 +48,7 @@ def chromium() -> str:
         pytest.skip("playwright is not installed (pip install playwright; `make install`)")
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.skip("no Chromium (apt-get install chromium; `make install` tries)")
+        pytest.skip("no Chromium (Debian package chromium: `make install` installs it)")
     return path
 
 

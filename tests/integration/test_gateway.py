@@ -157,6 +157,74 @@ def test_chat_stream_and_logprobs(stack: Stack) -> None:
     assert "".join(t.token for t in lps).startswith(text[:3])
 
 
+def test_n_greedy_choices_are_equal(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    out = stack.api.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=10, temperature=0, n=3
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = {c.message.content for c in out.choices}
+    one = stack.api.chat.completions.create(
+        model=stack.model, messages=messages, max_tokens=10, temperature=0
+    )
+    assert texts == {one.choices[0].message.content}
+    rec = record(stack, out.id)
+    assert out.usage.prompt_tokens == one.usage.prompt_tokens == rec.prompt_tokens
+    assert out.usage.completion_tokens == rec.output_tokens == 30
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 30
+
+
+def test_n_seeded_choices_are_reproducible_and_streamed_the_same(stack: Stack) -> None:
+    ask = dict(model=stack.model, prompt="Once upon a time", max_tokens=12, temperature=1.0, n=3)
+    first = stack.api.completions.create(**ask, seed=42)
+    again = stack.api.completions.create(**ask, seed=42)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in again.choices] == texts
+    assert len(set(texts)) > 1  # each choice samples with a seed of its own
+    # choice i is the request of seed 42 + i
+    alone = [stack.api.completions.create(**{**ask, "n": 1}, seed=42 + i) for i in range(3)]
+    assert [a.choices[0].text for a in alone] == texts
+    # streamed: each chunk names its choice, and the chunks of a choice spell its text
+    chunks = list(
+        stack.api.completions.create(
+            **ask, seed=42, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed: dict[int, str] = {}
+    ends: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                ends[choice.index] = choice.finish_reason
+    assert streamed == dict(enumerate(texts))
+    assert ends == {c.index: c.finish_reason for c in first.choices}
+    assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens
+    # a chat streams its role once per choice
+    chat = list(
+        stack.api.chat.completions.create(
+            model=stack.model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=6,
+            temperature=1.0,
+            seed=1,
+            n=2,
+            stream=True,
+        )
+    )
+    roles = [c.choices[0].index for c in chat if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [0, 1]
+    # the SDK gives the same choices, and its first choice as the record's text
+    rec = stack.sdk.submit("Once upon a time", max_tokens=12, temperature=1.0, seed=42, n=3)
+    done = rec.result(timeout=60)
+    assert [c.text for c in done.choices] == texts and done.text == texts[0]
+    parts: dict[int, str] = {}
+    for i, delta in rec.stream_choices():
+        parts[i] = parts.get(i, "") + delta
+    assert parts == dict(enumerate(texts))
+
+
 def _schema(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
@@ -263,7 +331,10 @@ BAD = [
     ({"prompt": [5, 99999]}, 400, "token_out_of_vocab"),
     ({"prompt": "caf\ud800"}, 400, "invalid_utf8"),
     ({"model": "gpt-17"}, 404, "model_not_found"),
-    ({"n": 2}, 400, "bad_field"),
+    ({"n": 0}, 400, "invalid_params"),
+    ({"n": 1.5}, 400, "bad_field"),
+    ({"n": "2"}, 400, "bad_field"),
+    ({"n": 17}, 400, "n_over_limit"),  # over PLURAI_MAX_N (16)
     ({"tools": []}, 400, "bad_field"),
     ({"stream": "yes"}, 400, "bad_field"),
     # structured output: refused with the reason, before the job takes KV blocks

@@ -204,6 +204,27 @@ def test_structured_lines_parse(stack: Stack, tmp_path: Path) -> None:
     assert "uniqueItems" in error["error"]["message"]
 
 
+def test_lines_of_several_choices(stack: Stack, tmp_path: Path) -> None:
+    def line(i: int, **extra) -> dict:
+        row = chat_line(i, max_tokens=5)
+        return {**row, "body": {**row["body"], **extra}}
+
+    rows = [line(0, n=3), line(1, n=2, temperature=1.0, seed=4), line(2, n=17)]
+    rows.append({**line(0), "custom_id": "req-3"})  # the first line's, of one choice
+    b = wait_batch(stack, submit(stack, write_jsonl(tmp_path / "choices.jsonl", rows)).id)
+    assert b.request_counts.model_dump() == {"total": 4, "completed": 3, "failed": 1}
+    got = by_id(stack.api.files.content(b.output_file_id).text)
+    greedy, seeded, one = (got[f"req-{i}"]["response"]["body"] for i in (0, 1, 3))
+    assert [c["index"] for c in greedy["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in greedy["choices"]} == {answer(got["req-3"])[0]}
+    assert [c["index"] for c in seeded["choices"]] == [0, 1] and len(one["choices"]) == 1
+    # the prompt counted once, the output of every choice
+    assert greedy["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert greedy["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    (error,) = [json.loads(x) for x in stack.api.files.content(b.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "req-2" and error["error"]["code"] == "n_over_limit"
+
+
 def test_cancel_a_running_batch(stack: Stack, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "long.jsonl", [chat_line(i, max_tokens=96) for i in range(200)])
     b = submit(stack, path)

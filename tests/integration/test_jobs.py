@@ -16,7 +16,7 @@ from broker_config import keys
 from broker_config.groups import ensure_groups
 from broker_config.settings import Settings
 from gpu_workers.writer import Writer
-from results import jobs, records
+from results import jobs, records, tokens
 
 LANE = "standard"
 
@@ -280,6 +280,46 @@ def test_finalize_resync_and_without_a_lane(r):
     assert finalize(r, "j1", entry_id, ack_inside=True) == 0  # acks it all the same
     assert r.xpending(keys.request_stream(LANE), keys.GROUP)["pending"] == 0
     assert r.xlen(keys.request_stream(LANE)) == 0
+
+
+def test_a_job_of_several_choices_writes_and_rewrites_each(r):
+    submit(r, "j1")
+    begin(r, "j1")
+    items = [jobs.Delta("j1", "a", [1], index=0), jobs.Delta("j1", "é\n", [2, 3], index=1)]
+    assert jobs.run(r, jobs.deltas(worker="w1", maxlen=100, items=items)) == 2
+    choices = [
+        records.Choice(0, "ab", [1, 4], "length"),
+        records.Choice(1, 'é\n"x"', [2, 3, 5], "stop", [{"token_id": 2, "logprob": -0.5}]),
+        records.Choice(2, "", [], "stop"),  # ended at once (an EOS, whose text is none)
+    ]
+    call = jobs.finalize(
+        job_id="j1",
+        state="completed",
+        finish_reason="length",
+        fields=records.final_fields(
+            text="ab", token_ids=[1, 4], worker="w1", finished_ms=1, choices=choices
+        ),
+        ttl_s=60,
+        stream_ttl_s=60,
+        stream_maxlen=100,
+    )
+    assert jobs.run(r, jobs.resynced(call)) == 1
+    assert stream(r, "j1")[1:] == [
+        {"type": "delta", "text": "a", "token_ids": "[1]", "index": "0"},
+        {"type": "delta", "text": "é\n", "token_ids": "[2,3]", "index": "1"},
+        {"type": "reset"},
+        {"type": "delta", "text": "ab", "token_ids": "[1,4]", "index": "0"},
+        {"type": "delta", "text": 'é\n"x"', "token_ids": "[2,3,5]", "index": "1"},
+        {"type": "delta", "text": "", "token_ids": "[]", "index": "2"},
+        {"type": "end", "state": "completed", "finish_reason": "length"},
+    ]
+    rec = records.get(r, "j1")
+    assert rec.choices == choices and (rec.text, rec.output_tokens) == ("ab", 5)
+    # what a reader makes of it: each choice's text, once
+    follower, texts = tokens.TextFollower(), {}
+    for ev in tokens.Reader("j1").feed(r.xread({keys.output("j1"): "0-0"})):
+        texts[ev.index] = texts.get(ev.index, "") + follower.feed(ev)
+    assert texts == {0: "ab", 1: 'é\n"x"', 2: ""}
 
 
 @pytest.mark.parametrize("ack_inside", [True, False], ids=["one-redis", "cluster"])

@@ -12,12 +12,13 @@ Commands run without a shell. Those that run until stopped (a worker, the gatewa
 ending in `&`) start in the background, and the processes of a `##` section are stopped
 when it ends; `plurai status` (a live view) is interrupted with Ctrl-C once it has shown
 the queue. Every command must exit 0, and those of CHECKS must print what the README says
-they print; a python block must exit 0 and print something. A README command or output
-that no longer holds fails here.
+they print; a python block must exit 0 and print what its check in PYTHON_CHECKS says the
+block promises. A README command or output that no longer holds fails here.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -241,6 +242,48 @@ CHECKS: list[tuple[Callable[[list[str]], bool], Callable[[Session, Run], None]]]
 ]
 
 
+# What each python block prints, found by a line of its code: every block run has one.
+
+
+def check_client(out: str) -> None:
+    """The text streamed, then the result's text (the same), then both jobs completed."""
+    text, _, states = out.removesuffix("\n").rpartition("\n")
+    assert ast.literal_eval(states) == ["completed", "completed"], states
+    half = len(text) // 2
+    assert text and text[:half] == text[half:], f"streamed + result text: {text!r}"
+
+
+def check_openai(out: str) -> None:
+    assert out, "the streamed chat completion printed no text"
+
+
+def check_structured(out: str) -> None:
+    """`Person(...) label`: the person validated against the schema, a label of the two."""
+    got = re.fullmatch(r"name=('.*'|\".*\") age=(\d+) (spam|ham)", out.strip())
+    assert got, f"not a person and a label: {out!r}"
+    assert len(ast.literal_eval(got.group(1))) <= 20 and 0 <= int(got.group(2)) <= 130, out
+
+
+def check_offline(out: str) -> None:
+    texts = ast.literal_eval(out.strip())
+    assert isinstance(texts, list) and len(texts) == 2, out
+    assert all(isinstance(t, str) and t for t in texts), f"an empty text: {texts!r}"
+
+
+PYTHON_CHECKS: list[tuple[str, Callable[[str], None]]] = [
+    ("client.wait_all(jobs", check_client),
+    ("api.chat.completions.create(", check_openai),
+    ("response_format=Person", check_structured),
+    ("engine.generate(", check_offline),
+]
+
+
+def python_check(block: Block) -> Callable[[str], None]:
+    found = [check for line, check in PYTHON_CHECKS if line in block.text]
+    assert len(found) == 1, f"README.md line {block.line}: {len(found)} PYTHON_CHECKS match"
+    return found[0]
+
+
 # -- running blocks ------------------------------------------------------------------------
 
 
@@ -358,19 +401,24 @@ def live_view(s: Session, argv: list[str], where: str) -> None:
 def run_python(s: Session, block: Block) -> None:
     code = s.fill(block.text)
     where = f"README.md line {block.line} (python)"
+    check = python_check(block)
     try:
         p = subprocess.run(
             [str(s.root / ".venv" / "bin" / "python"), "-c", code],
             cwd=s.root,
             env=s.env,
             capture_output=True,
-            text=True,
             timeout=COMMAND_S,
         )
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{where}: still running after {COMMAND_S}s") from e
-    assert p.returncode == 0, f"{where}: exit {p.returncode}\n{p.stderr[-3000:]}"
-    assert p.stdout.strip(), f"{where}: printed nothing"
+    # bytes: a text mode would turn a generated "\r" into a newline
+    out, err = (x.decode(errors="replace") for x in (p.stdout, p.stderr))
+    assert p.returncode == 0, f"{where}: exit {p.returncode}\n{err[-3000:]}"
+    try:
+        check(out)
+    except (AssertionError, ValueError, SyntaxError) as e:
+        raise AssertionError(f"{where}: {type(e).__name__}: {e}\n{out[-2000:]}") from e
 
 
 def run_transcript(s: Session, block: Block) -> None:
@@ -473,6 +521,8 @@ def test_every_placeholder_and_marker_is_known() -> None:
     for b in found:
         if b.skip is not None:
             assert len(b.skip) > 10, f"README.md line {b.line}: say why it is skipped"
+        if b.lang == "python" and b.skip is None:
+            python_check(b)
         if b.lang == "sh" and b.skip is None:
             for line in commands(b.text):
                 assert shlex.split(line, comments=True), line

@@ -101,7 +101,7 @@ def finish(w: Worker, job_id: str, r: redis.Redis, timeout: float = 60.0) -> rec
 
 def run_until(w: Worker, job_id: str, tokens: int) -> None:
     give_up = time.monotonic() + 60
-    while job_id not in w.running or len(w.running[job_id].token_ids) < tokens:
+    while job_id not in w.running or w.running[job_id].num_tokens < tokens:
         assert time.monotonic() < give_up, "the job did not reach the cut"
         w.iterate()
     w.writer.collect()
@@ -111,12 +111,15 @@ def stream_types(r: redis.Redis, job_id: str) -> list[bytes]:
     return [f[b"type"] for _, f in r.xrange(keys.output(job_id))]
 
 
-def stream_text(r: redis.Redis, job_id: str) -> tuple[str, list[int]]:
-    """The text and ids of the deltas after the last reset: what a reader ends up with."""
+def stream_text(r: redis.Redis, job_id: str, index: int | None = None) -> tuple[str, list[int]]:
+    """The text and ids of the deltas after the last reset: what a reader ends up with; of
+    choice `index` only, where given (a job of n > 1 choices)."""
     entries = [f for _, f in r.xrange(keys.output(job_id))]
     types = [f[b"type"] for f in entries]
     cut = max((i for i, t in enumerate(types) if t == b"reset"), default=-1)
     deltas = [f for f in entries[cut + 1 :] if f[b"type"] == b"delta"]
+    if index is not None:
+        deltas = [f for f in deltas if f[b"index"] == str(index).encode()]
     return "".join(f[b"text"].decode() for f in deltas), [
         t for f in deltas for t in json.loads(f[b"token_ids"])
     ]
@@ -187,6 +190,48 @@ def test_a_cut_job_resumes_to_the_uninterrupted_output(redis_url, engines, case,
         assert b"reset" not in stream_types(r, job.id)
         assert stream_text(r, job.id) == (rec.text, rec.token_ids)
     assert r.exists(keys.progress(job.id)) == 0  # gone with the result
+    client.close()
+
+
+@pytest.mark.parametrize("how", ["drain", "crash"])
+def test_a_cut_job_of_two_choices_resumes_each(redis_url, engines, how, monkeypatch):
+    r = connect(redis_url)
+    client = Client(redis_url)
+    body = dict(max_tokens=30, ignore_eos=True, temperature=1.0, seed=9, n=2)
+    prompt = "resume both choices"
+    one = worker(redis_url, engines[0], "w1", stream_flush_tokens=1 if how == "crash" else 16)
+    free = finish(one, client.submit(prompt, **body).id, r)
+    a, b = (c.token_ids for c in free.choices)
+    # a stop token that ends choice 1 early and never appears in choice 0: the cut comes
+    # after choice 1 has ended
+    k = next(k for k in range(3, 10) if b[k] not in a and b[k] not in b[:k])
+    body["stop_token_ids"] = [b[k]]
+    ref = finish(one, client.submit(prompt, **body).id, r)
+    assert [c.finish_reason for c in ref.choices] == ["length", "stop"]
+    assert len(ref.choices[1].token_ids) == k + 1
+    oracle(monkeypatch, [c.token_ids for c in ref.choices], engines[1].vocab_size)
+
+    job = client.submit(prompt, **body)
+    run_until(one, job.id, 2 * (k + 1) + 6)
+    assert one.running[job.id].choices[1].finish_reason == "stop"
+    if how == "drain":
+        one.request_stop(0)
+        one._shut(crashed=False)
+    else:
+        one.cancels.close()
+    two = worker(redis_url, engines[1], "w2")
+    if how == "crash":
+        time.sleep(0.4)
+    rec = finish(two, job.id, r)
+
+    assert rec.state == records.COMPLETED and resumed(two) == 1
+    assert rec.choices == ref.choices
+    assert (rec.text, rec.token_ids, rec.finish_reason) == (ref.text, ref.token_ids, "length")
+    assert rec.output_tokens == ref.output_tokens == 30 + k + 1
+    assert b"reset" not in stream_types(r, job.id)
+    for c in rec.choices:
+        assert stream_text(r, job.id, c.index) == (c.text, c.token_ids)
+    assert r.exists(keys.progress(job.id)) == 0
     client.close()
 
 

@@ -97,6 +97,9 @@ CASES = [
     ),
     ("invalid utf-8 in a field", entry(lane=b"\xff\xfe"), "invalid_utf8", "lane"),
     ("unknown model", entry({"prompt": "hi", "model": "gpt-17"}), "unknown_model", "gpt-17"),
+    ("n over limit", entry({"prompt": "hi", "n": 17}), "n_over_limit", "16"),
+    ("n zero", entry({"prompt": "hi", "n": 0}), "invalid_params", "n must"),
+    ("n mistyped", entry({"prompt": "hi", "n": "2"}), "invalid_params", "n must"),
     ("bad messages", entry({"messages": [{"role": "user"}]}), "invalid_prompt", "messages"),
 ]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 from broker_config import keys, protocol
 from broker_config.connection import connect
 from broker_config.protocol import MAX_PRIORITY
@@ -223,10 +221,12 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
     with Client(redis_url) as client:
         job = client.submit("i", lane="interactive").id
         w._fill()
+        start = time.monotonic()
         w._publish([token(job, 1)])
         time.sleep(0.06)
         w._publish([token(job, 2), token(job, 3), token(job, 4)])
-        assert w.pace.tpot_s == pytest.approx(0.02, rel=0.5)  # 60 ms over three tokens
+        took = time.monotonic() - start  # 60 ms, or more on a loaded machine
+        assert 0.06 / 3 <= w.pace.tpot_s <= took / 3  # that interval over three tokens
         assert w.pace.unloaded_s == 0.0  # three tokens are too few to learn it by
 
 

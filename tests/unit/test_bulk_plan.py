@@ -9,6 +9,7 @@ import pytest
 
 from producer.bulk import finalize, plan
 from producer.bulk.inputs import LineError, parse_line
+from results.records import Choice
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
@@ -149,7 +150,13 @@ def test_output_and_error_lines_have_the_openai_shape():
     req = {"custom_id": "c1", "kind": "chat", "model": "m"}
     ok = json.loads(
         finalize.ok_line(
-            "b", 0, req, text="hi", finish_reason="stop", usage=(3, 1), request_id="J", created_s=5
+            "b",
+            0,
+            req,
+            choices=[Choice(0, "hi", [7], "stop")],
+            usage=(3, 1),
+            request_id="J",
+            created_s=5,
         )
     )
     assert ok["custom_id"] == "c1" and ok["error"] is None
@@ -161,3 +168,18 @@ def test_output_and_error_lines_have_the_openai_shape():
     err = json.loads(finalize.error_line("b", 1, None, "invalid_json", "line 2: bad"))
     assert err["response"] is None and err["error"]["code"] == "invalid_json"
     assert ok["id"] != err["id"] and ok["id"].startswith("batch_req_")
+    two = [Choice(0, "a", [1], "stop"), Choice(1, "b", [2, 3], "length")]
+    line = finalize.ok_line(
+        "b",
+        2,
+        {**req, "kind": "completion"},
+        choices=two,
+        usage=(3, 3),
+        request_id="K",
+        created_s=5,
+    )
+    body = json.loads(line)["response"]["body"]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "stop"),
+        (1, "b", "length"),
+    ]

@@ -31,7 +31,8 @@ class Run:
 
 
 def run(engine, rid: str, p: list[int], sp: SamplingParams, output_ids=None) -> Run:
-    r = Run(engine.add(rid, token_ids=p, params=sp, output_ids=output_ids))
+    given = None if output_ids is None else [output_ids]  # the one choice's
+    r = Run(engine.add(rid, token_ids=p, params=sp, output_ids=given)[0])
     while engine.has_unfinished():
         for o in engine.step():
             assert o.request_id == rid and len(o.new_token_ids) == 1
@@ -186,13 +187,13 @@ def test_bad_progress_is_refused_and_changes_nothing(short_engine):
     before = engine.stats()
     for name, (params, ids) in bad.items():
         with pytest.raises(RequestError) as e:
-            engine.add(name, token_ids=p, params=params, output_ids=ids)
+            engine.add(name, token_ids=p, params=params, output_ids=[ids])
         assert e.value.code == ErrorCode.BAD_PROGRESS == "bad_progress", name
         assert not engine.seqs and not engine.has_unfinished(), name
     assert engine.stats() == before
     # EOS is an ordinary token with ignore_eos; the engine still runs requests
     ok = SamplingParams(max_tokens=8, ignore_eos=True)
-    assert engine.add("eos-ok", token_ids=p, params=ok, output_ids=[eos, 20]) is not None
+    assert engine.add("eos-ok", token_ids=p, params=ok, output_ids=[[eos, 20]]) is not None
     engine.add("fresh", token_ids=p, params=greedy(8))
     outs = {}
     while engine.has_unfinished():
@@ -203,7 +204,8 @@ def test_bad_progress_is_refused_and_changes_nothing(short_engine):
 
 
 def test_without_output_ids_add_returns_nothing(short_engine):
-    assert short_engine.add("none", token_ids=prompt(5, 4), params=greedy(2)) == ""
-    assert short_engine.add("empty", token_ids=prompt(5, 4), params=greedy(2), output_ids=[]) == ""
+    assert short_engine.add("none", token_ids=prompt(5, 4), params=greedy(2)) == [""]
+    empty = short_engine.add("empty", token_ids=prompt(5, 4), params=greedy(2), output_ids=[[]])
+    assert empty == [""]
     while short_engine.has_unfinished():
         short_engine.step()

@@ -62,13 +62,23 @@ def test_deltas_encode_mode_text_and_ids() -> None:
     call = jobs.deltas(
         worker="w",
         maxlen=100,
-        items=[jobs.Delta("a", "hi", [1, 2]), jobs.Delta("b", "all", [3], reset=True)],
+        items=[
+            jobs.Delta("a", "hi", [1, 2]),
+            jobs.Delta("b", "all", [3], reset=True),
+            jobs.Delta("c", "x", [4], index=2),  # a choice of a job of n > 1
+        ],
     )
     assert call.keys == [
         *(keys.job("a"), keys.output("a"), keys.progress("a")),
         *(keys.job("b"), keys.output("b"), keys.progress("b")),
+        *(keys.job("c"), keys.output("c"), keys.progress("c")),
     ]
-    assert call.args == ["w", 100, 86400, "d", "hi", "[1,2]", "a", b"", "r", "all", "[3]", "a", b""]
+    assert call.args == [
+        *("w", 100, 86400),
+        *("d", "hi", "[1,2]", "", "a", b""),
+        *("r", "all", "[3]", "", "a", b""),
+        *("d", "x", "[4]", 2, "a", b""),
+    ]
 
 
 def test_finalize_acks_its_entry_only_after_its_reply() -> None:

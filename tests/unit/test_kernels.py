@@ -168,6 +168,24 @@ def test_modes(monkeypatch):
     assert kernels.build_isa() == "baseline"
 
 
+@pytest.mark.parametrize(
+    "flags, isa, build",
+    [
+        ("fma avx2", "avx2", "avx2"),
+        ("avx2 avx512f avx512bw", "avx512", "avx512"),
+        ("avx2 avx512f avx512_bf16", "avx512_bf16", "avx512_bf16"),
+        # AMX tiles are oneDNN's (torch's bf16 matmuls); the kernels take AVX-512 there
+        ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8", "amx", "avx512_bf16"),
+        ("fpu sse sse2", "baseline", "baseline"),
+    ],
+)
+def test_the_build_each_cpu_gets(monkeypatch, flags: str, isa: str, build: str):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags.split())
+    monkeypatch.delenv("PLURAI_KERNEL_ISA", raising=False)
+    assert kernels.cpu_isa() == isa
+    assert kernels.build_isa() == build
+
+
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")

@@ -170,3 +170,19 @@ def test_the_index_cannot_point_outside_the_model_folder(tmp_path):
     (model / loader.INDEX).write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a safetensors index"):
         loader.weight_files(model)
+
+
+def test_the_data_dir_of_the_config_file_holds_the_cache(tmp_path, weights, hashed, monkeypatch):
+    """data_dir set in the PLURAI_CONFIG file, not the environment, is where a read-only
+    model folder's digests go."""
+    model = checkpoint(tmp_path / "m", weights)
+    (model / loader.CACHE_NAME).mkdir()
+    monkeypatch.delenv("PLURAI_DATA_DIR")
+    config = tmp_path / "plurai.toml"
+    config.write_text(f"data_dir = {str(tmp_path / 'state')!r}\n")
+    monkeypatch.setenv("PLURAI_CONFIG", str(config))
+    first = loader.fingerprint(model)
+    (cached,) = (tmp_path / "state" / "fingerprints").iterdir()
+    assert cached == loader.fingerprint_cache(model)[1]
+    hashed.clear()
+    assert loader.fingerprint(model) == first and hashed == []

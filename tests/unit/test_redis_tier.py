@@ -95,3 +95,19 @@ def test_a_block_the_writer_cannot_encode_is_dropped_and_the_writer_goes_on(capl
     t.flush()
     assert t.get_many([H]) != [None]
     t.close()
+
+
+def test_the_secret_of_the_config_file(monkeypatch, tmp_path):
+    """kv_secret in the PLURAI_CONFIG file reaches the tier (the environment still wins)."""
+    config = tmp_path / "plurai.toml"
+    config.write_text('kv_secret = "from-file"\n')
+    monkeypatch.setenv("PLURAI_CONFIG", str(config))
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    r = fakeredis.FakeRedis()
+    t = RedisTier(r, FP.hex())
+    assert t.secret == b"from-file"
+    t.close()
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+    t = RedisTier(r, FP.hex())
+    assert t.secret == SECRET
+    t.close()

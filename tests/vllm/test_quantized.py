@@ -2,12 +2,16 @@
 that what it serves is the checkpoint's model; which it refuses, and how (so that these
 tests notice when a later vLLM starts to serve them).
 
-What vLLM 0.32's CPU build does with them (found here; the tests hold it):
-- w8a8 (int-quantized): served in fp32 and bf16 (oneDNN int8 GEMM). Its dynamic per-token
-  activation scale is absmax / 127, where compressed-tensors' own (what transformers runs)
-  is absmax / 127.5, so its greedy tokens are not transformers' on the same checkpoint
-  (they part after a few tokens on these random models); they equal, exactly in fp32, those
-  of the checkpoint's dequantized weights with activations quantized as vLLM does.
+What vLLM 0.32's CPU build does with them (found here; the tests hold it, on each ISA):
+- w8a8 (int-quantized): served in bf16 everywhere. In fp32, on AVX2 and AVX-512 CPUs, it
+  runs on oneDNN's int8 GEMM; its dynamic per-token activation scale is absmax / 127, where
+  compressed-tensors' own (what transformers runs) is absmax / 127.5, so its greedy tokens
+  are not transformers' on the same checkpoint (they part after a few tokens on these
+  random models); they equal, exactly in fp32, those of the checkpoint's dequantized
+  weights with activations quantized as vLLM does. On a CPU with AMX it takes another int8
+  kernel (int8_scaled_mm_with_quant), which takes bf16 and fp16 activations only: in fp32
+  the engine starts, then dies at the first step, so the worker's backend refuses fp32
+  there (gpu_workers/vllm_backend/cpu_support.py).
 - w4a16 (pack-quantized, 4 bits): served in bf16 only (CPUWNA16 kernel). In fp32 the engine
   starts, then dies at the first step: `"cpu_gemm_wna16" not implemented for 'Float'`.
   bf16 kernels round otherwise than fp32 torch, so tokens are compared with a tolerance.
@@ -26,12 +30,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_workers.vllm_backend import cpu_support
 from tests.conftest import hf_greedy as greedy_of
 from tests.helpers import prompt
 from tests.vllm.conftest import OPTIONS
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 
+AMX = cpu_support.amx()  # which of vLLM's int8 kernels runs w8a8 here
 PROMPTS = [prompt(n, seed) for n, seed in ((8, 1), (20, 2), (40, 3))]
 MAX_TOKENS = 16
 # bf16 against the fp32 reference on these random models: the unquantized bf16 model in
@@ -138,8 +144,15 @@ def teacher_forced(model, tokens: list[int], p: list[int]) -> torch.Tensor:
     return logits.float().log_softmax(-1)
 
 
-def test_w8a8_in_fp32_equals_the_dequantized_model(made) -> None:
+def test_w8a8_in_fp32_equals_the_dequantized_model_off_amx(made, tmp_path: Path) -> None:
+    """AVX2 and AVX-512: oneDNN serves w8a8 in fp32, exactly. AMX: vLLM starts and dies at
+    its first step (which is why the backend refuses fp32 there)."""
     src, dst = made("w8a8")
+    if AMX:
+        rc, out, both = start(dst, "float32", tmp_path)
+        assert rc != 0 and "STARTED" in out and "GENERATED" not in out, both[-3000:]
+        assert "expect A to be bfloat16 or half" in both
+        return
     got = vllm_greedy(dst, "float32")
     tokens = [t for t, _ in got]
     assert tokens == hf_greedy(reference(src, dst, act_div=127.0))
@@ -147,22 +160,40 @@ def test_w8a8_in_fp32_equals_the_dequantized_model(made) -> None:
     assert tokens != hf_greedy(reference(src, dst, act_div=127.5))
 
 
+def test_w8a8_in_bf16_is_the_dequantized_model(made) -> None:
+    """Every ISA (oneDNN off AMX, the AMX int8 kernel on it)."""
+    src, dst = made("w8a8", "bfloat16")
+    # 8-bit weights stay within bf16's noise of the float model: no check tells them apart
+    close_to_reference(vllm_greedy(dst, "bfloat16"), src, dst, act_div=127.0, apart=False)
+
+
 def test_w4a16_in_bf16_is_the_dequantized_model(made) -> None:
     src, dst = made("w4a16", "bfloat16")
-    got = vllm_greedy(dst, "bfloat16")
-    ref, float_model = reference(src, dst), reference(src, None)
+    close_to_reference(vllm_greedy(dst, "bfloat16"), src, dst)
+
+
+def close_to_reference(
+    got: list[tuple[list[int], list[float]]],
+    src: Path,
+    dst: Path,
+    act_div: float | None = None,
+    apart: bool = True,
+) -> None:
+    """Each token vLLM picked in bf16 is the dequantized reference's greedy one, or within
+    bf16's noise of it, and its logprob is the reference's within that noise; `apart`: the
+    same tolerance tells the quantized model from the float one."""
+    ref, float_model = reference(src, dst, act_div), reference(src, None)
     far = 0.0
     for p, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
         assert len(tokens) == MAX_TOKENS
         lp = teacher_forced(ref, tokens, p)
         steps = torch.arange(len(tokens))
         chosen = lp[steps, torch.tensor(tokens)]
-        # each token vLLM picks is the reference's greedy one, or within bf16's noise of it
         assert (lp.max(-1).values - chosen).max() <= BF16_NATS, p
         assert (chosen - torch.tensor(logprobs)).abs().max() <= BF16_NATS, p
         flp = teacher_forced(float_model, tokens, p)
         far = max(far, (flp.max(-1).values - flp[steps, torch.tensor(tokens)]).max().item())
-    assert far > 2 * BF16_NATS  # the tolerance tells the quantized model from the float one
+    assert far > 2 * BF16_NATS or not apart
 
 
 REFUSAL = """
@@ -216,3 +247,47 @@ def test_the_vllm_backend_refuses_a_weight_only_checkpoint_in_fp32_at_start(made
     _, dst = made("w4a16")
     with pytest.raises(ValueError, match="in bf16 only: start the worker with --vllm dtype=bf"):
         VllmBackend(str(dst), options=dict(OPTIONS), engine_process=False)
+
+
+@pytest.mark.parametrize("on_amx", [False, True])
+def test_the_backend_knows_what_runs_on_each_isa(made, on_amx: bool) -> None:
+    """What the backend refuses at start, with the ISA forced both ways (the host's own
+    answer is one of the two: below)."""
+    from gpu_workers.vllm_backend.backend import engine_config
+
+    expected = {
+        ("w8a8", "float32"): "on a CPU with AMX in bf16 or fp16 only" if on_amx else "",
+        ("w8a8", "bfloat16"): "",
+        ("w4a16", "float32"): "weight-only quantized checkpoints (compressed-tensors) in bf16",
+        ("w4a16", "bfloat16"): "",
+    }
+    for (scheme, dtype), why in expected.items():
+        _, dst = made(scheme)
+        config = engine_config(str(dst), 1, 1, {**OPTIONS, "dtype": dtype})
+        got = cpu_support.config_refusal(config, on_amx=on_amx)
+        assert (why in got) if why else got == "", (scheme, dtype, got)
+        if on_amx == AMX:
+            assert cpu_support.config_refusal(config) == got
+
+
+def test_the_worker_refuses_w8a8_in_fp32_on_amx_at_start(
+    made, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`plurai worker --backend vllm --vllm dtype=float32` on a w8a8 checkpoint, AMX forced
+    (on this host too where it has AMX): one line and the exit code of an unsupported model,
+    before vLLM's engine starts."""
+    import argparse
+
+    from broker_config.settings import Settings
+    from gpu_workers.serve import add_arguments, make_backend
+    from gpu_workers.startup import Exit, StartError
+
+    monkeypatch.setattr(cpu_support, "amx", lambda: True)
+    _, dst = made("w8a8")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--backend", "vllm", "--vllm", "dtype=float32"])
+    with pytest.raises(StartError) as e:
+        make_backend(args, Settings(model_dir=str(dst)))
+    assert e.value.code == Exit.MODEL_UNSUPPORTED
+    assert "AMX in bf16 or fp16 only" in str(e.value) and "--vllm dtype=bfloat16" in str(e.value)

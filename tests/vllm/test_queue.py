@@ -103,6 +103,30 @@ def test_bad_input_matrix_same_codes(fleet: Fleet) -> None:
     assert {rec.worker for rec in recs} == {"vllm"}
 
 
+def test_a_job_of_two_choices(fleet: Fleet) -> None:
+    """Through the queue on the vLLM worker: a choice per index in the record and on the
+    stream; greedy choices equal, seeded ones each the job of its seed."""
+    greedy = fleet.client.submit("two the same", max_tokens=6, n=2, ignore_eos=True)
+    seeded = fleet.client.submit(
+        "two of their own", max_tokens=6, n=2, temperature=1.0, seed=8, ignore_eos=True
+    )
+    alone = [
+        fleet.client.submit(
+            "two of their own", max_tokens=6, temperature=1.0, seed=8 + i, ignore_eos=True
+        )
+        for i in range(2)
+    ]
+    same, own, *ones = (job.result(timeout=120) for job in (greedy, seeded, *alone))
+    assert {rec.worker for rec in (same, own, *ones)} == {"vllm"}
+    assert [c.index for c in same.choices] == [0, 1] and same.output_tokens == 12
+    assert same.choices[0].token_ids == same.choices[1].token_ids
+    assert [c.token_ids for c in own.choices] == [rec.token_ids for rec in ones]
+    streamed: dict[int, str] = {}
+    for i, text in seeded.stream_choices():
+        streamed[i] = streamed.get(i, "") + text
+    assert streamed == {c.index: c.text for c in own.choices}
+
+
 def figures(r: redis.Redis, worker: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in r.hgetall(keys.worker(worker)).items()}
 

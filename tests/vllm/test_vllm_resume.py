@@ -20,7 +20,8 @@ pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 
 
 def run(backend, rid: str, params: dict, output_ids=None) -> dict:
-    got = {"text": backend.add(rid, token_ids=prompt(20, 1), params=params, output_ids=output_ids)}
+    given = None if output_ids is None else [output_ids]  # the one choice's
+    got = {"text": backend.add(rid, token_ids=prompt(20, 1), params=params, output_ids=given)[0]}
     got.update(tokens=[], counts=[], logprobs=[], reason=None)
     while backend.has_unfinished():
         for o in backend.step():
@@ -80,10 +81,10 @@ def test_a_stop_token_after_the_cut(backend) -> None:
 )
 def test_what_vllm_cannot_resume_exactly_is_refused(backend, params: dict) -> None:
     with pytest.raises(RequestError) as e:
-        backend.add("no", token_ids=prompt(20, 1), params=params, output_ids=[20, 21])
+        backend.add("no", token_ids=prompt(20, 1), params=params, output_ids=[[20, 21]])
     assert e.value.code == ErrorCode.BAD_PROGRESS and "vLLM cannot resume" in e.value.message
     assert not backend.has_unfinished()
-    assert backend.add("fresh", token_ids=prompt(20, 1), params=params, output_ids=[]) == ""
+    assert backend.add("fresh", token_ids=prompt(20, 1), params=params, output_ids=[[]]) == [""]
     backend.abort("fresh")
 
 
@@ -108,9 +109,9 @@ def test_bad_progress_is_refused_as_the_native_engine_refuses_it(backend, native
     ]
     for params, ids in bad:
         with pytest.raises(RequestError) as want:
-            native.add("bad", token_ids=prompt(20, 1), params=params, output_ids=ids)
+            native.add("bad", token_ids=prompt(20, 1), params=params, output_ids=[ids])
         with pytest.raises(RequestError) as got:
-            backend.add("bad", token_ids=prompt(20, 1), params=params, output_ids=ids)
+            backend.add("bad", token_ids=prompt(20, 1), params=params, output_ids=[ids])
         assert got.value.code == want.value.code == ErrorCode.BAD_PROGRESS
         assert got.value.message == want.value.message
     assert not backend.has_unfinished()

@@ -1,0 +1,72 @@
+"""What vLLM's CPU build serves on this host, known before its engine takes a request.
+
+vLLM 0.32's CPU kernels for quantized checkpoints depend on the dtype and on the CPU, and
+where none fits, the engine starts and then dies at its first step (a worker would take a
+job, die, and hand it on to die again):
+- weight-only int4/int8 (compressed-tensors pack-quantized, GPTQ, AWQ) runs on its
+  CPUWNA16 kernel, which has no fp32 path, on every CPU;
+- w8a8 (compressed-tensors int-quantized, symmetric int8 activations) runs on oneDNN in fp32
+  and bf16, except on a CPU with AMX tiles, where vLLM takes another int8 kernel that
+  takes bf16 or fp16 activations only.
+So the backend picks bf16 where the user gave no dtype and the resolved one cannot run,
+and refuses at start, with one line saying what to change, where the user asked for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Unsupported(ValueError):
+    """A checkpoint this vLLM build cannot run here in the asked dtype (the worker exits
+    with the code of an unsupported model)."""
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles, as vLLM decides its int8 kernel."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def quantization(hf_config: Any) -> dict[str, Any]:
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
+    return quant
+
+
+def refusal(quant: dict[str, Any], dtype: torch.dtype, on_amx: bool) -> str:
+    """Why vLLM's CPU build cannot run a checkpoint of this quantization config in `dtype`
+    on a CPU with (`on_amx`) or without AMX; '' when nothing is known wrong."""
+    if dtype != torch.float32:
+        return ""
+    method = str(quant.get("quant_method", "")).lower()
+    groups = [g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)]
+    acts = [g.get("input_activations") for g in groups]
+    if method in ("gptq", "awq") or (method == "compressed-tensors" and groups and not any(acts)):
+        return (
+            f"vLLM's CPU build runs weight-only quantized checkpoints ({method}) in bf16 only: "
+            "start the worker with --vllm dtype=bfloat16"
+        )
+    int8_symmetric = [
+        a
+        for a in acts
+        if isinstance(a, dict) and a.get("num_bits") == 8 and a.get("symmetric", True)
+    ]
+    if on_amx and method == "compressed-tensors" and int8_symmetric:
+        return (
+            "vLLM's CPU build runs w8a8 checkpoints on a CPU with AMX in bf16 or fp16 only "
+            "(its AMX int8 kernel takes no fp32 activations): start the worker with "
+            "--vllm dtype=bfloat16"
+        )
+    return ""
+
+
+def config_refusal(config: Any, on_amx: bool | None = None) -> str:
+    """refusal() for a vLLM engine config: '' off the CPU."""
+    if config.device_config.device_type != "cpu":
+        return ""
+    model = config.model_config
+    return refusal(quantization(model.hf_config), model.dtype, amx() if on_amx is None else on_amx)

@@ -1,0 +1,43 @@
+"""The benches that reach vLLM run to their end with --smoke, as a user runs them, in
+vLLM's environment (its python runs the bench and its vLLM peers): the vLLM backend beside
+the native one, the serving stacks on vLLM engines, and the throughput, quantized and
+speculative benches with their vLLM peers (every other step of theirs as well). Checked as
+tests/integration/test_bench_smoke.py checks the others. A vLLM engine starts in ~15-20 s
+here: these smoke runs take 30-60 s each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_bench_smoke import Bench, check, run_smoke
+
+pytestmark = pytest.mark.slow
+
+ROUTER = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "vllm-router"
+# the routers' stack where `make peers` installed vllm-router; `add` is left out, as each
+# added engine is another vLLM start (the native stack runs it in tests/integration)
+STACKS = "plurai-vllm" + (",round_robin" if ROUTER.exists() else "")
+SERVING = ["--stacks", STACKS, "--scenarios", "idle,sweep,flood,kill"]
+
+BENCHES = [
+    Bench("backends", ("e2e_vllm_tokens_per_s",), server=True, model=True),
+    Bench("serving", ("stacks", "plurai-vllm"), SERVING, server=True, model=True),
+    Bench("throughput", ("vllm_tok_s",), model=True),
+    # its vLLM peer runs bf16, which vLLM's CPU build may refuse for the checkpoint (its
+    # reason is in the JSON): the perplexities show that the other steps ran
+    Bench("quantized", ("perplexity", "w4a16"), model=True),
+    Bench("speculative", ("documents", "vllm_batch", "ngram", "tok_s"), model=True),
+]
+
+
+@pytest.mark.parametrize("bench", [b.param() for b in BENCHES])
+def test_bench_runs_to_its_end_with_vllm(bench: Bench) -> None:
+    figures = run_smoke(bench, timeout_s=500)
+    check(bench, figures)
+    if bench.name == "serving":
+        assert not figures["stacks_not_started"], figures["stacks_not_started"]
+        assert set(figures["stacks"]) == set(STACKS.split(","))
+    if bench.name == "quantized":
+        assert figures["vllm_checkpoints"] == ["w4a16"]
