@@ -10,6 +10,12 @@ job, die, and hand it on to die again):
   takes bf16 or fp16 activations only.
 So the backend picks bf16 where the user gave no dtype and the resolved one cannot run,
 and refuses at start, with one line saying what to change, where the user asked for it.
+
+And on a CPU with AMX, Linux gives a process the AMX tile state only once it asks for it
+(arch_prctl ARCH_REQ_XCOMP_PERM): torch asks when its own oneDNN kernels first use AMX;
+vLLM's bf16 attention kernel does not, so an engine whose first AMX instruction is that
+kernel's (bf16 without torch.compile: `enforce_eager`) dies of SIGILL at its first step.
+`allow_amx`, a vLLM general plugin (pyproject.toml), asks in each of vLLM's processes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ def amx() -> bool:
     """Whether this CPU has AMX tiles, as vLLM decides its int8 kernel."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe())
+
+
+def allow_amx() -> None:
+    """Ask for the AMX tile state where the CPU has AMX (vLLM runs this in each of its
+    processes, as the general plugin `plurai_amx`)."""
+    if amx():
+        torch.cpu._init_amx()
 
 
 def quantization(hf_config: Any) -> dict[str, Any]:
