@@ -51,6 +51,12 @@ stall while kernels are built for their shapes):
   router needs and a worker does not.
 - kill: one engine SIGKILLed at a third of the run under 0.5x capacity; failed and lost
   requests and the seconds until completions per second are back to 80% of before.
+- trace (not in the default list): a production trace's first requests (--trace, any
+  Mooncake-format trace; by default the conversation trace in ../shared/traces) at each
+  --scales multiple of the capacity, with the trace's own timing squeezed to that rate and
+  its lengths times --trace-scale (bench/trace_replay.py: requests that share the trace's
+  blocks share token blocks here), each sent as a completion of token ids; goodput and
+  prompt tokens computed over its loads, as the sweep's.
 
 Every request of a run is in one seeded JSON-lines file (bench/serving_workload.py) that
 every stack replays. Batch requests go to the batch lane (Plurai: `lane`; vLLM: a lower
@@ -61,7 +67,7 @@ CPU seconds per process kind (engines, front: gateway or router, Redis, load gen
 The last line is one JSON object with the ISA and the ratios of plurai-vllm against the best
 router policy on each target figure.
 
---smoke: every scenario on one engine per stack, on the factory's small random Llama (the
+--smoke: every scenario (the trace's too, where the trace is there) on one engine per stack, on the factory's small random Llama (the
 smallest vLLM runs) in float32, with short prompts and outputs, 2 s runs, one load of the
 sweep, a flood of 4, arrivals ending 1 s after an added engine carries load; by default
 every stack whose programs are installed (plurai-native always; plurai-vllm with vLLM's
@@ -106,12 +112,16 @@ from bench.serving_workload import (  # noqa: E402
     generate,
     write_jsonl,
 )
+from bench.trace_replay import read_trace  # noqa: E402
+from bench.trace_replay import replay as replay_trace  # noqa: E402
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
 from broker_config import keys, stats  # noqa: E402
 from broker_config.embedded import EmbeddedRedis, find_binary, free_port  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+# the production trace beside the checkout (Mooncake's conversation trace: its NOTICE)
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 PLURAI_STACKS = ("plurai-vllm", "plurai-native")
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
 ALL_STACKS = (*ROUTER_POLICIES, *PLURAI_STACKS)  # the routers first: they set the SLOs
@@ -249,9 +259,12 @@ class Stack:
         }
 
     def body(self, req: ServingRequest) -> dict[str, Any]:
+        prompt = (
+            {"messages": req.messages} if req.prompt_ids is None else {"prompt": req.prompt_ids}
+        )
         return {
             "model": self.spec.name,
-            "messages": req.messages,
+            **prompt,
             "max_tokens": req.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -541,8 +554,8 @@ def rounds(stacks: list[str], scenarios: list[str], repeats: int) -> list[tuple[
     """The order of the stacks' starts, (round, stack): with --repeats R the sweep goes round
     R times, and each round runs every stack in turn (a stack restarts for each), so a slow
     stretch of the shared machine lands on every stack's rounds, not on the last stack's
-    alone. The other scenarios run in the first round."""
-    n = max(1, repeats) if "sweep" in scenarios else 1
+    alone (the trace's rounds likewise). The other scenarios run in the first round."""
+    n = max(1, repeats) if {"sweep", "trace"} & set(scenarios) else 1
     return [(r, name) for r in range(n) for name in stacks]
 
 
@@ -614,7 +627,8 @@ async def _one(
     usage: dict[str, Any] = {}
     error = None
     try:
-        async with http.post(stack.base + "/chat/completions", json=stack.body(req)) as resp:
+        path = "/chat/completions" if req.prompt_ids is None else "/completions"
+        async with http.post(stack.base + path, json=stack.body(req)) as resp:
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
             else:
@@ -627,7 +641,8 @@ async def _one(
                         error = str(chunk["error"])[:200]
                         break
                     if first is None and any(
-                        (c.get("delta") or {}).get("content") for c in chunk.get("choices", [])
+                        (c.get("delta") or {}).get("content") or c.get("text")
+                        for c in chunk.get("choices", [])
                     ):
                         first = time.monotonic()
                     if chunk.get("usage"):
@@ -831,6 +846,45 @@ class Bench:
             runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
         return runs
 
+    def trace_workload(self, name: str, rate: float) -> list[ServingRequest]:
+        """The trace's first requests, as many as --duration holds at `rate`, replayed at
+        that rate (bench/trace_replay.py); all interactive (its conversations), each a
+        completion of its token ids."""
+        n = max(2, round(rate * self.a.duration))
+        vocab = len(self.tokens.tokenizer)
+        got = replay_trace(read_trace(self.a.trace, limit=n), vocab, self.a.trace_scale, rate)
+        hi = int(self.a.prompt.split("-")[1])
+        ohi = int(self.a.output.split("-")[1])
+        for r in got:  # within the context the stacks' engines were started with
+            r.prompt_ids, r.max_tokens = r.prompt_ids[:hi], min(r.max_tokens, ohi)
+        reqs = [
+            ServingRequest(
+                id=f"{name}-{i}",
+                arrival_s=r.arrival_s,
+                lane=INTERACTIVE,
+                kind="trace",
+                messages=[],
+                max_tokens=r.max_tokens,
+                prompt_tokens=len(r.prompt_ids),
+                prompt_ids=r.prompt_ids,
+            )
+            for i, r in enumerate(got)
+        ]
+        write_jsonl(self.work / f"{name}.jsonl", reqs)
+        return reqs
+
+    def run_trace(self, stack: Stack, rep: int = 0) -> list[Run]:
+        """Round `rep` of the trace at every load of --scales (the same requests each
+        round: the trace is the workload)."""
+        assert self.capacity is not None
+        runs = []
+        for scale in self.a.scales:
+            name = f"trace@{scale}" + (f"#{rep}" if rep else "")
+            rate = self.capacity * scale
+            reqs = self.trace_workload(name.replace("@", "-").replace("#", "-"), rate)
+            runs.append(self.measure(stack, name, reqs, rate)[0])
+        return runs
+
     def run_flood(self, stack: Stack) -> list[Run]:
         assert self.capacity is not None
         base = self.config(rate=self.capacity, scale=0.5, seed=self.a.seed + 100)
@@ -940,27 +994,44 @@ def run_figures(run: Run, slos: dict[str, sf.Slo]) -> dict[str, Any]:
     }
 
 
+def loads(
+    rs: list[Run], scenario: str, slos: dict[str, sf.Slo], good_key: str, share_key: str
+) -> dict[str, Any]:
+    """Goodput over a scenario's loads, and each load's attainment: a load's repeats pooled,
+    its attainment over every request sent at that rate."""
+    pooled: dict[float, list[sf.Result]] = {}
+    offered: dict[float, int] = {}
+    for r in rs:
+        if r.scenario.startswith(f"{scenario}@"):
+            pooled.setdefault(r.offered_req_s, []).extend(r.results)
+            offered[r.offered_req_s] = offered.get(r.offered_req_s, 0) + len(r.expected)
+    good = sf.goodput(list(pooled.items()), slos, offered=offered) if pooled else None
+    return {
+        good_key: good,
+        share_key: {
+            str(rate): round(sf.attainment(res, slos, offered[rate]), 4)
+            for rate, res in sorted(pooled.items())
+        },
+    }
+
+
 def summary(runs: dict[str, list[Run]], slos: dict[str, sf.Slo]) -> dict[str, Any]:
     """Per stack: every run's figures, goodput over the sweep, and the target figures."""
     out: dict[str, Any] = {}
     for name, rs in runs.items():
         by = {r.scenario: r for r in rs}
-        # a load's repeats pooled: its attainment is over every request sent at that rate
-        pooled: dict[float, list[sf.Result]] = {}
-        offered: dict[float, int] = {}
-        for r in rs:
-            if r.scenario.startswith("sweep@"):
-                pooled.setdefault(r.offered_req_s, []).extend(r.results)
-                offered[r.offered_req_s] = offered.get(r.offered_req_s, 0) + len(r.expected)
-        good = sf.goodput(list(pooled.items()), slos, offered=offered) if pooled else None
         s: dict[str, Any] = {
-            "goodput_req_s": good,
-            "sweep_attainment": {
-                str(rate): round(sf.attainment(res, slos, offered[rate]), 4)
-                for rate, res in sorted(pooled.items())
-            },
+            **loads(rs, "sweep", slos, "goodput_req_s", "sweep_attainment"),
             "runs": {k: run_figures(v, slos) for k, v in by.items()},
         }
+        if any(r.scenario.startswith("trace@") for r in rs):
+            s.update(loads(rs, "trace", slos, "trace_goodput_req_s", "trace_attainment"))
+            computed = [
+                f["all"].get("computed_tokens")
+                for k, f in s["runs"].items()
+                if k.startswith("trace@")
+            ]
+            s["trace_prefill_computed_tokens"] = sum(c for c in computed if c is not None)
         if "flood" in by:
             p99 = s["runs"]["flood"][INTERACTIVE]["ttft_p99_ms"]
             s["flood_interactive_ttft_p99_s"] = None if p99 is None else round(p99 / 1000, 3)
@@ -993,8 +1064,10 @@ def ratios(stacks: dict[str, Any], ours: str = "plurai-vllm") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, high, target in (
         ("goodput_req_s", True, ">= 1.3"),
+        ("trace_goodput_req_s", True, ">= 1.3"),
         ("flood_interactive_ttft_p99_s", False, "<= 0.5"),
         ("prefill_computed_tokens", False, "<= 1.0"),
+        ("trace_prefill_computed_tokens", False, "<= 0.9"),
     ):
         b, mine = best(key, high), me.get(key)
         if b is None or mine is None or not b[1]:
@@ -1082,6 +1155,18 @@ def main() -> None:
         "(PLURAI_TOP_LANE_WAIT_MS) as a share of the interactive TTFT SLO, the rest left "
         "for its prompt; 0: the product's default",
     )
+    p.add_argument(
+        "--trace",
+        default=str(TRACE),
+        help="the trace scenario's requests: a Mooncake-format trace (bench/trace_replay.py)",
+    )
+    p.add_argument(
+        "--trace-scale",
+        type=float,
+        default=1 / 16,
+        help="the trace's lengths times this (its 512-token blocks: 32 at 1/16), then "
+        "within --prompt's and --output's upper bounds",
+    )
     p.add_argument("--out", default=None, help="folder for logs and workload files")
     add_smoke_arg(p)
     a = p.parse_args()
@@ -1102,6 +1187,10 @@ def main() -> None:
     a.scales = [float(x) for x in a.scales.split(",")]
     stacks = [s for s in (a.stacks or ",".join(ALL_STACKS)).split(",") if s]
     scenarios = [s for s in a.scenarios.split(",") if s]
+    if a.smoke and "trace" not in scenarios and Path(a.trace).is_file():
+        scenarios.append("trace")
+    if "trace" in scenarios and not Path(a.trace).is_file():
+        sys.exit(f"--trace {a.trace}: no such file (the trace scenario replays it)")
     if any(s != "plurai-native" for s in stacks) and not VLLM_PY.exists():
         sys.exit("vLLM's environment is missing: run `make vllm-install peers` first")
     routed = [s for s in stacks if not s.startswith("plurai-")]
@@ -1176,8 +1265,8 @@ def main() -> None:
                 bench.calibrate(stack)
             done = runs.setdefault(name, [])
             for sc in scenarios:
-                if sc == "sweep":
-                    done += bench.run_sweep(stack, rnd)
+                if sc in ("sweep", "trace"):
+                    done += getattr(bench, f"run_{sc}")(stack, rnd)
                 elif sc != "idle" and rnd == 0:
                     done += getattr(bench, f"run_{sc}")(stack)
         finally:
@@ -1209,6 +1298,7 @@ def main() -> None:
             "duration_s": a.duration,
             "repeats": a.repeats,
             "seed": a.seed,
+            **({"trace": a.trace, "trace_scale": a.trace_scale} if "trace" in scenarios else {}),
         },
         "stacks": figures,
         "stacks_not_started": failed,

@@ -113,6 +113,9 @@ class ServingRequest:
     group: str | None = None  # shared system prompt
     session: str | None = None
     turn: int | None = None  # 1, 2, ... within the session
+    # a prompt of token ids (a trace's: bench/trace_replay.py), sent as a completion; then
+    # `messages` is empty
+    prompt_ids: list[int] | None = None
 
 
 def arrival_times(

@@ -53,7 +53,14 @@ BENCHES = [
     Bench("prefix_reuse", ("ttft_redis_ms",), server=True, model=True),
     Bench("priority", ("p99_ratio",), server=True, model=True),
     Bench("queue_overhead", ("redis_cost", "every_token"), server=True, model=True),
-    Bench("serving", ("stacks", "plurai-native"), ["--stacks", "plurai-native"], True, True),
+    # every scenario, the production trace's too (../shared/traces, beside the checkout)
+    Bench(
+        "serving",
+        ("stacks", "plurai-native", "trace_attainment"),
+        ["--stacks", "plurai-native"],
+        True,
+        True,
+    ),
     Bench("serving_workload", ("vllm_trace_args",), model=True),
     Bench("step_profile", ("run_over_gemm",), model=True),
     Bench("structured", ("libraries", "llguidance"), model=True),
