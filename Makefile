@@ -123,7 +123,7 @@ test-exact: install
 	PLURAI_KERNELS=torch $(PY) $(PYTEST) $(EXACT_TESTS)
 	@$(PASSED)
 
-test-vllm: vllm-install
+test-vllm: peers
 	$(VLLM_PY) $(PYTEST) tests/vllm
 	@$(PASSED)
 

@@ -81,6 +81,7 @@ class SimBackend:
         self.model_fingerprint = model_fingerprint
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.step_tokens = max_model_len  # a step computes any one prompt whole
         self.kv_tokens = kv_tokens
         self.step_base_ms = step_base_ms
         self.step_per_seq_ms = step_per_seq_ms
@@ -203,6 +204,9 @@ class SimBackend:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def wake(self) -> None:
+        """A step sleeps its simulated time through, as a real one computes."""
 
     @property
     def prompt_backlog(self) -> int:

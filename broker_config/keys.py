@@ -39,6 +39,12 @@ def request_stream(lane: str, model: str = DEFAULT_MODEL, shard: int = 0) -> str
     return f"{PREFIX}:{queue_tag(model, shard)}:req:{lane}"
 
 
+def arrivals(model: str = DEFAULT_MODEL) -> str:
+    """Pub/sub channel: the request stream of each entry submitted for the model, so that
+    its busy workers read it at once instead of at their next poll."""
+    return f"{PREFIX}:{queue_tag(model)}:arrived"
+
+
 def idempotency(key: str, model: str = DEFAULT_MODEL, shard: int = 0) -> str:
     """The job id that owns an idempotency key; in the queue shard the key picks."""
     return f"{PREFIX}:{queue_tag(model, shard)}:idem:{key}"

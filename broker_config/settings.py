@@ -143,7 +143,9 @@ class Settings(_Sourced):
     max_grammar_bytes: int = Field(default=Limits.grammar_bytes, ge=2)
     max_n: int = Field(default=Limits.n, ge=1)  # larger `n` is refused with n_over_limit
     block_ms: int = Field(default=200, ge=1, le=BLOCK_LIMIT_MS)  # an idle worker's XREADGROUP wait
-    poll_ms: int = 20  # a busy worker that found the lanes empty reads them again after this
+    # a busy worker that found the lanes empty reads them again after this, or as soon as
+    # a submit announces an entry (gpu_workers/arrivals.py)
+    poll_ms: int = 20
     # SIGTERM: how long running jobs run on before they are handed back with their progress
     # (other workers resume them where they stopped)
     grace_period_s: float = Field(default=0.0, ge=0)
@@ -198,12 +200,14 @@ class Settings(_Sourced):
     # prompt's compute under load: a request held past its objective misses it anyway.
     # 0: no bound.
     top_lane_wait_ms: float = Field(default=500.0, ge=0, allow_inf_nan=False)
-    # Pull only what the engine can start soon: a worker takes a new request only while the
-    # prompt tokens its engine holds not yet computed, plus the new prompt, stay within
-    # this (a prompt alone always may; a top-lane request counts the top lane's prompts
-    # only): the rest waits in the queue for whichever worker frees up first, and a
-    # top-lane arrival never queues behind a big held backlog. Raise
-    # it where a step computes many prompt tokens cheaply (GPUs); 0: no bound.
+    # Pull only what the engine can start in its next step: a worker takes a new request
+    # only while the prompt tokens its engine holds not yet computed, plus the new prompt,
+    # stay within the engine's step budget (its max_num_batched_tokens; a prompt alone
+    # always may; a top-lane request counts the top lane's prompts only), so that nothing
+    # an engine could start now waits in Redis and the rest waits for whichever worker
+    # frees up first. While top-lane jobs run on a worker (within the last 10 s), lower
+    # lanes' requests are bounded by this instead where it is lower: their prompts then
+    # make the steps that the top lane's tokens wait for. 0: no such bound.
     prefill_backlog_tokens: int = Field(default=512, ge=0)
     # Most entries a worker moves into its engine between two engine steps; None: one per
     # 16 of the engine's sequence slots, at least 4.

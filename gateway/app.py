@@ -176,6 +176,7 @@ class Gateway:
         return await self.generate(request, chat=False)
 
     async def generate(self, request: Request, chat: bool) -> Response:
+        request.state.received_us = time.time_ns() // 1000  # the queue hop's start
         if not tracing.ON:
             return await self._generate(request, chat)
         # the request's span: a child of the client's traceparent header where it sends
@@ -222,6 +223,7 @@ class Gateway:
             options["idempotency_key"] = auth.scoped_idempotency_key(key, idem)
         try:
             sub = prepare(self.settings, models, **options)
+            sub.received(request.state.received_us)
         # what prepare refuses (priority, sizes); msgpack: an integer over 64 bits. Its
         # TypeError (an option it does not know) would be a bug here: the parser gives
         # only known options, so it is left to the 500 handler.

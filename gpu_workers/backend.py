@@ -44,6 +44,7 @@ class Backend(Protocol):
     model_fingerprint: str  # identity of the weights: part of every KV block's key
     max_model_len: int  # prompt plus output tokens one request may hold
     max_num_seqs: int  # sequences it runs at once (a request's choices are one each)
+    step_tokens: int  # tokens one step computes at most (prompt chunks and decodes)
 
     def add(
         self,
@@ -79,6 +80,12 @@ class Backend(Protocol):
         ...
 
     def step(self) -> list[StepOutput]: ...
+
+    def wake(self) -> None:
+        """New work arrived (called from another thread): a step() that waits for the
+        engine's outputs returns now, with what it has. A backend whose step computes
+        rather than waits does nothing."""
+        ...
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from broker_config import fastpipe, keys, protocol, tracing
 from broker_config.protocol import Code, WireError
 from broker_config.settings import Settings
 from broker_config.text import text
+from gpu_workers.arrivals import Arrivals
 from gpu_workers.metrics import Metrics
 from gpu_workers.writer import Writer, now_ms, passing
 from results import jobs, progress, tokens
@@ -42,9 +44,12 @@ class Entry:
     # unix seconds since when it waits, if not since it entered its lane: when its last
     # worker let it go (handed over, or last renewed before it died)
     since_s: float = 0.0
-    # while traced (gpu_workers/spans.py): its job's trace context, and when it was taken
+    # while traced (gpu_workers/spans.py): its job's trace context
     trace: Any = None
+    # unix seconds: when this worker read it, and put its job into the engine (the queue
+    # hop's figures, in the job's record)
     taken_s: float = 0.0
+    added_s: float = 0.0
 
     @property
     def job_id(self) -> str:
@@ -86,12 +91,23 @@ class Intake:
             for shard in range(self.shards)
         }
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
+        self.arrivals: Arrivals | None = None  # listen() starts it
         self._next_reclaim = 0.0
         self._pulls = 0  # entries taken from the lanes, for the fair_every turn
         self._turn = 0  # which shard goes first, in turn
 
     def stream(self, lane: str, shard: int = 0) -> str:
         return keys.request_stream(lane, self.model, shard)
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Hear of each entry submitted for the model as it arrives (arrivals.py), and call
+        `wake` then."""
+        self.arrivals = Arrivals(self.r, keys.arrivals(self.model), wake)
+        self.arrivals.start()
+
+    def close(self) -> None:
+        if self.arrivals is not None:
+            self.arrivals.close()
 
     def streams(self) -> list[str]:
         """Every request stream this worker reads: its model's lanes, of every shard."""
@@ -112,13 +128,15 @@ class Intake:
         skipped.
 
         While the engine is busy and the lanes were all empty, the lanes below the top one
-        are read again only after poll_ms, so an empty queue costs one round trip a step
-        (the top lane's, which keeps interactive arrivals from waiting for the poll)."""
+        are read again when an entry arrives (arrivals.py), or after poll_ms, so an empty
+        queue costs one round trip a step (the top lane's)."""
         while True:
             got = self._reclaim()
             if not got:
                 # the next scan waits only after every lane was read and found empty
-                scan_all = below_top and (block or time.monotonic() >= self._next_scan)
+                scan_all = below_top and (
+                    block or self._arrived() or time.monotonic() >= self._next_scan
+                )
                 lanes, n = self.lanes[:1], count
                 if scan_all:
                     lanes, n = self._turn_order(count)
@@ -131,6 +149,9 @@ class Intake:
             if valid:
                 return valid
             block = False  # invalid entries were handled: look again without waiting
+
+    def _arrived(self) -> bool:
+        return self.arrivals is not None and self.arrivals.take()
 
     def take_waited(self, wait_ms: int, lanes: list[str] | None = None) -> list[Entry]:
         """At most one entry of `lanes` (the top lane by default), and only from a lane
@@ -243,7 +264,8 @@ class Intake:
                     )
                     times = before
                 # Each delivery before this one ended without a result: a failure.
-                failures = protocol.attempts_of(fields) + times - 1
+                # (a handed-over entry forgiven its run comes with no delivery counted)
+                failures = protocol.attempts_of(fields) + max(0, times - 1)
                 if failures >= self.settings.max_deliveries:
                     self.too_many_failures(
                         lane,
@@ -301,10 +323,9 @@ class Intake:
                     f"model {req.model!r} is not served here; this queue serves "
                     f"{sorted(self.model_names)} (or leave 'model' out)",
                 )
-            entry = Entry(lane, stream, entry_id, fields, req, since)
+            entry = Entry(lane, stream, entry_id, fields, req, since, taken_s=time.time())
             if tracing.ON and req.envelope.traceparent is not None:
                 entry.trace = tracing.parent(req.envelope.traceparent)
-                entry.taken_s = time.time()
             return entry
         except protocol.NoJobId as e:
             self._dead_letter(lane, stream, entry_id, fields, str(e), "no_job_id")

@@ -122,7 +122,8 @@ class Running:
         reset, self.resync = self.resync, False
         if reset:
             self.saved = False
-        asked = self.entry.req.params.get("logprobs") is not None
+        e = self.entry
+        asked = e.req.params.get("logprobs") is not None
         several = len(self.choices) > 1
         out: list[jobs.Delta] = []
         for i, c in enumerate(self.choices):
@@ -188,6 +189,9 @@ class Running:
             worker=worker,
             finished_ms=finished_ms,
             first_token_ms=round(self.first_token_s * 1000),  # 0 (left out): none
+            hops_us=[
+                round(t * 1e6) for t in (self.entry.taken_s, self.entry.added_s, self.first_token_s)
+            ],
             error_code=code,
             error_message=message,
             logprobs=first.logprobs,

@@ -4,7 +4,8 @@ of the submit's context (the entry's traceparent) and carries the job's attempt 
 worker's id, so each run of a job, on whichever worker, lands in its one trace:
 
     queue wait  the entry added, or let go by its last worker (hand-over, reclaim) → taken
-    intake      taken → BEGIN's answer (held for room, the backend's add, the round trip)
+    intake      taken → BEGIN's answer (held for room, the backend's add, the round trip),
+                with an "engine add" event when the backend had the job
     prefill     BEGIN → the run's first token (a resumed run computes its output so far too),
                 marked by a "first token" event (the time since the entry entered its lane)
     decode      the first token → the run's end: its result, or the job given up
@@ -50,7 +51,10 @@ class Spans:
             "messaging.message.id": text(entry.entry_id),
             "gen_ai.request.max_tokens": entry.req.envelope.max_tokens,
         }
-        tracing.done("intake", entry.trace, entry.taken_s, now, attrs, kind="consumer")
+        span = tracing.span("intake", entry.trace, entry.taken_s, attrs, kind="consumer")
+        if entry.added_s:
+            tracing.event(span, "engine add", entry.added_s)
+        tracing.end(span, max(now, entry.taken_s))
 
     def started(self, run: Running, now: float) -> None:
         """The run's prefill begins."""

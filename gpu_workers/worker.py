@@ -106,6 +106,7 @@ class Worker:
         ensure_groups(self.r, self.intake.streams())
         jobs.load(self.r, "BEGIN", "DELTAS", "FINALIZE")  # pipelined, not sent by jobs.run
         self.cancels.subscribe(keys.CANCEL_CHANNEL)
+        self.intake.listen(self.engine.wake)
 
     def request_stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
@@ -177,6 +178,7 @@ class Worker:
         # After a crash every job it ran is a suspect: its attempt counts.
         self._hand_back(failed="the worker crashed while running it" if crashed else "")
         self.cancels.close()
+        self.intake.close()
         self.writer.close()
         self._forget()
         log.info("worker %s stopped after %d jobs", self.id, self.jobs_done)
@@ -243,8 +245,9 @@ class Worker:
                 if not self.held or self.held[0].lane != top and self.held[0] is not self._fair:
                     return
             else:
-                room = self._backlog_room(self.engine.prompt_backlog)
-                n = min(limit - added, max(room, self._backlog_room(self._top_backlog())))
+                room = self._backlog_room(self.engine.prompt_backlog, False)
+                top_room = self._backlog_room(self._top_backlog(), True)
+                n = min(limit - added, max(room, top_room))
                 if n <= 0:
                     return
                 if not self.held:
@@ -344,9 +347,9 @@ class Worker:
         all of them, or for a top-lane request the top lane's only. With preemption on, a
         top-lane request needs room beside the top lane's jobs only. A request's n choices
         count as one request of n times its max_tokens."""
-        bound = self.settings.prefill_backlog_tokens
+        bound = self._bound(top)
         backlog = self._top_backlog() if top else self.engine.prompt_backlog
-        if bound and backlog and backlog + req.prompt_tokens > bound:
+        if backlog and backlog + req.prompt_tokens > bound:
             return False  # left in the queue, for whichever worker frees up first
         # a top-lane request may take what lower lanes' jobs hold: the engine preempts them
         preempt = top and self.settings.preempt
@@ -374,14 +377,23 @@ class Worker:
             if r.entry.lane == top and not r.num_tokens
         )
 
-    def _backlog_room(self, backlog: int) -> int:
+    def _bound(self, top: bool) -> int:
+        """The prompt tokens not computed yet that a new request may join: for the top
+        lane (counting its own prompts only) and, by default, for every lane, what the
+        engine's next step computes, so that nothing it could start now waits in Redis;
+        for a lower lane while the top lane runs here, prefill_backlog_tokens, which keeps
+        the steps short that the top lane's tokens wait for."""
+        step, lower = self.engine.step_tokens, self.settings.prefill_backlog_tokens
+        if top or not lower or time.monotonic() - self.pace.top_seen_s > self.pace.window_s:
+            return step
+        return min(step, lower)
+
+    def _backlog_room(self, backlog: int, top: bool) -> int:
         """How many entries to ask for now: as many prompts of the recent mean size as fit
-        in the backlog bound beside `backlog` prompt tokens not computed yet; at least one
-        while none is pending (and one at first, with no size to go by), none while the
+        in the bound (`_bound`) beside `backlog` prompt tokens not computed yet; at least
+        one while none is pending (and one at first, with no size to go by), none while the
         next would probably not fit."""
-        bound, size = self.settings.prefill_backlog_tokens, round(self._prompt_size)
-        if not bound:
-            return self.engine.max_num_seqs
+        bound, size = self._bound(top), round(self._prompt_size)
         room = (bound - backlog) // size if size else 1
         return room if backlog else max(1, room)
 
@@ -438,7 +450,7 @@ class Worker:
 
     def _engine_add(self, entry: Entry, output_ids: list[list[int]] | None = None) -> list[str]:
         req, env = entry.req, entry.req.envelope
-        return self.engine.add(
+        texts = self.engine.add(
             entry.job_id,
             prompt=req.prompt,
             token_ids=req.token_ids,
@@ -449,6 +461,8 @@ class Worker:
             special_tokens=req.special_tokens,
             output_ids=output_ids,
         )
+        entry.added_s = time.time()
+        return texts
 
     def _start(self, batch: list[tuple[Entry, Exception | None]]) -> int:
         """BEGIN the jobs of `batch` (entry, what the backend raised on it), in one round

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -157,6 +158,10 @@ class Submission:
     # the submit's reply is read (producer/submit.py)
     span: Any = field(default=None, compare=False)
 
+    def received(self, us: int) -> None:
+        """When a front (the gateway) received the request, unix µs: kept in the record."""
+        self.record_args[_RECEIVED] = us
+
     @property
     def record(self) -> Call:
         """The QUEUED call."""
@@ -193,6 +198,9 @@ def _str(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
+_RECEIVED = 7  # received_us's place in QUEUED's ARGV
+
+
 def submit(
     *,
     lane: str,
@@ -213,12 +221,15 @@ def submit(
     pairs) to shard `shard` of `model`'s `lane` stream. With `idempotency_key` already
     used, the earlier job's id is returned and nothing is added. `max_queued` 0: no limit;
     else an error reply 'QUEUEFULL <queued>' when the lane holds that many waiting
-    entries."""
+    entries. The record keeps when this was called (`queued_us`, unix µs), for the queue
+    hop's figures (Submission.received)."""
     k = [keys.job(job_id), keys.request_stream(lane, model, shard)]
     if idempotency_key is not None:
         k.append(keys.idempotency(idempotency_key, model, shard))
-    record = [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model]
-    queue = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, *fields]
+    queued_us = time.time_ns() // 1000
+    record = [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model, queued_us, ""]
+    channel = keys.arrivals(model)
+    queue = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, channel, *fields]
     return Submission(
         job_id=job_id, lane=lane, model=model, keys=k, record_args=record, queue_args=queue
     )

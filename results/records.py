@@ -31,6 +31,9 @@ TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 # No record: never submitted to this Redis, expired (result_ttl_s after the job ended), or
 # queued by a client that writes none (the raw protocol: the worker writes it on start).
 UNKNOWN = "unknown"
+# the queue hop's record fields, in order (unix µs): a front's receipt (the gateway's),
+# the submit, the worker's take, the engine's add, the first token
+HOPS = ("received_us", "queued_us", "taken_us", "added_us", "first_token_us")
 
 
 class BadRecord(ValueError):
@@ -129,6 +132,9 @@ class JobRecord:
     started_ms: int | None = None
     first_token_ms: int | None = None  # when the worker had the run's first token
     finished_ms: int | None = None
+    # unix µs, each on its writer's clock: the queue hop of the run that ended the job
+    # (HOPS: received by a front, submitted, taken, added to the engine, first token)
+    hops_us: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
     logprobs: list[dict[str, Any]] | None = None
     # every choice, in index order (the first is text, token_ids, ...); none before final
@@ -172,6 +178,7 @@ class JobRecord:
             started_ms=_int(h, "started_ms"),
             first_token_ms=_int(h, "first_token_ms"),
             finished_ms=_int(h, "finished_ms"),
+            hops_us={k: v for k in HOPS if (v := _int(h, k))},
             metadata=_json(h, "metadata"),
             logprobs=_json(h, "logprobs"),
             choices=_choices(h),
@@ -255,6 +262,7 @@ def final_fields(
     worker: str = "",
     finished_ms: int,
     first_token_ms: int = 0,
+    hops_us: list[int] | None = None,
     error_code: str = "",
     error_message: str = "",
     logprobs: list[dict[str, Any]] | None = None,
@@ -262,7 +270,8 @@ def final_fields(
 ) -> list[str | int]:
     """Field/value pairs of a final result, flat, for the FINALIZE script. `text`,
     `token_ids` and `logprobs` are the first choice's; `choices`: every choice of a job of
-    n > 1 (their tokens are its output_tokens)."""
+    n > 1 (their tokens are its output_tokens); `hops_us`: when the run's worker took the
+    entry, added its job to the engine and had its first token (unix µs, 0: not)."""
     ids = token_ids or []
     made = sum(len(c.token_ids) for c in choices) if choices else len(ids)
     out: list[str | int] = [
@@ -283,6 +292,9 @@ def final_fields(
     ]
     if first_token_ms:  # only where the run made a token
         out += ["first_token_ms", first_token_ms]
+    for name, us in zip(HOPS[2:], hops_us or [], strict=False):
+        if us:
+            out += [name, us]
     if spec_proposed:  # only where the run speculated
         out += ["spec_proposed", spec_proposed, "spec_accepted", spec_accepted]
     if error_code:

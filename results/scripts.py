@@ -42,15 +42,18 @@ end
 """
 
 # KEYS: job record
-# ARGV: record ttl, lane, priority, created_ms, metadata JSON or '', model
+# ARGV: record ttl, lane, priority, created_ms, metadata JSON or '', model, queued_us,
+#       received_us or ''
 # Writes the queued job's record. Only what is missing is written: on a Cluster the two
 # calls may arrive in either order, and a worker that took the entry first has written
 # the record as running (its TTL too). Returns 1 when the record was new, else 0.
 QUEUED = """
 local record = KEYS[1]
-local ttl, lane, priority, created_ms, metadata, model = unpack(ARGV, 1, 6)
-local fields = {'lane', lane, 'priority', priority, 'created_ms', created_ms, 'model', model}
+local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
+local fields = {'lane', lane, 'priority', priority, 'created_ms', created_ms, 'model', model,
+                'queued_us', queued_us}
 if metadata ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = metadata end
+if received_us ~= '' then fields[#fields + 1] = 'received_us'; fields[#fields + 1] = received_us end
 if redis.call('EXISTS', record) == 0 then
   redis.call('HSET', record, 'state', 'queued', unpack(fields))
   redis.call('EXPIRE', record, ttl)
@@ -61,8 +64,8 @@ return 0
 """
 
 # KEYS: request stream[, idempotency key]
-# ARGV: maxlen, idempotency ttl, job id, max queued (0: no limit), group, then the
-#       entry's field/value pairs.
+# ARGV: maxlen, idempotency ttl, job id, max queued (0: no limit), group, arrivals
+#       channel, then the entry's field/value pairs.
 # Returns the id of the job in the queue: this one, or the earlier job with the same
 # idempotency key (then nothing is added); or the error 'QUEUEFULL <queued>' when the lane
 # already holds max queued entries not yet taken by a worker.
@@ -71,8 +74,8 @@ SUBMIT = (
     _LANE
     + """
 local stream, idem = KEYS[1], KEYS[2]
-local maxlen, idem_ttl, job_id, max_queued, group = unpack(ARGV, 1, 5)
-local ENTRY = 6  -- ARGV[6..]: the entry's field/value pairs
+local maxlen, idem_ttl, job_id, max_queued, group, arrivals = unpack(ARGV, 1, 6)
+local ENTRY = 7  -- ARGV[7..]: the entry's field/value pairs
 if idem then
   local owner = redis.call('GET', idem)
   if owner then return owner end
@@ -81,14 +84,15 @@ local queued = queued_over(stream, tonumber(max_queued), group)
 if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
 redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
+redis.call('PUBLISH', arrivals, stream)
 return job_id
 """
 )
 
 # KEYS: job record, request stream[, idempotency key]
-# ARGV: QUEUED's six, then SUBMIT's: record ttl, lane, priority, created_ms, metadata JSON
-#       or '', model, maxlen, idempotency ttl, job id, max queued, group, then the entry's
-#       field/value pairs.
+# ARGV: QUEUED's eight, then SUBMIT's: record ttl, lane, priority, created_ms, metadata JSON
+#       or '', model, queued_us, received_us or '', maxlen, idempotency ttl, job id, max
+#       queued, group, arrivals channel, then the entry's field/value pairs.
 # QUEUED and SUBMIT in one call, where the job's keys and the shard's are on one server
 # (any Redis but a Cluster): the same replies and the same entry. The record (new: no
 # worker can have the entry before this call ends) is written only with the entry, so a
@@ -100,9 +104,9 @@ ENQUEUE = (
     _LANE
     + """
 local record, stream, idem = KEYS[1], KEYS[2], KEYS[3]
-local ttl, lane, priority, created_ms, metadata, model = unpack(ARGV, 1, 6)
-local maxlen, idem_ttl, job_id, max_queued, group = unpack(ARGV, 7, 11)
-local ENTRY = 12  -- ARGV[12..]: the entry's field/value pairs
+local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
+local maxlen, idem_ttl, job_id, max_queued, group, arrivals = unpack(ARGV, 9, 14)
+local ENTRY = 15  -- ARGV[15..]: the entry's field/value pairs
 if idem then
   local owner = redis.call('GET', idem)
   if owner then return owner end
@@ -110,11 +114,13 @@ end
 local queued = queued_over(stream, tonumber(max_queued), group)
 if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
 redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
+redis.call('PUBLISH', arrivals, stream)
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
 local rec = redis.pcall('HSET', record, 'state', 'queued', 'lane', lane, 'priority', priority,
-                        'created_ms', created_ms, 'model', model)
+                        'created_ms', created_ms, 'model', model, 'queued_us', queued_us)
 if type(rec) == 'number' then
   if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
+  if received_us ~= '' then redis.call('HSET', record, 'received_us', received_us) end
   redis.call('EXPIRE', record, ttl)
 end
 return job_id

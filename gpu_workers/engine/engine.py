@@ -75,6 +75,7 @@ class Engine:
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         self.max_num_seqs = config.max_num_seqs
+        self.step_tokens = config.max_num_batched_tokens
         if not config.chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
@@ -322,6 +323,9 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.ended)
+
+    def wake(self) -> None:
+        """A step computes, it never waits: new work is taken after it."""
 
     @property
     def num_running(self) -> int:

@@ -213,6 +213,7 @@ class VllmBackend:
         self.num_blocks = cache.num_gpu_blocks or 0
         self.max_model_len = config.model_config.max_model_len
         self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.step_tokens = config.scheduler_config.max_num_batched_tokens
         self.watermark = watermark
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         vocab = config.model_config.get_vocab_size()
@@ -228,6 +229,9 @@ class VllmBackend:
         self.choices: dict[str, tuple[str, int]] = {}  # vLLM request -> (request, choice)
         self.added = 0  # requests added since the last step (not in vLLM's figures yet)
         self.steps = 0
+        # the engine process's outputs, which step() waits for (None: the engine runs here)
+        self._outputs = getattr(self.engine.engine_core, "outputs_queue", None)
+        self._woken = False  # wake() was called: step() stops waiting
 
     # -- requests -----------------------------------------------------------------
 
@@ -344,12 +348,15 @@ class VllmBackend:
     def step(self) -> list[StepOutput]:
         """The outputs of the engine's next step. With the engine core in its own process:
         every step it has made since the last call, or none when it makes none within
-        POLL_S, so that the worker takes new entries (and the core gets them) while a long
-        prefill step runs instead of after it."""
-        ready = getattr(self.engine.engine_core, "outputs_queue", None)
+        POLL_S or until wake(), so that the worker takes new entries (and the core gets
+        them) while a long prefill step runs instead of after it."""
+        ready = self._outputs
         if ready is not None:
-            with ready.not_empty:  # the queue's own condition: woken by its put, no polling
-                if not ready.not_empty.wait_for(lambda: len(ready.queue) > 0, POLL_S):
+            # the queue's own condition: woken by its put, or by wake(); no polling
+            with ready.not_empty:
+                ready.not_empty.wait_for(lambda: len(ready.queue) > 0 or self._woken, POLL_S)
+                self._woken = False
+                if not ready.queue:
                     return []
         outputs = self.engine.step()
         self.steps += 1
@@ -373,6 +380,13 @@ class VllmBackend:
                     del self.reqs[request_id]
         self._settle()
         return out
+
+    def wake(self) -> None:
+        ready = self._outputs
+        if ready is not None:
+            with ready.not_empty:
+                self._woken = True
+                ready.not_empty.notify_all()
 
     def _output(
         self, request_id: str, index: int, req: _Request, c: Any, finished: bool

@@ -24,6 +24,7 @@ class OneStepEngine:
     num_running = num_waiting = prompt_backlog = 0
     max_model_len = 4096
     max_num_seqs = 64
+    step_tokens = 512
     model_fingerprint = "fake"
 
     def __init__(self, on_step) -> None:
@@ -38,6 +39,9 @@ class OneStepEngine:
 
     def preempted(self) -> list[str]:
         return []
+
+    def wake(self) -> None:
+        pass
 
     def has_unfinished(self) -> bool:
         return bool(self.ids)

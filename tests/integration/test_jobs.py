@@ -28,9 +28,11 @@ def r(redis_url: str) -> redis.Redis:
     client.close()
 
 
-def submit(r: redis.Redis, job_id: str, split: bool = False, **over) -> str:
+def submit(
+    r: redis.Redis, job_id: str, split: bool = False, received_us: int | None = None, **over
+) -> str:
     """As the SDK sends a submit: ENQUEUE on one Redis; with `split` (a Cluster), QUEUED then
-    SUBMIT, the record written for nothing deleted."""
+    SUBMIT, the record written for nothing deleted. `received_us`: as the gateway marks it."""
     named = dict(
         lane=LANE,
         model=keys.DEFAULT_MODEL,
@@ -46,6 +48,8 @@ def submit(r: redis.Redis, job_id: str, split: bool = False, **over) -> str:
         max_queued=0,
     )
     sub = jobs.submit(**{**named, **over})
+    if received_us is not None:
+        sub.received(received_us)
     if not split:
         return jobs.run(r, sub.whole)
     record = jobs.run(r, sub.record)
@@ -138,11 +142,20 @@ def stream(r: redis.Redis, job_id: str) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("split", [False, True], ids=["enqueue", "queued-submit"])
 def test_submit(r, split):
-    assert submit(r, "j1", split, idempotency_key="k") == "j1"
+    arrivals = r.pubsub(ignore_subscribe_messages=True)
+    arrivals.subscribe(keys.arrivals(keys.DEFAULT_MODEL))
+    before = time.time_ns() // 1000
+    assert submit(r, "j1", split, idempotency_key="k", received_us=before - 5) == "j1"
     ((_, entry),) = r.xrange(keys.request_stream(LANE))
     assert entry == {"v": "1", "id": "j1", "body": "x"}
+    # the entry announced to busy workers: its stream on the model's arrivals channel
+    msgs = [arrivals.get_message(timeout=1) for _ in range(3)]  # the first: the subscribe
+    assert [m["data"] for m in msgs if m] == [keys.request_stream(LANE)]
+    arrivals.close()
     rec = records.get(r, "j1")
     assert (rec.state, rec.lane, rec.priority, rec.created_ms) == ("queued", LANE, -3, 1234)
+    assert rec.hops_us["received_us"] == before - 5
+    assert before <= rec.hops_us["queued_us"] <= time.time_ns() // 1000
     assert r.hget(keys.job("j1"), "model") == keys.DEFAULT_MODEL
     assert rec.metadata == {"m": 1} and 490 < r.ttl(keys.job("j1")) <= 500
     assert r.get(keys.idempotency("k")) == "j1" and 690 < r.ttl(keys.idempotency("k")) <= 700
@@ -150,7 +163,8 @@ def test_submit(r, split):
     assert r.xlen(keys.request_stream(LANE)) == 1 and not r.exists(keys.job("j2"))
     submit(r, "j3", split, metadata_json=None)
     assert records.get(r, "j3").metadata is None
-    assert r.hkeys(keys.job("j3")) == ["state", "lane", "priority", "created_ms", "model"]
+    fields = ["state", "lane", "priority", "created_ms", "model", "queued_us"]
+    assert r.hkeys(keys.job("j3")) == fields
     with pytest.raises(redis.ResponseError, match="QUEUEFULL 2"):
         submit(r, "j4", split, max_queued=2)
     assert not r.exists(keys.job("j4"))  # refused: no record left behind
@@ -185,6 +199,7 @@ def test_enqueue_writes_the_entry_and_record_of_queued_and_submit(r):
     (_, a), (_, b) = r.xrange(keys.request_stream(LANE))
     assert a == {**b, "id": "split-1"}
     ra, rb = r.hgetall(keys.job("split-1")), r.hgetall(keys.job("whole-1"))
+    assert ra.pop("queued_us") <= rb.pop("queued_us")  # when each was sent
     assert ra == rb and r.ttl(keys.job("whole-1")) == r.ttl(keys.job("split-1"))
 
 

@@ -167,7 +167,7 @@ def test_a_cut_job_resumes_to_the_uninterrupted_output(redis_url, engines, case,
         time.sleep(0.4)  # past the reclaim idle time
     rec = finish(two, job.id, r)
 
-    assert rec.state == records.COMPLETED
+    assert rec.state == records.COMPLETED, rec
     assert rec.token_ids == ref.token_ids and rec.text == ref.text
     assert rec.finish_reason == ref.finish_reason
     assert same_logprobs(rec.logprobs, ref.logprobs)

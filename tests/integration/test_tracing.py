@@ -260,6 +260,12 @@ def test_a_jobs_spans_from_submit_to_result(shared_redis_url: str, engines, trac
     assert prefill.attributes["plurai.prompt_tokens"] == rec.prompt_tokens
     assert prefill.attributes["plurai.cached_tokens"] == rec.cached_tokens
     assert prefill.attributes["plurai.resumed_tokens"] == 0
+    # the queue hop: the engine's add inside the intake, and in the record, in order
+    added, _ = intake.events["engine add"]
+    assert intake.start <= added <= intake.end
+    hops = [rec.hops_us[k] for k in ("queued_us", "taken_us", "added_us", "first_token_us")]
+    assert hops == sorted(hops) and abs(hops[2] / 1e6 - added) < 1e-3
+    assert abs(hops[3] / 1e6 - first_token) < 1e-3
     for s in (decode, result):
         assert s.attributes["plurai.output_tokens"] == rec.output_tokens == 8
         assert s.attributes["gen_ai.usage.output_tokens"] == 8

@@ -3,6 +3,7 @@ the job's own priority second, several read in one call and begun in one pipelin
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ class Recorder:
     num_running = num_waiting = prompt_backlog = 0
     max_model_len = 4096
     max_num_seqs = 64
+    step_tokens = 512
     model_fingerprint = "fake"
 
     def __init__(self) -> None:
@@ -36,6 +38,9 @@ class Recorder:
 
     def preempted(self) -> list[str]:
         return []
+
+    def wake(self) -> None:
+        pass
 
     def add(self, request_id: str, priority: int, prompt: str | None = None, **_kw: object):
         if prompt == "refuse me":
@@ -84,9 +89,10 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
 class Prefilling(Recorder):
     """Computes no prompt: every prompt added stays in its backlog."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_tokens: int = 512) -> None:
         super().__init__()
         self.prompt_backlog = 0
+        self.step_tokens = step_tokens
 
     def add(self, request_id: str, priority: int, prompt: str | None = None, **kw: object):
         super().add(request_id, priority, prompt, **kw)
@@ -94,12 +100,11 @@ class Prefilling(Recorder):
 
 
 def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
-    """A worker takes only the prompts it can start soon (prefill_backlog_tokens): the rest
-    of a burst stays in the queue for the next worker, not held by the first."""
-    settings = Settings(
-        redis_url=redis_url, takes_per_step=8, fair_every=0, prefill_backlog_tokens=100
-    )
-    engines = [Prefilling() for _ in range(3)]
+    """A worker takes only the prompts its engine's next step can start (its step budget,
+    100 tokens here): the rest of a burst stays in the queue for the next worker, not held
+    by the first."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
+    engines = [Prefilling(step_tokens=100) for _ in range(3)]
     workers = [
         Worker(e, connect(redis_url), settings, worker_id=f"w{i}") for i, e in enumerate(engines)
     ]
@@ -113,7 +118,7 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
         got = [[rid for rid, _ in e.added] for e in engines]
         assert got == [ids[:2], ids[2:4], [ids[4]]]  # 80 each; a third would pass 100
         big = client.submit("y" * 800, lane="interactive").id  # 200: over the bound alone
-        fresh = Prefilling()
+        fresh = Prefilling(step_tokens=100)
         w = Worker(fresh, connect(redis_url), settings, worker_id="w3")
         w.start()
         w._fill()
@@ -124,14 +129,8 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
 def test_a_top_lane_entry_waits_only_behind_top_lane_prompts(redis_url):
     """Lower-lane prompts that fill the backlog bound hold back more lower-lane entries, not
     a top-lane arrival (the engine runs it ahead of them); top-lane prompts do hold it."""
-    settings = Settings(
-        redis_url=redis_url,
-        takes_per_step=8,
-        fair_every=0,
-        top_lane_reserve=0,
-        prefill_backlog_tokens=100,
-    )
-    engine = Prefilling()
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0, top_lane_reserve=0)
+    engine = Prefilling(step_tokens=100)
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
     w.start()
     with Client(redis_url) as client:
@@ -144,6 +143,119 @@ def test_a_top_lane_entry_waits_only_behind_top_lane_prompts(redis_url):
         assert [rid for rid, _ in engine.added] == [batch[0], top[0]]
         assert client.job(batch[1]).status() == "queued"
         assert client.job(top[1]).status() == "queued"
+
+
+class Waiting(Recorder):
+    """Steps as vLLM's engine process does: each step waits for the engine's outputs (none
+    come here) until its wait ends or wake() is called."""
+
+    WAIT_S = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.woken = False
+        self.cond = threading.Condition()
+        self.waits_ended = 0  # steps that waited WAIT_S out: a poll, not a wake-up
+
+    def wake(self) -> None:
+        with self.cond:
+            self.woken = True
+            self.cond.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self.added), "waiting": 0, "kv_usage": 0.0}
+
+    def step(self) -> list[StepOutput]:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.woken, self.WAIT_S):
+                self.waits_ended += 1
+            self.woken = False
+        return []
+
+
+def test_an_entry_arriving_mid_step_is_taken_at_the_next_step(redis_url):
+    """A busy worker hears of a new entry while its engine steps (the submit announces it):
+    the step's wait for outputs ends and the entry, of a lane below the top one, is read at
+    once; neither the step's wait nor poll_ms (a minute here) is waited out."""
+    settings = Settings(redis_url=redis_url, poll_ms=60_000)
+    engine = Waiting()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    stop = threading.Event()
+
+    def turns() -> None:
+        while not stop.is_set():
+            w.iterate()
+
+    thread = threading.Thread(target=turns, daemon=True)
+    with Client(redis_url) as client:
+        first = client.submit("a", lane="standard").id
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while len(engine.added) < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [rid for rid, _ in engine.added] == [first]  # a blocking read: idle
+            time.sleep(0.3)  # the worker is in its engine's step now, waiting for outputs
+            second = client.submit("b", lane="standard").id
+            while len(engine.added) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [rid for rid, _ in engine.added] == [first, second]
+            assert engine.waits_ended == 0
+        finally:
+            stop.set()
+            engine.wake()
+            thread.join(10)
+        w.intake.close()
+
+
+def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url):
+    """With no objective set, a top-lane entry the engine can start in its next step (slots,
+    KV, its step's token budget) is taken at once, however slow the top lane's tokens and
+    however much lower-lane work runs; only the lanes below wait."""
+    settings = Settings(redis_url=redis_url)
+    engine = Prefilling(step_tokens=2048)
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    now = time.monotonic()
+    w.pace.tokens(0.01, 10, now - 2)  # unloaded: 1 ms a token
+    w.pace.tokens(0.5, 10, now)  # now: 50x slower
+    with Client(redis_url) as client:
+        batch = client.submit("x" * 1600, lane="batch").id  # 400 prompt tokens
+        w._fill()
+        top = [client.submit("y" * 1600, lane="interactive").id for _ in range(3)]
+        lower = client.submit("z", lane="standard").id
+        w._fill()
+        # 400 + 3 x 400 tokens: the engine's next step starts them all
+        assert [rid for rid, _ in engine.added] == [batch, *top]
+        assert client.job(lower).status() == "queued"  # a top-lane prompt is not computed
+        engine.prompt_backlog = 0  # the prompts computed
+        late = client.submit("y" * 1600, lane="interactive").id
+        w._fill()
+        assert [rid for rid, _ in engine.added][4:] == [late]
+        assert client.job(lower).status() == "queued"  # until a top-lane token comes
+
+
+def test_lower_lanes_take_the_step_budget_unless_the_top_lane_runs(redis_url):
+    """By default lower-lane prompts fill the engine's next step (its budget, 2048 tokens
+    here); while top-lane jobs ran on the worker within the last 10 s, they are bounded by
+    prefill_backlog_tokens (512) instead, and the steps the top lane waits for stay short."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
+    for top_ran, taken in ((False, 3), (True, 1)):
+        engine = Prefilling(step_tokens=2048)
+        w = Worker(engine, connect(redis_url), settings, worker_id=f"w{top_ran}")
+        w.start()
+        if top_ran:
+            w.pace.seen(time.monotonic())
+        with Client(redis_url) as client:
+            batch = [client.submit("x" * 1200, lane="batch").id for _ in range(3)]  # 300 each
+            w._fill()
+            w._fill()
+            assert [rid for rid, _ in engine.added] == batch[:taken]
+            for job in batch[taken:]:  # left for another worker
+                assert client.job(job).status() == "queued"
+        w.intake.close()
+        w.r.delete(*w.intake.streams())
 
 
 def test_default_takes_scale_with_the_engine(redis_url):

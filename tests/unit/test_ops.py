@@ -60,7 +60,9 @@ def test_setup_refuses_unknown_level_or_format():
 
 
 def _worker(**settings: object) -> Worker:
-    engine = SimpleNamespace(max_model_len=4096, max_num_seqs=64, model_fingerprint="x")  # not run
+    engine = SimpleNamespace(
+        max_model_len=4096, max_num_seqs=64, step_tokens=512, model_fingerprint="x"
+    )  # not run
     return Worker(engine, fakeredis.FakeRedis(), Settings(**settings), worker_id="w")
 
 

@@ -138,8 +138,8 @@ def test_an_entry_carries_its_traceparent_only_while_tracing_is_on(traced) -> No
 
 
 def entry(sub) -> dict[str, object]:
-    """The entry's fields (SUBMIT's ARGV after its five arguments)."""
-    flat = sub.queue_args[5:]
+    """The entry's fields (SUBMIT's ARGV after its six arguments)."""
+    flat = sub.queue_args[6:]
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
