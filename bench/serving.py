@@ -52,7 +52,8 @@ stall while kernels are built for their shapes):
 - kill: one engine SIGKILLed at a third of the run under 0.5x capacity; failed and lost
   requests and the seconds until completions per second are back to 80% of before.
 - trace (not in the default list): a production trace's first requests (--trace, any
-  Mooncake-format trace; by default the conversation trace in ../shared/traces) at each
+  Mooncake-format trace; by default the conversation trace in ../shared/traces, else its
+  first 500 requests in bench/traces) at each
   --scales multiple of the capacity, with the trace's own timing squeezed to that rate and
   its lengths times --trace-scale (bench/trace_replay.py: requests that share the trace's
   blocks share token blocks here), each sent as a completion of token ids; goodput and
@@ -67,9 +68,9 @@ CPU seconds per process kind (engines, front: gateway or router, Redis, load gen
 The last line is one JSON object with the ISA and the ratios of plurai-vllm against the best
 router policy on each target figure.
 
---smoke: every scenario (the trace's too, where the trace is there) on one engine per stack, on the factory's small random Llama (the
-smallest vLLM runs) in float32, with short prompts and outputs, 2 s runs, one load of the
-sweep, a flood of 4, arrivals ending 1 s after an added engine carries load; by default
+--smoke: every scenario (the trace's too) on one engine per stack, on the factory's small
+random Llama (the smallest vLLM runs) in float32, with short prompts and outputs, 2 s runs,
+one load of the sweep, a flood of 4, arrivals ending 1 s after an added engine carries load; by default
 every stack whose programs are installed (plurai-native always; plurai-vllm with vLLM's
 environment; round_robin with vllm-router), the others named in the JSON with why. A check
 that the bench runs, not a measurement.
@@ -121,7 +122,10 @@ from broker_config.settings import Settings  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 # the production trace beside the checkout (Mooncake's conversation trace: its NOTICE)
+# the full production trace beside the checkout, else its first 500 requests kept here
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+if not TRACE.is_file():
+    TRACE = ROOT / "bench" / "traces" / "conversation_head.jsonl"
 PLURAI_STACKS = ("plurai-vllm", "plurai-native")
 ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
 ALL_STACKS = (*ROUTER_POLICIES, *PLURAI_STACKS)  # the routers first: they set the SLOs
@@ -1187,7 +1191,7 @@ def main() -> None:
     a.scales = [float(x) for x in a.scales.split(",")]
     stacks = [s for s in (a.stacks or ",".join(ALL_STACKS)).split(",") if s]
     scenarios = [s for s in a.scenarios.split(",") if s]
-    if a.smoke and "trace" not in scenarios and Path(a.trace).is_file():
+    if a.smoke and "trace" not in scenarios:
         scenarios.append("trace")
     if "trace" in scenarios and not Path(a.trace).is_file():
         sys.exit(f"--trace {a.trace}: no such file (the trace scenario replays it)")

@@ -53,7 +53,7 @@ BENCHES = [
     Bench("prefix_reuse", ("ttft_redis_ms",), server=True, model=True),
     Bench("priority", ("p99_ratio",), server=True, model=True),
     Bench("queue_overhead", ("redis_cost", "every_token"), server=True, model=True),
-    # every scenario, the production trace's too (../shared/traces, beside the checkout)
+    # every scenario, the production trace's too (../shared/traces, else bench/traces)
     Bench(
         "serving",
         ("stacks", "plurai-native", "trace_attainment"),
