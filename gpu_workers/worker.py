@@ -230,10 +230,11 @@ class Worker:
         pipeline of BEGINs (`_start`). Entries that end at once (cancelled, expired,
         refused) do not count. Only as many are asked for as the prompt backlog bound
         leaves room for (`_backlog_room`), so that a worker does not hold entries it cannot
-        start while another worker could; a top-lane entry waits only behind the top lane's
-        own prompts (`_top_backlog`), since the engine runs it ahead of lower lanes'."""
+        start while another worker could; the top lane has no such bound unless an
+        objective is set, and then waits only behind the top lane's own prompts
+        (`_top_backlog`), since the engine runs it ahead of lower lanes'."""
         added = 0
-        limit = self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
+        limit = self._takes()
         top = self.lanes[0]
         while added < limit and not self.stopping:
             slow = self._top_lane_slow()
@@ -253,9 +254,11 @@ class Worker:
                 if not self.held:
                     idle = not self.engine.has_unfinished() and not self.running
                     below_top = self._room_below_top() if room > 0 and not slow else 0
-                    if 0 < below_top < n:  # never past the top lane's reserve
-                        n = below_top
-                    self.held = self.intake.take(idle, below_top > 0, count=n)
+                    # a read that may reach the lower lanes asks for no more entries than
+                    # they may start (their backlog bound, the top lane's reserve); the
+                    # top lane's further entries come in the turn's next reads
+                    lower = min(n, room, below_top)
+                    self.held = self.intake.take(idle, lower > 0, count=lower or n)
                     if not self.held:
                         return
                 elif self.held[0].lane != top and (slow or not self._startable(self.held[0], room)):
@@ -349,7 +352,7 @@ class Worker:
         count as one request of n times its max_tokens."""
         bound = self._bound(top)
         backlog = self._top_backlog() if top else self.engine.prompt_backlog
-        if backlog and backlog + req.prompt_tokens > bound:
+        if bound is not None and backlog and backlog + req.prompt_tokens > bound:
             return False  # left in the queue, for whichever worker frees up first
         # a top-lane request may take what lower lanes' jobs hold: the engine preempts them
         preempt = top and self.settings.preempt
@@ -377,23 +380,34 @@ class Worker:
             if r.entry.lane == top and not r.num_tokens
         )
 
-    def _bound(self, top: bool) -> int:
-        """The prompt tokens not computed yet that a new request may join: for the top
-        lane (counting its own prompts only) and, by default, for every lane, what the
-        engine's next step computes, so that nothing it could start now waits in Redis;
-        for a lower lane while the top lane runs here, prefill_backlog_tokens, which keeps
-        the steps short that the top lane's tokens wait for."""
+    def _bound(self, top: bool) -> int | None:
+        """The prompt tokens not computed yet that a new request may join (None: no bound).
+        The top lane (counting its own prompts only) has none unless the operator set an
+        objective (top_lane_tpot_ms): the engine's KV room and sequence slots alone decide,
+        as they would behind a router, and the engine's scheduler chunks its prompts. Lower
+        lanes, and the top lane under an objective, get what the engine's next step
+        computes (its step budget), so that the rest of a burst waits for whichever worker
+        frees up first; a lower lane, while the top lane runs here, prefill_backlog_tokens,
+        which keeps the steps short that the top lane's tokens wait for."""
         step, lower = self.engine.step_tokens, self.settings.prefill_backlog_tokens
-        if top or not lower or time.monotonic() - self.pace.top_seen_s > self.pace.window_s:
+        if top:
+            return step if self.settings.top_lane_tpot_ms else None
+        if not lower or time.monotonic() - self.pace.top_seen_s > self.pace.window_s:
             return step
         return min(step, lower)
+
+    def _takes(self) -> int:
+        """Most entries moved into the engine between two steps."""
+        return self.settings.takes_per_step or max(4, self.engine.max_num_seqs // 16)
 
     def _backlog_room(self, backlog: int, top: bool) -> int:
         """How many entries to ask for now: as many prompts of the recent mean size as fit
         in the bound (`_bound`) beside `backlog` prompt tokens not computed yet; at least
         one while none is pending (and one at first, with no size to go by), none while the
-        next would probably not fit."""
+        next would probably not fit; with no bound, as many as a turn takes."""
         bound, size = self._bound(top), round(self._prompt_size)
+        if bound is None:
+            return self._takes()
         room = (bound - backlog) // size if size else 1
         return room if backlog else max(1, room)
 

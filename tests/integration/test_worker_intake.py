@@ -100,9 +100,9 @@ class Prefilling(Recorder):
 
 
 def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
-    """A worker takes only the prompts its engine's next step can start (its step budget,
-    100 tokens here): the rest of a burst stays in the queue for the next worker, not held
-    by the first."""
+    """A worker takes only the lower-lane prompts its engine's next step can start (its step
+    budget, 100 tokens here): the rest of a burst stays in the queue for the next worker,
+    not held by the first."""
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
     engines = [Prefilling(step_tokens=100) for _ in range(3)]
     workers = [
@@ -111,13 +111,13 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
     for w in workers:
         w.start()
     with Client(redis_url) as client:
-        ids = [client.submit("x" * 160, lane="interactive").id for _ in range(5)]  # 40 tokens
+        ids = [client.submit("x" * 160, lane="standard").id for _ in range(5)]  # 40 tokens
         for w in workers:
             w._fill()
             assert not w.held  # nothing taken that it could not start
         got = [[rid for rid, _ in e.added] for e in engines]
         assert got == [ids[:2], ids[2:4], [ids[4]]]  # 80 each; a third would pass 100
-        big = client.submit("y" * 800, lane="interactive").id  # 200: over the bound alone
+        big = client.submit("y" * 800, lane="standard").id  # 200: over the bound alone
         fresh = Prefilling(step_tokens=100)
         w = Worker(fresh, connect(redis_url), settings, worker_id="w3")
         w.start()
@@ -126,10 +126,17 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
         assert client.job(big).status() == "running"
 
 
-def test_a_top_lane_entry_waits_only_behind_top_lane_prompts(redis_url):
-    """Lower-lane prompts that fill the backlog bound hold back more lower-lane entries, not
-    a top-lane arrival (the engine runs it ahead of them); top-lane prompts do hold it."""
-    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0, top_lane_reserve=0)
+def test_under_an_objective_a_top_lane_entry_waits_only_behind_top_lane_prompts(redis_url):
+    """With a top-lane objective set, the top lane too takes only what the next step can
+    start. Lower-lane prompts that fill the bound hold back more lower-lane entries, not a
+    top-lane arrival (the engine runs it ahead of them); top-lane prompts do hold it."""
+    settings = Settings(
+        redis_url=redis_url,
+        takes_per_step=8,
+        fair_every=0,
+        top_lane_reserve=0,
+        top_lane_tpot_ms=50,
+    )
     engine = Prefilling(step_tokens=100)
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
     w.start()
@@ -210,11 +217,13 @@ def test_an_entry_arriving_mid_step_is_taken_at_the_next_step(redis_url):
 
 
 def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url):
-    """With no objective set, a top-lane entry the engine can start in its next step (slots,
-    KV, its step's token budget) is taken at once, however slow the top lane's tokens and
-    however much lower-lane work runs; only the lanes below wait."""
-    settings = Settings(redis_url=redis_url)
-    engine = Prefilling(step_tokens=2048)
+    """With no objective set, a top-lane entry the engine has room for (sequence slots, KV)
+    is taken at once, past the engine's step budget (its scheduler chunks the prompts), however
+    slow the top lane's tokens and however much lower-lane work runs; only the lanes below
+    wait. Lower-lane entries are not taken beyond what may start: the rest stay queued for
+    another worker."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8)
+    engine = Prefilling(step_tokens=512)
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
     w.start()
     now = time.monotonic()
@@ -223,17 +232,23 @@ def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url)
     with Client(redis_url) as client:
         batch = client.submit("x" * 1600, lane="batch").id  # 400 prompt tokens
         w._fill()
-        top = [client.submit("y" * 1600, lane="interactive").id for _ in range(3)]
-        lower = client.submit("z", lane="standard").id
+        top = [client.submit("y" * 1600, lane="interactive").id for _ in range(6)]
+        lower = [client.submit("z", lane="standard").id for _ in range(3)]
         w._fill()
-        # 400 + 3 x 400 tokens: the engine's next step starts them all
+        # 400 + 6 x 400 tokens, past the step's 512: the engine has room for them all
         assert [rid for rid, _ in engine.added] == [batch, *top]
-        assert client.job(lower).status() == "queued"  # a top-lane prompt is not computed
+        assert not w.held  # no lower-lane entry taken that may not start
+        for job in lower:
+            assert client.job(job).status() == "queued"  # a top-lane prompt is not computed
         engine.prompt_backlog = 0  # the prompts computed
         late = client.submit("y" * 1600, lane="interactive").id
         w._fill()
-        assert [rid for rid, _ in engine.added][4:] == [late]
-        assert client.job(lower).status() == "queued"  # until a top-lane token comes
+        assert [rid for rid, _ in engine.added][7:] == [late]
+        assert client.job(lower[0]).status() == "queued"  # until a top-lane token comes
+        engine.can_admit = lambda *_a: False  # type: ignore[method-assign]  # the engine full
+        full = client.submit("y", lane="interactive").id
+        w._fill()
+        assert client.job(full).status() == "queued"  # left for a worker with room
 
 
 def test_lower_lanes_take_the_step_budget_unless_the_top_lane_runs(redis_url):
