@@ -87,6 +87,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -1001,22 +1002,43 @@ def run_figures(run: Run, slos: dict[str, sf.Slo]) -> dict[str, Any]:
 def loads(
     rs: list[Run], scenario: str, slos: dict[str, sf.Slo], good_key: str, share_key: str
 ) -> dict[str, Any]:
-    """Goodput over a scenario's loads, and each load's attainment: a load's repeats pooled,
-    its attainment over every request sent at that rate."""
+    """Goodput over a scenario's loads, and each load's attainment (a load's repeats pooled,
+    over every request sent at that rate). With --repeats, goodput is each round's own
+    (`<good_key>_rounds`) and their median."""
     pooled: dict[float, list[sf.Result]] = {}
     offered: dict[float, int] = {}
+    by_round: dict[int, list[Run]] = {}
     for r in rs:
         if r.scenario.startswith(f"{scenario}@"):
             pooled.setdefault(r.offered_req_s, []).extend(r.results)
             offered[r.offered_req_s] = offered.get(r.offered_req_s, 0) + len(r.expected)
-    good = sf.goodput(list(pooled.items()), slos, offered=offered) if pooled else None
-    return {
+            by_round.setdefault(int(r.scenario.partition("#")[2] or 0), []).append(r)
+    rounds = [
+        sf.goodput(
+            [(r.offered_req_s, r.results) for r in runs],
+            slos,
+            offered={r.offered_req_s: len(r.expected) for r in runs},
+        )
+        for _, runs in sorted(by_round.items())
+    ]
+    good = median_of(rounds)
+    out: dict[str, Any] = {
         good_key: good,
         share_key: {
             str(rate): round(sf.attainment(res, slos, offered[rate]), 4)
             for rate, res in sorted(pooled.items())
         },
     }
+    if len(rounds) > 1:
+        out[f"{good_key}_rounds"] = rounds
+    return out
+
+
+def median_of(values: list[float | None]) -> float | None:
+    """The median, a round that met no SLO at any load counted as 0; None if none did."""
+    if all(v is None for v in values):
+        return None
+    return round(statistics.median(v or 0.0 for v in values), 4)
 
 
 def summary(runs: dict[str, list[Run]], slos: dict[str, sf.Slo]) -> dict[str, Any]:
@@ -1077,6 +1099,9 @@ def ratios(stacks: dict[str, Any], ours: str = "plurai-vllm") -> dict[str, Any]:
         if b is None or mine is None or not b[1]:
             continue
         out[key] = {"ratio": round(mine / b[1], 3), "best_router": b[0], "target": target}
+        per = round_ratios(me, routers, f"{key}_rounds")
+        if per:  # each round's against that round's best router: their median and spread
+            out[key] |= {"ratio": median_of(per), "rounds": per, "spread": [min(per), max(per)]}
     if "kill_failed" in me:
         out["kill_failed_or_lost"] = {
             "plurai": me["kill_failed"] + me["kill_lost"],
@@ -1089,6 +1114,18 @@ def ratios(stacks: dict[str, Any], ours: str = "plurai-vllm") -> dict[str, Any]:
             **{k: v.get("add_ready_to_load_s") for k, v in routers.items()},
             "target": "<= 5 s",
         }
+    return out
+
+
+def round_ratios(me: dict[str, Any], routers: dict[str, Any], key: str) -> list[float]:
+    """Per round of --repeats, our goodput over the best router's in that round."""
+    mine = me.get(key) or []
+    out = []
+    for i, g in enumerate(mine):
+        theirs = [v[key][i] for v in routers.values() if len(v.get(key) or []) > i]
+        best = max((t for t in theirs if t is not None), default=None)
+        if best:
+            out.append(round((g or 0.0) / best, 3))
     return out
 
 

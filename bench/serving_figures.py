@@ -122,14 +122,22 @@ def goodput(
     target: float = 0.9,
     offered: dict[float, int] | None = None,
 ) -> float | None:
-    """The highest offered rate of a sweep [(rate, results)] at which at least `target`
-    of the requests met their SLO; None if no rate did. `offered`: requests sent per rate."""
-    good = [
-        rate
-        for rate, results in sweep
-        if attainment(results, slos, (offered or {}).get(rate)) >= target
-    ]
-    return max(good, default=None)
+    """The offered rate of a sweep [(rate, results)] at which `target` of the requests meet
+    their SLO: the highest rate that made it, moved towards the next rate up by where the
+    attainment, linear between the two, crosses `target` (so that a figure moves with the
+    attainment, not in steps of the sweep); the highest rate if every rate made it, None if
+    none did. `offered`: requests sent per rate (those without a result count as misses)."""
+    points = sorted(
+        (rate, attainment(results, slos, (offered or {}).get(rate))) for rate, results in sweep
+    )
+    good = [i for i, (_, a) in enumerate(points) if a >= target]
+    if not good:
+        return None
+    i = good[-1]
+    if i + 1 == len(points):
+        return points[i][0]
+    (r0, a0), (r1, a1) = points[i], points[i + 1]
+    return round(r0 + (r1 - r0) * (a0 - target) / (a0 - a1), 4)
 
 
 def failures(results: list[Result], expected: Iterable[str] | None = None) -> dict:

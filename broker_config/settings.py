@@ -200,14 +200,16 @@ class Settings(_Sourced):
     # prompt's compute under load: a request held past its objective misses it anyway.
     # 0: no bound.
     top_lane_wait_ms: float = Field(default=500.0, ge=0, allow_inf_nan=False)
-    # Pull only what the engine can start in its next step: a worker takes a new request
-    # only while the prompt tokens its engine holds not yet computed, plus the new prompt,
-    # stay within the engine's step budget (its max_num_batched_tokens; a prompt alone
-    # always may; a top-lane request counts the top lane's prompts only), so that nothing
-    # an engine could start now waits in Redis and the rest waits for whichever worker
-    # frees up first. While top-lane jobs run on a worker (within the last 10 s), lower
-    # lanes' requests are bounded by this instead where it is lower: their prompts then
-    # make the steps that the top lane's tokens wait for. 0: no such bound.
+    # With no objective set, a worker takes every request its engine has room for (KV,
+    # sequence slots), as a router would hand it over, and the engine's scheduler chunks
+    # the prompts over its steps; but while top-lane jobs run on it (within the last 10 s),
+    # lower lanes' requests only while the prompt tokens its engine holds not yet
+    # computed, plus the new prompt, stay within this (or the engine's step budget, its
+    # max_num_batched_tokens, where lower; a prompt alone always may): their prompts make
+    # the steps that the top lane's tokens wait for. With an objective (top_lane_tpot_ms),
+    # every lane keeps to the step budget (a top-lane request counting the top lane's
+    # prompts only), so that the rest of a burst waits in Redis for whichever worker frees
+    # up first. 0: the step budget instead of this.
     prefill_backlog_tokens: int = Field(default=512, ge=0)
     # Most entries a worker moves into its engine between two engine steps; None: one per
     # 16 of the engine's sequence slots, at least 4.

@@ -274,7 +274,11 @@ class Worker:
                     self.held.pop(0)
                     continue
                 if entry.lane != top and (
-                    slow and entry is not self._fair or not self._room_below_top()
+                    slow
+                    and entry is not self._fair
+                    or not self._room_below_top()
+                    or self.settings.top_lane_slowdown
+                    and any(e.lane == top for e, _ in batch)  # its prompt not computed
                 ):
                     break  # held until the top lane's reserve and pace allow it
                 if self.engine.has_unfinished() and not self._fits(req, entry.lane == top):
@@ -381,20 +385,22 @@ class Worker:
         )
 
     def _bound(self, top: bool) -> int | None:
-        """The prompt tokens not computed yet that a new request may join (None: no bound).
-        The top lane (counting its own prompts only) has none unless the operator set an
-        objective (top_lane_tpot_ms): the engine's KV room and sequence slots alone decide,
-        as they would behind a router, and the engine's scheduler chunks its prompts. Lower
-        lanes, and the top lane under an objective, get what the engine's next step
-        computes (its step budget), so that the rest of a burst waits for whichever worker
-        frees up first; a lower lane, while the top lane runs here, prefill_backlog_tokens,
-        which keeps the steps short that the top lane's tokens wait for."""
+        """The prompt tokens not computed yet that a new request may join (None: no bound:
+        the engine's KV room and sequence slots alone decide, as they would behind a
+        router, and its scheduler chunks the prompts over its steps). With no objective set
+        that is every lane's case, but for the lanes below the top one while the top lane
+        runs here (within the pace window): then prefill_backlog_tokens (or the engine's
+        step budget where lower, or without it), which keeps the steps short that the top
+        lane's tokens wait for. With an objective (top_lane_tpot_ms), every lane keeps to
+        the step budget (the top lane counting its own prompts only), so that the rest of a
+        burst waits in Redis for whichever worker frees up first."""
         step, lower = self.engine.step_tokens, self.settings.prefill_backlog_tokens
+        objective = bool(self.settings.top_lane_tpot_ms)
         if top:
-            return step if self.settings.top_lane_tpot_ms else None
-        if not lower or time.monotonic() - self.pace.top_seen_s > self.pace.window_s:
-            return step
-        return min(step, lower)
+            return step if objective else None
+        if time.monotonic() - self.pace.top_seen_s <= self.pace.window_s:
+            return min(step, lower) if lower else step
+        return step if objective else None
 
     def _takes(self) -> int:
         """Most entries moved into the engine between two steps."""

@@ -100,10 +100,10 @@ class Prefilling(Recorder):
 
 
 def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
-    """A worker takes only the lower-lane prompts its engine's next step can start (its step
-    budget, 100 tokens here): the rest of a burst stays in the queue for the next worker,
-    not held by the first."""
-    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
+    """With an objective set, a worker takes only the prompts its engine's next step can
+    start (its step budget, 100 tokens here): the rest of a burst stays in the queue for the
+    next worker, not held by the first."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0, top_lane_tpot_ms=50)
     engines = [Prefilling(step_tokens=100) for _ in range(3)]
     workers = [
         Worker(e, connect(redis_url), settings, worker_id=f"w{i}") for i, e in enumerate(engines)
@@ -251,13 +251,14 @@ def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url)
         assert client.job(full).status() == "queued"  # left for a worker with room
 
 
-def test_lower_lanes_take_the_step_budget_unless_the_top_lane_runs(redis_url):
-    """By default lower-lane prompts fill the engine's next step (its budget, 2048 tokens
-    here); while top-lane jobs ran on the worker within the last 10 s, they are bounded by
-    prefill_backlog_tokens (512) instead, and the steps the top lane waits for stay short."""
+def test_lower_lanes_are_bounded_only_while_the_top_lane_runs(redis_url):
+    """With the defaults lower-lane requests are taken as the engine has room for them, past
+    its step budget (512 tokens here); while top-lane jobs ran on the worker within the last
+    10 s, their prompts not computed yet are bounded by prefill_backlog_tokens (512), so
+    that the steps the top lane waits for stay short, and the rest stays queued."""
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
     for top_ran, taken in ((False, 3), (True, 1)):
-        engine = Prefilling(step_tokens=2048)
+        engine = Prefilling(step_tokens=512)
         w = Worker(engine, connect(redis_url), settings, worker_id=f"w{top_ran}")
         w.start()
         if top_ran:
@@ -473,7 +474,11 @@ def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
         w.pace.tokens(0.05, 20, time.monotonic() + 1.5)  # the old arrivals age out: 50 ms
         assert not w.pace.over_target()
         w._fill()
-        assert {j for j, _ in engine.added} == {first, *waiting}
+        # the batch prompt waits for the new top-lane prompt's first token
+        assert [j for j, _ in engine.added] == [first, waiting[0]]
+        w._publish([StepOutput(waiting[0], [5], "a", False, None, 1, 1, 0)])
+        w._fill()
+        assert [j for j, _ in engine.added] == [first, *waiting]
 
 
 def test_over_the_target_beside_lower_lane_jobs_the_top_lane_still_starts(redis_url):

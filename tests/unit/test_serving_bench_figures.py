@@ -290,7 +290,7 @@ def test_slo_attainment_counts_failed_and_lost_as_misses() -> None:
     assert failures(rs, [f"r{i}" for i in range(10)]) == {"failed": 1, "lost": 3}
 
 
-def test_goodput_is_the_highest_rate_at_90_percent() -> None:
+def test_goodput_is_where_the_attainment_crosses_90_percent() -> None:
     slo = {INTERACTIVE: Slo(ttft_s=1.0)}
 
     def run(hits: int, misses: int = 0, fails: int = 0) -> list[Result]:
@@ -301,8 +301,10 @@ def test_goodput_is_the_highest_rate_at_90_percent() -> None:
     sweep = [(1.0, run(10)), (2.0, run(19, 1)), (3.0, run(9, 0, 1)), (4.0, run(8, 2))]
     assert goodput(sweep, slo) == 3.0  # 9 of 10 is exactly 90%
     sweep[2] = (3.0, run(8, 0, 2))  # two failures: 80%
-    assert goodput(sweep, slo) == 2.0
-    assert goodput(sweep, slo, offered={2.0: 25}) == 1.0  # 5 of 25 lost at 2/s
+    assert goodput(sweep, slo) == 2.3333  # 95% at 2/s, 80% at 3/s: 90% a third of the way
+    assert goodput(sweep, slo, offered={2.0: 25}) == 1.4167  # 19 of 25 at 2/s: 76%
+    assert goodput(sweep[:2], slo) == 2.0  # every rate made it: the highest
+    assert goodput(list(reversed(sweep)), slo) == 2.3333  # in any order
     assert goodput([(1.0, run(1, 1))], slo) is None
 
 
@@ -324,7 +326,10 @@ def test_summary_pools_a_loads_repeats() -> None:
         run("sweep@1.0#1", 2.0, 7, 2, lost=1),  # 17 of 20: 85%
     ]
     s = summary({"x": runs}, slo)["x"]
-    assert s["goodput_req_s"] == 1.0
+    # each round's goodput (2/s met; 90% a third of the way from 1/s at 100% to 2/s at
+    # 70%) and their median; each load's attainment over its rounds pooled
+    assert s["goodput_req_s_rounds"] == [2.0, 1.3333]
+    assert s["goodput_req_s"] == pytest.approx(1.6667, abs=1e-4)
     assert s["sweep_attainment"] == {"1.0": 0.9, "2.0": 0.85}
     assert set(s["runs"]) == {"sweep@0.5", "sweep@1.0", "sweep@0.5#1", "sweep@1.0#1"}
 
@@ -442,6 +447,15 @@ def test_ratios_against_the_best_router_on_each_figure() -> None:
     # a router with no goodput at all (no rate met the SLOs) is no best
     stacks["cache_aware"]["goodput_req_s"] = None
     assert ratios(stacks)["goodput_req_s"]["best_router"] == "round_robin"
+    # with rounds: each round against that round's best router, the median and spread
+    stacks["plurai-vllm"]["trace_goodput_req_s"] = 3.0
+    stacks["plurai-vllm"]["trace_goodput_req_s_rounds"] = [3.0, 2.0, None]
+    stacks["round_robin"]["trace_goodput_req_s"] = 2.0
+    stacks["round_robin"]["trace_goodput_req_s_rounds"] = [2.0, 1.0, 1.0]
+    stacks["cache_aware"]["trace_goodput_req_s_rounds"] = [1.0, 2.0, None]
+    t = ratios(stacks)["trace_goodput_req_s"]
+    assert t["rounds"] == [1.5, 1.0, 0.0] and t["spread"] == [0.0, 1.5]
+    assert t["ratio"] == 1.0
 
 
 def test_cpu_used_counts_the_processes_alive_at_the_end() -> None:
