@@ -84,6 +84,7 @@ class Worker:
         self._fair: Entry | None = None  # the lower-lane entry a fair turn took in a hold
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         self._top_size = 0.0  # mean prompt plus max_tokens of the top lane's (moving)
+        self._output_size = 0.0  # mean max_tokens times n of the entries taken (moving)
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
@@ -285,6 +286,9 @@ class Worker:
                     break
                 size = self._prompt_size or req.prompt_tokens
                 self._prompt_size = size + (req.prompt_tokens - size) / 8
+                output = req.envelope.max_tokens * req.n
+                size = self._output_size or output
+                self._output_size = size + (output - size) / 8
                 if entry.lane == top:
                     whole = req.prompt_tokens + req.envelope.max_tokens
                     size = self._top_size or whole
@@ -358,12 +362,15 @@ class Worker:
         backlog = self._top_backlog() if top else self.engine.prompt_backlog
         if bound is not None and backlog and backlog + req.prompt_tokens > bound:
             return False  # left in the queue, for whichever worker frees up first
+        return self._admits(req.prompt_tokens, req.envelope.max_tokens * req.n, top)
+
+    def _admits(self, prompt_tokens: int, output_tokens: int, top: bool) -> bool:
+        """Whether the engine has room (KV, a sequence slot) for a request of this size."""
         # a top-lane request may take what lower lanes' jobs hold: the engine preempts them
         preempt = top and self.settings.preempt
         priority = protocol.engine_priority(0, protocol.MAX_PRIORITY) if preempt else None
         spare = 0 if top else self._top_kv_reserve()
-        output = req.envelope.max_tokens * req.n
-        return self.engine.can_admit(req.prompt_tokens, output, priority, spare)
+        return self.engine.can_admit(prompt_tokens, output_tokens, priority, spare)
 
     def _top_kv_reserve(self) -> int:
         """Tokens of KV that lower-lane work leaves free for the top lane: room for
@@ -410,10 +417,17 @@ class Worker:
         """How many entries to ask for now: as many prompts of the recent mean size as fit
         in the bound (`_bound`) beside `backlog` prompt tokens not computed yet; at least
         one while none is pending (and one at first, with no size to go by), none while the
-        next would probably not fit; with no bound, as many as a turn takes."""
+        next would probably not fit. With no bound, as many as the engine has room for (KV,
+        sequence slots), up to a turn's takes: an entry read that cannot start would wait
+        here while another worker might start it."""
         bound, size = self._bound(top), round(self._prompt_size)
         if bound is None:
-            return self._takes()
+            if not self.engine.has_unfinished() or not size:
+                return self._takes()
+            output, n = round(self._output_size), 0
+            while n < self._takes() and self._admits((n + 1) * size, (n + 1) * output, top):
+                n += 1
+            return n
         room = (bound - backlog) // size if size else 1
         return room if backlog else max(1, room)
 

@@ -274,6 +274,42 @@ def test_lower_lanes_are_bounded_only_while_the_top_lane_runs(redis_url):
         w.r.delete(*w.intake.streams())
 
 
+class Filling(Recorder):
+    """An engine with room for `free` tokens of prompt and output (KV)."""
+
+    def __init__(self, free: int) -> None:
+        super().__init__()
+        self.free = free
+
+    def can_admit(self, prompt: int, output: int, *_a: object) -> bool:
+        return prompt + output <= self.free
+
+    def add(self, request_id: str, priority: int, prompt: str | None = None, **kw: object):
+        super().add(request_id, priority, prompt, **kw)
+        self.free -= protocol.estimate_prompt_tokens({"prompt": prompt}) + 16
+
+
+def test_with_no_bound_a_worker_reads_no_more_than_its_engine_can_start(redis_url):
+    """With the defaults (no bound on the backlog), a busy worker asks the queue for only as
+    many entries as its engine has room for, by the recent mean size: an entry it read and
+    could not start would wait in this worker while another one might start it."""
+    settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
+    engine = Filling(free=10_000)
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    with Client(redis_url) as client:
+        first = client.submit("x" * 400, lane="standard", max_tokens=16).id  # 100 + 16
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [first]
+        engine.free = 2 * 116 + 50  # room for two more of that size
+        rest = [client.submit("x" * 400, lane="standard", max_tokens=16).id for _ in range(5)]
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [first, *rest[:2]]
+        assert not w.held  # nothing read that could not start
+        for job in rest[2:]:
+            assert client.job(job).status() == "queued"  # left for a worker with room
+
+
 def test_default_takes_scale_with_the_engine(redis_url):
     engine = Recorder()
     engine.max_num_seqs = 128
