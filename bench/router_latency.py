@@ -2,14 +2,17 @@
 and against `vllm-router` over the same engines, with default settings on every stack.
 
     .venv-vllm/bin/python bench/router_latency.py [--k 2]
-        [--stacks round_robin,cache_aware,plurai-vllm] [--datasets prefix_repetition,random]
+        [--stacks round_robin,cache_aware,plurai-vllm-notier,plurai-vllm]
+        [--datasets prefix_repetition,random]
         [--loads 0.5,0.9,1.2] [--num-prompts 600] [--repeats 1] [--capacity DATASET=REQ_S]
         [--model DIR] [--out DIR] [--smoke]
 
 The stacks are bench/serving.py's (K engines of vLLM's CPU build, each on its own core,
-the same KV budget; Plurai: a Redis, `plurai gateway`, K `plurai worker --backend vllm`
-with the Redis KV tier; routers: K `vllm serve` behind `vllm-router --policy P`), here
-with no Plurai objective set: what a team that deploys with the defaults gets. Each
+the same KV budget; Plurai: a Redis, `plurai gateway`, K `plurai worker --backend vllm`;
+routers: K `vllm serve` behind `vllm-router --policy P`), here with no Plurai objective
+set: what a team that deploys with the defaults gets (plurai-vllm-notier: no KV tier, as
+the defaults), and with the one knob an operator of many workers sets first, the Redis
+KV tier on a Redis of its own (plurai-vllm). Each
 stack is started once and warmed up (a short unmeasured run); then, for each dataset,
 `vllm bench serve` at each --loads multiple of the dataset's capacity (completed
 requests/s of a burst of --num-prompts sent at once to the first stack, unless given):
@@ -55,7 +58,7 @@ from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # n
 from broker_config import keys  # noqa: E402
 from results.records import HOPS  # noqa: E402
 
-STACKS = ("round_robin", "cache_aware", "plurai-vllm")
+STACKS = ("round_robin", "cache_aware", "plurai-vllm-notier", "plurai-vllm")
 # what the figures below come from in vLLM's result file
 FIGURES = {
     "req_s": "request_throughput",
