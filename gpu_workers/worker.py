@@ -212,7 +212,12 @@ class Worker:
         self._poll_cancels()
         self._expire_deadlines()
         if self.engine.has_unfinished():
-            self._publish(self.engine.step())
+            outputs = self.engine.step()
+            if not self.engine.has_unfinished():
+                # drained: the metrics get the engine's last figures before its jobs' results
+                self._refresh_stats()
+                self._next_stats = time.monotonic() + 1.0
+            self._publish(outputs)
             self._hand_over(self.engine.preempted())
         now = time.monotonic()
         if now >= self._next_stats:
