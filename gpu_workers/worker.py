@@ -289,15 +289,11 @@ class Worker:
                     break  # held until the top lane's reserve and pace allow it
                 if self.engine.has_unfinished() and not self._fits(req, entry.lane == top):
                     break
-                size = self._prompt_size or req.prompt_tokens
-                self._prompt_size = size + (req.prompt_tokens - size) / 8
-                output = req.envelope.max_tokens * req.n
-                size = self._output_size or output
-                self._output_size = size + (output - size) / 8
+                self._prompt_size = moving(self._prompt_size, req.prompt_tokens)
+                self._output_size = moving(self._output_size, req.envelope.max_tokens * req.n)
                 if entry.lane == top:
                     whole = req.prompt_tokens + req.envelope.max_tokens
-                    size = self._top_size or whole
-                    self._top_size = size + (whole - size) / 8
+                    self._top_size = moving(self._top_size, whole)
                 batch.append((self.held.pop(0), self._add(entry)))
             if not batch:
                 if self.held:  # the next one does not fit now
@@ -908,3 +904,8 @@ class Worker:
         self.metrics.heartbeats.inc()
         self.metrics.last_heartbeat.set(time.time())
         self._next_beat = time.monotonic() + self.settings.heartbeat_interval_s
+
+
+def moving(mean: float, value: float) -> float:
+    """A moving mean over about the last 8 values; the first value is its own mean."""
+    return mean + (value - mean) / 8 if mean else value
