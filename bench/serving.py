@@ -720,13 +720,17 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def slos_from(path: str) -> dict[str, sf.Slo]:
-    """The SLOs of an earlier run (its out.json), so that a later one, on fewer stacks, is
-    judged by the same targets."""
+def slos_from(path: str) -> tuple[dict[str, sf.Slo], dict[str, sf.Slo] | None]:
+    """The SLOs of an earlier run (its out.json), and its trace's if it had them, so that a
+    later one, on fewer stacks, is judged by the same targets."""
     lines = Path(path).read_text().strip().splitlines()
     try:
-        got = json.loads(lines[-1])["slos"]
-        return {lane: sf.Slo(**got[lane]) for lane in (INTERACTIVE, BATCH)}
+        out = json.loads(lines[-1])
+        got, trace = out["slos"], out.get("trace_slos")
+        return (
+            {lane: sf.Slo(**got[lane]) for lane in (INTERACTIVE, BATCH)},
+            {INTERACTIVE: sf.Slo(**trace[INTERACTIVE])} if trace else None,
+        )
     except (IndexError, KeyError, TypeError, ValueError) as e:
         raise SystemExit(f"--slos-from {path}: no SLOs of a finished run there ({e!r})") from None
 
@@ -736,7 +740,10 @@ class Bench:
         self.a, self.spec, self.work = a, spec, work
         self.tokens = Tokens(spec.model)
         self.capacity: float | None = a.capacity
-        self.slos: dict[str, sf.Slo] | None = slos_from(a.slos_from) if a.slos_from else None
+        self.slos: dict[str, sf.Slo] | None = None
+        self.trace_slos: dict[str, sf.Slo] | None = None  # the trace scenario's own
+        if a.slos_from:
+            self.slos, self.trace_slos = slos_from(a.slos_from)
         self.idle: dict[str, Any] = {}
         # requests one at a time on the idle stack; the flood's shortest run (enough
         # interactive requests for a p99); how long arrivals go on once an added engine
@@ -851,13 +858,15 @@ class Bench:
             runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
         return runs
 
-    def trace_workload(self, name: str, rate: float) -> list[ServingRequest]:
-        """The trace's first requests, as many as --duration holds at `rate`, replayed at
-        that rate (bench/trace_replay.py); all interactive (its conversations), each a
-        completion of its token ids."""
-        n = max(2, round(rate * self.a.duration))
+    def trace_workload(self, name: str, rate: float, n: int, skip: int = 0) -> list[ServingRequest]:
+        """The trace's requests `skip` to `skip + n`, replayed at `rate` (bench/
+        trace_replay.py); all interactive (its conversations), each a completion of its
+        token ids."""
         vocab = len(self.tokens.tokenizer)
-        got = replay_trace(read_trace(self.a.trace, limit=n), vocab, self.a.trace_scale, rate)
+        entries = read_trace(self.a.trace, limit=n, skip=skip)
+        if len(entries) < n:
+            raise SystemExit(f"--trace {self.a.trace}: {skip + n} requests needed, fewer there")
+        got = replay_trace(entries, vocab, self.a.trace_scale, rate)
         hi = int(self.a.prompt.split("-")[1])
         ohi = int(self.a.output.split("-")[1])
         for r in got:  # within the context the stacks' engines were started with
@@ -878,17 +887,36 @@ class Bench:
         write_jsonl(self.work / f"{name}.jsonl", reqs)
         return reqs
 
+    def trace_n(self) -> int:
+        """Requests of a trace run: as many as --duration holds at the capacity."""
+        assert self.capacity is not None
+        return max(2, round(self.capacity * self.a.duration))
+
     def run_trace(self, stack: Stack, rep: int = 0) -> list[Run]:
-        """Round `rep` of the trace at every load of --scales (the same requests each
-        round: the trace is the workload)."""
+        """Round `rep` of the trace at every load of --scales: every load replays the same
+        requests, only faster or slower, and round r the trace's r-th window of them (past
+        the idle run's)."""
         assert self.capacity is not None
         runs = []
+        n = self.trace_n()
         for scale in self.a.scales:
             name = f"trace@{scale}" + (f"#{rep}" if rep else "")
             rate = self.capacity * scale
-            reqs = self.trace_workload(name.replace("@", "-").replace("#", "-"), rate)
+            file = name.replace("@", "-").replace("#", "-")
+            reqs = self.trace_workload(file, rate, n, skip=self.idle_n + rep * n)
             runs.append(self.measure(stack, name, reqs, rate)[0])
         return runs
+
+    def run_trace_idle(self, stack: Stack) -> None:
+        """The trace's first requests one at a time: its SLOs (the mixed workload's do not
+        fit prompts of another length), the same multiples of the idle figures."""
+        results = []
+        for r in self.trace_workload("trace-idle", 1.0, self.idle_n):
+            one = ServingRequest(**{**asdict(r), "arrival_s": 0.0})
+            results += asyncio.run(replay(stack, [one], 300))[0]
+        self.idle.setdefault(stack.name, {})["trace"] = sf.latency(results)
+        if self.trace_slos is None:
+            self.trace_slos = sf.slos_from_idle(results, self.a.slo_ttft, self.a.slo_tpot)
 
     def run_flood(self, stack: Stack) -> list[Run]:
         assert self.capacity is not None
@@ -1041,17 +1069,23 @@ def median_of(values: list[float | None]) -> float | None:
     return round(statistics.median(v or 0.0 for v in values), 4)
 
 
-def summary(runs: dict[str, list[Run]], slos: dict[str, sf.Slo]) -> dict[str, Any]:
-    """Per stack: every run's figures, goodput over the sweep, and the target figures."""
+def summary(
+    runs: dict[str, list[Run]], slos: dict[str, sf.Slo], trace_slos: dict[str, sf.Slo]
+) -> dict[str, Any]:
+    """Per stack: every run's figures, goodput over the sweep and the trace (by the
+    trace's own SLOs), and the target figures."""
     out: dict[str, Any] = {}
     for name, rs in runs.items():
         by = {r.scenario: r for r in rs}
         s: dict[str, Any] = {
             **loads(rs, "sweep", slos, "goodput_req_s", "sweep_attainment"),
-            "runs": {k: run_figures(v, slos) for k, v in by.items()},
+            "runs": {
+                k: run_figures(v, trace_slos if k.startswith("trace@") else slos)
+                for k, v in by.items()
+            },
         }
         if any(r.scenario.startswith("trace@") for r in rs):
-            s.update(loads(rs, "trace", slos, "trace_goodput_req_s", "trace_attainment"))
+            s.update(loads(rs, "trace", trace_slos, "trace_goodput_req_s", "trace_attainment"))
             computed = [
                 f["all"].get("computed_tokens")
                 for k, f in s["runs"].items()
@@ -1297,6 +1331,8 @@ def main() -> None:
             bench.warm_up(stack)
             if rnd == 0 and "idle" in scenarios:
                 bench.run_idle(stack)
+                if "trace" in scenarios:
+                    bench.run_trace_idle(stack)
             if bench.slos is None:
                 bench.slos = {
                     INTERACTIVE: sf.Slo(ttft_s=2.0, tpot_s=0.5),
@@ -1313,7 +1349,8 @@ def main() -> None:
         finally:
             stack.stop()
     assert bench.slos is not None
-    figures = summary(runs, bench.slos)
+    trace_slos = bench.trace_slos or bench.slos
+    figures = summary(runs, bench.slos, trace_slos)
     out = {
         "bench": "serving",
         "isa": isa,
@@ -1327,6 +1364,11 @@ def main() -> None:
         "peers_bound": spec.bind_peers,
         "capacity_req_s": bench.capacity,
         "slos": {k: asdict(v) for k, v in bench.slos.items()},
+        **(
+            {"trace_slos": {k: asdict(v) for k, v in trace_slos.items()}}
+            if "trace" in scenarios
+            else {}
+        ),
         "idle": bench.idle,
         "plurai_env": PLURAI_ENV,
         "plurai_top_lane_tpot_ms": tpot_targets,

@@ -43,13 +43,16 @@ class TraceRequest:
     hash_ids: list[int]  # the trace's, for the prefix-sharing figures
 
 
-def read_trace(path: str | Path, limit: int | None = None) -> list[TraceEntry]:
-    """The trace's entries in time order (at most `limit`); a line that is not an entry of
-    the format raises ValueError naming the line."""
+def read_trace(path: str | Path, limit: int | None = None, skip: int = 0) -> list[TraceEntry]:
+    """The trace's entries in time order (at most `limit`, after the first `skip`); a line
+    that is not an entry of the format raises ValueError naming the line."""
     out: list[TraceEntry] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
+                continue
+            if skip > 0:
+                skip -= 1
                 continue
             try:
                 d = json.loads(line)

@@ -325,7 +325,7 @@ def test_summary_pools_a_loads_repeats() -> None:
         run("sweep@0.5#1", 1.0, 10, 0),  # with its repeat: 18 of 20, 90%
         run("sweep@1.0#1", 2.0, 7, 2, lost=1),  # 17 of 20: 85%
     ]
-    s = summary({"x": runs}, slo)["x"]
+    s = summary({"x": runs}, slo, slo)["x"]
     # each round's goodput (2/s met; 90% a third of the way from 1/s at 100% to 2/s at
     # 70%) and their median; each load's attainment over its rounds pooled
     assert s["goodput_req_s_rounds"] == [2.0, 1.3333]
@@ -543,6 +543,24 @@ def test_a_results_file_line_with_the_stacks_record_reads_back() -> None:
     assert got.ttft == pytest.approx(0.5)
 
 
+def test_the_trace_is_judged_by_its_own_slos() -> None:
+    """The trace's prompts are of other lengths than the mixed workload's: its runs are
+    scored by the SLOs of its own idle requests, the sweep's by the mixed ones'."""
+    from bench.serving import Run, summary
+
+    mixed, trace = {INTERACTIVE: Slo(ttft_s=1.0)}, {INTERACTIVE: Slo(ttft_s=3.0)}
+    rs = [res(i, ttft=2.0) for i in range(10)]
+    runs = [
+        Run(n, 1.0, rs, dict.fromkeys([r.id for r in rs], INTERACTIVE), {})
+        for n in ("sweep@1.0", "trace@1.0")
+    ]
+    s = summary({"x": runs}, mixed, trace)["x"]
+    assert s["sweep_attainment"] == {"1.0": 0.0} and s["goodput_req_s"] is None
+    assert s["trace_attainment"] == {"1.0": 1.0} and s["trace_goodput_req_s"] == 1.0
+    assert s["runs"]["trace@1.0"]["all"]["slo_attainment"] == 1.0
+    assert s["runs"]["sweep@1.0"]["all"]["slo_attainment"] == 0.0
+
+
 def test_a_bench_scripts_folder_shadows_nothing_transformers_imports() -> None:
     # `python bench/serving.py` puts bench/ first on sys.path: a file there named like a
     # package transformers probes for (bench/kernels.py against `kernels`) broke making the
@@ -562,9 +580,14 @@ def test_a_later_run_takes_an_earlier_runs_slos(tmp_path: Path) -> None:
     }
     out = tmp_path / "out.json"
     out.write_text("progress\n" + json.dumps({"slos": slos, "stacks": {}}) + "\n")
-    got = slos_from(str(out))
+    got, trace = slos_from(str(out))
     assert got["interactive"] == Slo(ttft_s=0.5, tpot_s=0.08)
     assert got["batch"] == Slo(e2e_s=6.2)
+    assert trace is None
+    # and the trace's own, where that run replayed it
+    trace_slos = {"interactive": {"ttft_s": 1.5, "tpot_s": 0.06, "e2e_s": None}}
+    out.write_text(json.dumps({"slos": slos, "trace_slos": trace_slos}) + "\n")
+    assert slos_from(str(out))[1] == {"interactive": Slo(ttft_s=1.5, tpot_s=0.06)}
     out.write_text('{"stacks": {}}\n')  # a run that did not finish
     with pytest.raises(SystemExit, match="no SLOs of a finished run"):
         slos_from(str(out))

@@ -80,6 +80,8 @@ def test_read_trace_sorts_and_names_a_bad_line(tmp_path: Path) -> None:
     got = read_trace(good)
     assert [e.timestamp_ms for e in got] == [10, 30] and got[0].hash_ids == [0, 1]
     assert len(read_trace(good, limit=1)) == 1
+    # a window past the first entries, in the file's order
+    assert [e.timestamp_ms for e in read_trace(good, limit=1, skip=1)] == [10]
     bad = write(tmp_path / "b.jsonl", [{"timestamp": 0, "input_length": 9, "hash_ids": [1]}])
     with pytest.raises(ValueError, match="b.jsonl:1: not a trace entry"):
         read_trace(bad)
