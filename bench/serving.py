@@ -51,13 +51,16 @@ stall while kernels are built for their shapes):
   router needs and a worker does not.
 - kill: one engine SIGKILLed at a third of the run under 0.5x capacity; failed and lost
   requests and the seconds until completions per second are back to 80% of before.
-- trace (not in the default list): a production trace's first requests (--trace, any
+- trace (not in the default list): a production trace's requests (--trace, any
   Mooncake-format trace; by default the conversation trace in ../shared/traces, else its
-  first 500 requests in bench/traces) at each
-  --scales multiple of the capacity, with the trace's own timing squeezed to that rate and
-  its lengths times --trace-scale (bench/trace_replay.py: requests that share the trace's
-  blocks share token blocks here), each sent as a completion of token ids; goodput and
-  prompt tokens computed over its loads, as the sweep's.
+  first 500 requests in bench/traces), as many as --duration holds at the capacity, at
+  each --scales multiple of the capacity: the same requests at every load, with the
+  trace's own timing squeezed to that rate and its lengths times --trace-scale
+  (bench/trace_replay.py: requests that share the trace's blocks share token blocks here),
+  each sent as a completion of token ids; round r of --repeats replays the trace's r-th
+  window. Its SLOs are the same multiples of its own first requests sent one at a time
+  (with idle; `trace_slos`); goodput and prompt tokens computed over its loads, as the
+  sweep's.
 
 Every request of a run is in one seeded JSON-lines file (bench/serving_workload.py) that
 every stack replays. Batch requests go to the batch lane (Plurai: `lane`; vLLM: a lower
