@@ -861,15 +861,17 @@ class Bench:
             runs.append(self.measure(stack, name, reqs, cfg.offered_rate)[0])
         return runs
 
-    def trace_workload(self, name: str, rate: float, n: int, skip: int = 0) -> list[ServingRequest]:
+    def trace_workload(
+        self, name: str, rate: float, n: int, skip: int = 0, seed: int = 0
+    ) -> list[ServingRequest]:
         """The trace's requests `skip` to `skip + n`, replayed at `rate` (bench/
         trace_replay.py); all interactive (its conversations), each a completion of its
-        token ids."""
+        token ids. `seed` draws the blocks' tokens: runs of another seed share no prefix."""
         vocab = len(self.tokens.tokenizer)
         entries = read_trace(self.a.trace, limit=n, skip=skip)
         if len(entries) < n:
             raise SystemExit(f"--trace {self.a.trace}: {skip + n} requests needed, fewer there")
-        got = replay_trace(entries, vocab, self.a.trace_scale, rate)
+        got = replay_trace(entries, vocab, self.a.trace_scale, rate, seed=seed)
         hi = int(self.a.prompt.split("-")[1])
         ohi = int(self.a.output.split("-")[1])
         for r in got:  # within the context the stacks' engines were started with
@@ -898,15 +900,17 @@ class Bench:
     def run_trace(self, stack: Stack, rep: int = 0) -> list[Run]:
         """Round `rep` of the trace at every load of --scales: every load replays the same
         requests, only faster or slower, and round r the trace's r-th window of them (past
-        the idle run's)."""
+        the idle run's). Each load's blocks are drawn afresh (their sharing the trace's),
+        so that no load finds the prefixes of the one before in the engines' caches."""
         assert self.capacity is not None
         runs = []
         n = self.trace_n()
-        for scale in self.a.scales:
+        for i, scale in enumerate(self.a.scales):
             name = f"trace@{scale}" + (f"#{rep}" if rep else "")
             rate = self.capacity * scale
             file = name.replace("@", "-").replace("#", "-")
-            reqs = self.trace_workload(file, rate, n, skip=self.idle_n + rep * n)
+            seed = 1 + rep * len(self.a.scales) + i  # (the idle requests': 0)
+            reqs = self.trace_workload(file, rate, n, skip=self.idle_n + rep * n, seed=seed)
             runs.append(self.measure(stack, name, reqs, rate)[0])
         return runs
 
@@ -1112,7 +1116,7 @@ def summary(
 
 def ratios(stacks: dict[str, Any], ours: str = "plurai-vllm") -> dict[str, Any]:
     """Ours against the best router policy on each target figure."""
-    routers = {k: v for k, v in stacks.items() if k not in PLURAI_STACKS}
+    routers = {k: v for k, v in stacks.items() if not k.startswith("plurai-")}
     if ours not in stacks or not routers:
         return {}
     me = stacks[ours]
@@ -1390,6 +1394,8 @@ def main() -> None:
         "stacks_not_started": failed,
         **({"smoke": True, "stacks_not_installed": skipped} if a.smoke else {}),
         "ratios": ratios(figures),
+        # every Plurai stack's against the routers (plurai-vllm's are "ratios" above)
+        "ratios_by_stack": {k: ratios(figures, k) for k in figures if k.startswith("plurai-")},
         "work_dir": str(work),
         "wall_s": round(time.monotonic() - started, 1),
     }

@@ -436,8 +436,11 @@ def test_ratios_against_the_best_router_on_each_figure() -> None:
             "add_ready_to_load_s": 1.2,
         },
     }
+    # a Plurai stack of another variant is no router, and has its own ratios
+    stacks["plurai-vllm-notier"] = {"goodput_req_s": 2.0, "prefill_computed_tokens": 500}
     r = ratios(stacks)
     assert r["goodput_req_s"] == {"ratio": 1.3, "best_router": "cache_aware", "target": ">= 1.3"}
+    assert ratios(stacks, "plurai-vllm-notier")["goodput_req_s"]["ratio"] == 2.0
     assert r["flood_interactive_ttft_p99_s"]["ratio"] == 0.5
     assert r["flood_interactive_ttft_p99_s"]["best_router"] == "cache_aware"
     assert r["prefill_computed_tokens"]["ratio"] == 0.9
