@@ -192,7 +192,7 @@ def main() -> None:
         a.stacks, a.datasets = "round_robin,plurai-vllm", "prefix_repetition"
         model, dtype, max_len = smoke_model("small"), "float32", 256
     else:
-        model = bench_model(a.model) if a.model == "models/bench-llama" else Path(a.model)
+        model = bench_model(a.model)
         dtype, max_len = ("bfloat16" if isa in ("avx512_bf16", "amx") else "float32"), 1024
     spec = EngineSpec(model=model, name=model.name, dtype=dtype, max_model_len=max_len)
     spec.kv_gib = a.kv_gib

@@ -501,7 +501,7 @@ def main() -> None:
         cfg = WorkloadConfig(**kw)
     from bench.workload import bench_model
 
-    model = bench_model(a.model) if a.model == "models/bench-llama" else Path(a.model)
+    model = bench_model(a.model)
     tokens = Tokens(model)
     reqs = generate(cfg, tokens)
     write_jsonl(a.out, reqs)

@@ -45,13 +45,27 @@ def mixed(
     return out
 
 
-def bench_model(path: str | Path = "models/bench-llama") -> Path:
-    """The ~46M-parameter Llama the benchmarks run on, made once if missing."""
+BENCH_MODEL = "models/bench-llama"
+# --model folders the benches make when missing: the factory's sizes under models/
+MADE = {BENCH_MODEL: "bench", "models/qwen-0.5b": "0.5b", "models/llama-1b": "1b"}
+
+
+def bench_model(path: str | Path = BENCH_MODEL) -> Path:
+    """A bench's --model folder: any model folder, or one of MADE's, made once if missing
+    (the ~46M-parameter bench Llama by default; Qwen2.5-0.5B's and Llama-3.2-1B's shapes)."""
     from gpu_workers.models.factory import make_model
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        make_model(path, family="llama", size="bench")
+    if (path / "config.json").is_file():
+        return path
+    size = MADE.get(path.as_posix().rstrip("/"))
+    if size is None:
+        raise SystemExit(
+            f"--model {path}: no config.json there; give a model folder, or one of "
+            f"{', '.join(MADE)} (made on first use), or make one with `plurai make-model "
+            f"{path} --size 0.5b`"
+        )
+    make_model(path, size=size)
     return path
 
 

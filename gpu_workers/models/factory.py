@@ -32,7 +32,7 @@ from broker_config import locks
 from gpu_workers.models.train import CORPUS_TITLE, TrainConfig, corpus_digest
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SIZES = ("tiny", "small", "bench")
+SIZES = ("tiny", "small", "bench", "0.5b", "1b")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -71,7 +71,56 @@ _SIZES: dict[str, dict[str, Any]] = {
         vocab=8192,
         initializer_range=0.08,
     ),
+    # The shapes of models users run, for figures about speed and memory: random weights in
+    # bfloat16 (as checkpoints ship), the bench tokenizer, and the model's own vocabulary
+    # (`vocab_size`: logits over it are part of every step's cost; ids past the tokenizer's
+    # decode to nothing). Their family unless --family says otherwise.
+    # Qwen2.5-0.5B: 0.49B parameters, tied embeddings
+    "0.5b": dict(
+        family="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab=8192,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        initializer_range=0.02,
+        dtype="bfloat16",
+    ),
+    # Llama-3.2-1B: 1.24B parameters, tied embeddings; a context of 8,192 (its own is 131,072)
+    # so that an engine's default KV budget holds a whole sequence
+    "1b": dict(
+        family="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_factor=32.0,
+        rope_original=8192,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        dtype="bfloat16",
+    ),
 }
+# the keys of a size that are not config fields as they stand
+_OWN = (
+    *("family", "vocab", "vocab_size", "tie_word_embeddings", "dtype"),
+    *("rope_theta", "rope_factor", "rope_original"),
+)
+
+
+def size_family(size: str) -> str:
+    """The family a size is shaped after (llama for the test and bench sizes)."""
+    return _SIZES[size].get("family", "llama")
 
 
 def corpus(seed: int = 0, sentences: int = 30000) -> list[str]:
@@ -166,42 +215,47 @@ def make_tokenizer(vocab: int, seed: int = 0, source: str = "synthetic") -> Any:
 
 
 def model_config(family: str, size: str, vocab_size: int, eos_id: int) -> Any:
+    """`vocab_size`: the tokenizer's; a size with a vocabulary of its own keeps that."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     s = dict(_SIZES[size])
-    s.pop("vocab")
+    own = {k: s.pop(k) for k in _OWN if k in s}
+    # (rope_theta: the families' own defaults but Llama's, as before the real sizes)
+    theta = own.get("rope_theta", 500000.0 if family == "llama" else 10000.0)
     common = dict(
         s,
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
+        vocab_size=max(vocab_size, own.get("vocab_size", 0)),
+        max_position_embeddings=s.pop("max_position_embeddings", 4096),
         rms_norm_eps=1e-6,
+        rope_theta=theta,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
     )
+    tied = own.get("tie_word_embeddings")
     if family == "llama":
-        # Llama 3.1-style rope scaling, untied embeddings
+        # Llama 3.1-style rope scaling, untied embeddings (unless the size ties them)
         rope = {
             "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
+            "rope_theta": theta,
+            "factor": own.get("rope_factor", 8.0),
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 1024,
+            "original_max_position_embeddings": own.get("rope_original", 1024),
         }
-        return LlamaConfig(
-            **common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False
-        )
+        return LlamaConfig(**common, rope_scaling=rope, tie_word_embeddings=bool(tied))
     if family == "mistral":
-        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=bool(tied))
     if family == "qwen2":
-        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+        return Qwen2Config(
+            **common, tie_word_embeddings=tied is not False, use_sliding_window=False
+        )
     if family == "qwen3":
         # head_dim set apart from hidden/heads, as real Qwen3 checkpoints do
         return Qwen3Config(
             **common,
             head_dim=2 * s["hidden_size"] // s["num_attention_heads"],
-            tie_word_embeddings=True,
+            tie_word_embeddings=tied is not False,
             use_sliding_window=False,
         )
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
@@ -209,7 +263,7 @@ def model_config(family: str, size: str, vocab_size: int, eos_id: int) -> Any:
 
 def make_model(
     path: str | Path,
-    family: str = "llama",
+    family: str | None = None,
     size: str = "tiny",
     seed: int = 0,
     max_shard_size: str | None = None,
@@ -219,11 +273,12 @@ def make_model(
 
     train: True (or a TrainConfig) trains the model, and a tokenizer, on the shipped text
     first (see train.py). A directory that already holds the model these same arguments
-    train is returned as it is."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    train is returned as it is. `family`: None for the size's own (size_family)."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {SIZES}")
+    family = family or size_family(size)
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     path = Path(path)
     cfg_train = TrainConfig() if train is True else train or None
     key = _key(family, size, seed, max_shard_size, cfg_train)
@@ -253,7 +308,8 @@ def _write_model(
     if cfg_train:
         cfg.initializer_range = cfg_train.init_std
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    dtype = getattr(torch, _SIZES[size].get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.eos_token_id
     record: dict[str, Any] = {"key": key, "family": family, "size": size, "seed": seed}
@@ -368,8 +424,20 @@ def _count(n: int) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="directory to write the model into")
-    p.add_argument("--family", choices=FAMILIES, default="llama")
-    p.add_argument("--size", choices=SIZES, default="tiny")
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=None,
+        help="default: the size's own (0.5b: qwen2, the Qwen2.5-0.5B shapes; else llama)",
+    )
+    p.add_argument(
+        "--size",
+        choices=SIZES,
+        default="tiny",
+        help="tiny and small: for tests; bench: 46M, the benches' default; 0.5b and 1b: the "
+        "shapes of Qwen2.5-0.5B and Llama-3.2-1B in bfloat16 (random weights decide nothing "
+        "about text: fix output lengths, e.g. ignore_eos)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--train",
@@ -396,14 +464,18 @@ def cli(args: argparse.Namespace) -> int:
             print("--train-seconds and --train-steps go with --train", file=sys.stderr)
             return 2
         path = make_model(args.dir, family=args.family, size=args.size, seed=args.seed)
-        print(f"wrote a random-weight {args.family} model ({args.size}) to {path}")
+        family = args.family or size_family(args.size)
+        print(f"wrote a random-weight {family} model ({args.size}) to {path}")
         return 0
+    if "dtype" in _SIZES[args.size]:
+        print(f"make-model: --train is for the test sizes; {args.size} is random", file=sys.stderr)
+        return 2
     try:
         train = TrainConfig(**given)
     except ValueError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
-    key = _key(args.family, args.size, args.seed, None, train)
+    key = _key(args.family or size_family(args.size), args.size, args.seed, None, train)
     cached = is_cached(args.dir, key)
     path = make_model(args.dir, family=args.family, size=args.size, seed=args.seed, train=train)
     print(f"{describe(path)}; {'already in' if cached else 'written to'} {path}")

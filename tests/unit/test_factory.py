@@ -49,3 +49,34 @@ def test_bench_size_is_about_50m_parameters():
     n = sum(p.numel() for p in model.parameters())
     assert 40e6 < n < 60e6
     assert cfg.rope_parameters["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize(
+    ("size", "family", "params", "vocab"),
+    [("0.5b", "qwen2", 494_032_768, 151_936), ("1b", "llama", 1_235_814_400, 128_256)],
+)
+def test_real_sizes_have_the_shapes_of_the_models_users_run(size, family, params, vocab):
+    """Qwen2.5-0.5B's and Llama-3.2-1B's parameter counts, exactly, with the factory's own
+    tokenizer (8,192 tokens) padded to their vocabularies."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_workers.models.factory import size_family
+
+    assert size_family(size) == family
+    cfg = model_config(family, size, vocab_size=8192, eos_id=0)
+    assert cfg.vocab_size == vocab and cfg.tie_word_embeddings
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert type(model).__name__.lower().startswith(family)
+
+
+def test_real_sizes_refuse_training(capsys):
+    import argparse
+
+    from gpu_workers.models.factory import add_arguments, cli
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert cli(p.parse_args(["unused", "--size", "1b", "--train"])) == 2
+    assert "--train is for the test sizes" in capsys.readouterr().err
