@@ -91,7 +91,7 @@ _SIZES: dict[str, dict[str, Any]] = {
         initializer_range=0.02,
         dtype="bfloat16",
     ),
-    # Llama-3.2-1B: 1.24B parameters, tied embeddings; a context of 8,192 (its own is 131,072)
+    # Llama-3.2-1B: 1.24B parameters, tied embeddings; a context of 16,384 (its own is 131,072)
     # so that an engine's default KV budget holds a whole sequence
     "1b": dict(
         family="llama",
@@ -106,7 +106,7 @@ _SIZES: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         rope_factor=32.0,
         rope_original=8192,
-        max_position_embeddings=8192,
+        max_position_embeddings=16384,
         initializer_range=0.02,
         dtype="bfloat16",
     ),
