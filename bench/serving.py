@@ -738,6 +738,15 @@ def slos_from(path: str) -> tuple[dict[str, sf.Slo], dict[str, sf.Slo] | None]:
         raise SystemExit(f"--slos-from {path}: no SLOs of a finished run there ({e!r})") from None
 
 
+def one_at_a_time(stack: Stack, reqs: list[ServingRequest], ids: list[str]) -> list[sf.Result]:
+    """Each request sent alone once the one before has ended (nothing waits), as `ids`."""
+    results: list[sf.Result] = []
+    for r, rid in zip(reqs, ids, strict=True):
+        one = ServingRequest(**{**asdict(r), "arrival_s": 0.0, "id": rid})
+        results += asyncio.run(replay(stack, [one], 300))[0]
+    return results
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace, spec: EngineSpec, work: Path) -> None:
         self.a, self.spec, self.work = a, spec, work
@@ -806,10 +815,8 @@ class Bench:
     def run_idle(self, stack: Stack) -> list[Run]:
         cfg = self.config(rate=1.0, duration_s=12.0, batch_share=0.3)
         reqs = self.workload("idle", cfg)
-        results = []
-        for i, r in enumerate(reqs[: self.idle_n]):  # one at a time: nothing waits
-            one = ServingRequest(**{**asdict(r), "arrival_s": 0.0, "id": f"idle{i}"})
-            results += asyncio.run(replay(stack, [one], 300))[0]
+        ids = [f"idle{i}" for i in range(self.idle_n)]
+        results = one_at_a_time(stack, reqs[: self.idle_n], ids)
         lanes = {
             lane: sf.latency([r for r in results if r.lane == lane])
             for lane in (INTERACTIVE, BATCH)
@@ -917,10 +924,8 @@ class Bench:
     def run_trace_idle(self, stack: Stack) -> None:
         """The trace's first requests one at a time: its SLOs (the mixed workload's do not
         fit prompts of another length), the same multiples of the idle figures."""
-        results = []
-        for r in self.trace_workload("trace-idle", 1.0, self.idle_n):
-            one = ServingRequest(**{**asdict(r), "arrival_s": 0.0})
-            results += asyncio.run(replay(stack, [one], 300))[0]
+        reqs = self.trace_workload("trace-idle", 1.0, self.idle_n)
+        results = one_at_a_time(stack, reqs, [r.id for r in reqs])
         self.idle.setdefault(stack.name, {})["trace"] = sf.latency(results)
         if self.trace_slos is None:
             self.trace_slos = sf.slos_from_idle(results, self.a.slo_ttft, self.a.slo_tpot)
