@@ -45,6 +45,13 @@ def arrivals(model: str = DEFAULT_MODEL) -> str:
     return f"{PREFIX}:{queue_tag(model)}:arrived"
 
 
+def loads(model: str = DEFAULT_MODEL, shard: int = 0) -> str:
+    """Hash: worker id -> "<jobs it runs>:<unix ms>" of the workers reading one shard of a
+    model's queue, each written as it takes (TAKE), so that a busier worker leaves a new
+    entry to a less loaded one for a moment (Settings.balance_ms)."""
+    return f"{PREFIX}:{queue_tag(model, shard)}:loads"
+
+
 def idempotency(key: str, model: str = DEFAULT_MODEL, shard: int = 0) -> str:
     """The job id that owns an idempotency key; in the queue shard the key picks."""
     return f"{PREFIX}:{queue_tag(model, shard)}:idem:{key}"

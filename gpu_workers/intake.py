@@ -90,11 +90,20 @@ class Intake:
             for lane in self.lanes
             for shard in range(self.shards)
         }
+        self._shard_of = {
+            self.stream(lane, shard): shard for lane in self.lanes for shard in range(self.shards)
+        }
+        # balance ms, and how long a worker's recorded load counts: an idle worker records
+        # its own every block_ms
+        self._balance = (settings.balance_ms, 1000 + 2 * settings.block_ms)
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
         self.arrivals: Arrivals | None = None  # listen() starts it
         self._next_reclaim = 0.0
         self._pulls = 0  # entries taken from the lanes, for the fair_every turn
         self._turn = 0  # which shard goes first, in turn
+        # the jobs this worker runs, for the balance between workers (Settings.balance_ms);
+        # None: not balanced
+        self.load: Callable[[], int] | None = None
 
     def stream(self, lane: str, shard: int = 0) -> str:
         return keys.request_stream(lane, self.model, shard)
@@ -193,11 +202,21 @@ class Intake:
             groups = [[self.stream(lane) for lane in lanes]]
         else:
             groups = [[self.stream(lane, shard)] for lane in lanes for shard in shards]
+        load = self.load() if self.load is not None and self.settings.balance_ms else None
         for streams in groups:
+            balance = None
+            if load is not None:
+                shard = self._shard_of[streams[0]]
+                balance = (keys.loads(self.model, shard), load + len(got), *self._balance)
             call = jobs.take(
-                streams=streams, consumer=self.id, count=count - len(got), wait_ms=wait_ms
+                streams=streams,
+                consumer=self.id,
+                count=count - len(got),
+                wait_ms=wait_ms,
+                balance=balance,
             )
-            for i, entry_id, flat, *handed in jobs.run(self.r, call):
+            reply = jobs.run(self.r, call)
+            for i, entry_id, flat, *handed in reply:
                 stream = streams[i - 1]
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
                 if handed and int(handed[0]) > 0:  # a handed-over entry's earlier failures

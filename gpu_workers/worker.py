@@ -89,6 +89,7 @@ class Worker:
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
         )
+        self.intake.load = lambda: len(self.running) + len(self.held)
         self.beat = Heartbeat(r, settings, self.id, self.model_names)
         self.cancels = r.pubsub(ignore_subscribe_messages=True)
         self.jobs_done = 0
@@ -190,6 +191,8 @@ class Worker:
             pipe = self.r.pipeline(transaction=False)
             pipe.delete(keys.worker(self.id))
             pipe.srem(keys.WORKERS, self.id)
+            for shard in range(self.settings.shards):
+                pipe.hdel(keys.loads(self.model, shard), self.id)
             pipe.execute(raise_on_error=False)
         except redis.RedisError as e:
             log.warning("could not remove this worker's heartbeat (%s); it expires", e)
@@ -263,7 +266,8 @@ class Worker:
                     # a read that may reach the lower lanes asks for no more entries than
                     # they may start (their backlog bound, the top lane's reserve); the
                     # top lane's further entries come in the turn's next reads
-                    lower = min(n, room, below_top)
+                    # (none while room is negative: the prompts held exceed the bound)
+                    lower = max(0, min(n, room, below_top))
                     self.held = self.intake.take(idle, lower > 0, count=lower or n)
                     if not self.held:
                         return

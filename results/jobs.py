@@ -235,15 +235,27 @@ def submit(
     )
 
 
-def take(*, streams: list[str], consumer: str, count: int, wait_ms: int = 0) -> Call:
+def take(
+    *,
+    streams: list[str],
+    consumer: str,
+    count: int,
+    wait_ms: int = 0,
+    balance: tuple[str, int, int, int] | None = None,
+) -> Call:
     """Take up to `count` entries for `consumer` from `streams` (one shard's lanes, in the
     order to read them: each while it has entries, then the next; in each, preempted jobs'
     entries handed over (keys.HANDED_OVER) before new ones). Returns [stream index
     (1-based), entry id, fields] for each, and for a handed-over entry its failed
-    deliveries before as a fourth item. With `wait_ms`, a stream is read only while its
-    oldest waiting entry has waited that long."""
-    args: list[Any] = [keys.GROUP, consumer, count, keys.HANDED_OVER]
-    return Call("TAKE", streams, [*args, wait_ms] if wait_ms > 0 else args)
+    deliveries before as a fourth item. With `wait_ms`, only entries that have waited that
+    long are taken. `balance`: (the shard's loads hash (keys.loads), the consumer's load,
+    balance ms, fresh ms): the load is recorded there, and an entry younger than balance ms
+    is left to a consumer whose load, written within fresh ms, is lower (scripts.TAKE)."""
+    args: list[Any] = [keys.GROUP, consumer, count, keys.HANDED_OVER, wait_ms]
+    if balance is None:
+        return Call("TAKE", streams, args)
+    loads, load, balance_ms, fresh_ms = balance
+    return Call("TAKE", [*streams, loads], [*args, load, balance_ms, fresh_ms])
 
 
 def begin(

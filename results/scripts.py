@@ -127,8 +127,10 @@ return job_id
 """
 )
 
-# KEYS: request streams of one shard (one hash tag), in the order to read them
-# ARGV: group, consumer, count, the hand-over consumer[, wait ms]
+# KEYS: request streams of one shard (one hash tag), in the order to read them[, the
+#       shard's loads hash (keys.loads) when balancing]
+# ARGV: group, consumer, count, the hand-over consumer, wait ms (0: none)[, the consumer's
+#       load (jobs it runs), balance ms, fresh ms]
 # Takes up to count entries for the consumer: from the first stream while it has some,
 # then from the next; in a stream, first the entries of preempted jobs (pending to the
 # hand-over consumer, oldest first: they keep their place), then new ones (XREADGROUP, as
@@ -138,54 +140,94 @@ return job_id
 # as a fourth and a fifth item. With wait ms (> 0), a stream is read only while its oldest
 # waiting entry was added that long ago or more (by Redis's clock, which made the entry
 # ids).
+# Balancing: the consumer's load is recorded in the loads hash ("<load>:<ms>", its load
+# counting the entries taken now), and while another consumer's load written within
+# fresh ms is lower, an entry younger than balance ms is left to it: a busier worker takes
+# only what the less loaded ones did not in that time. Loads older than fresh ms are
+# dropped (a worker that stopped, or one that reads nothing while its engine is full).
 TAKE = """
 local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local wait = tonumber(ARGV[5] or '0')
+local wait = tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cutoff = nil  -- with a wait: the newest entry time (ms) that may be taken
-if wait > 0 then
-  local t = redis.call('TIME')
-  cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - wait
+if wait > 0 then cutoff = now - wait end
+local streams, loads, mine, least, young = #KEYS, nil, 0, nil, nil
+if ARGV[6] then
+  streams, loads, mine = #KEYS - 1, KEYS[#KEYS], tonumber(ARGV[6])
+  young = now - tonumber(ARGV[7])  -- entries added after this are left to a less loaded one
+  local fresh, all = tonumber(ARGV[8]), redis.call('HGETALL', KEYS[#KEYS])
+  for k = 1, #all, 2 do
+    if all[k] ~= consumer then
+      local load, at = string.match(all[k + 1], '^(%d+):(%d+)$')
+      if load and now - tonumber(at) <= fresh then
+        load = tonumber(load)
+        if least == nil or load < least then least = load end
+      else
+        redis.call('HDEL', loads, all[k])
+      end
+    end
+  end
 end
 local function added_ms(id) return tonumber(string.match(id, '^(%d+)')) end
--- the id of the stream's oldest entry not delivered to the group yet, or nil
-local function next_new(stream)
+-- whether an entry may be taken now: waited long enough, and not left to a less loaded one
+local function may(id)
+  local at = added_ms(id)
+  if cutoff and at > cutoff then return false end
+  return least == nil or mine <= least or at <= young
+end
+-- the id of the last entry delivered to the group
+local function last_delivered(stream)
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     local info = {}
     for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
-    if info['name'] == group then
-      local e = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
-      if e[1] then return e[1][1] end
-      return nil
-    end
+    if info['name'] == group then return info['last-delivered-id'] end
   end
   return nil
 end
 local out = {}
-for i, stream in ipairs(KEYS) do
+for i = 1, streams do
+  local stream = KEYS[i]
   local pending = redis.call('XPENDING', stream, group, '-', '+', count - #out, handed)
   for _, p in ipairs(pending) do
-    if cutoff and added_ms(p[1]) > cutoff then break end
+    if not may(p[1]) then break end
     local c = redis.call('XCLAIM', stream, group, consumer, 0, p[1])
     if c[1] and c[1][2] then
       out[#out + 1] = {i, c[1][1], c[1][2], p[4], p[3]}
+      mine = mine + 1
     else  -- deleted since: nothing to run
       redis.call('XACK', stream, group, p[1])
     end
   end
   local left = count - #out
   if left <= 0 then break end
-  local ready = true
-  if cutoff then  -- entries handed over were delivered before any new one: older
-    local id = next_new(stream)
-    ready = id ~= nil and added_ms(id) <= cutoff
+  if cutoff or (least ~= nil and mine + left - 1 > least) then
+    -- as many new entries as may be taken: entries handed over were delivered before any
+    -- new one, and the new ones are in the order they were added
+    local last, n = last_delivered(stream), 0
+    if last then
+      for _, e in ipairs(redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', left)) do
+        if not may(e[1]) then break end
+        n, mine = n + 1, mine + 1
+      end
+    end
+    mine = mine - n
+    left = n
   end
-  if ready then
+  if left > 0 then
     local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', left,
                            'STREAMS', stream, '>')
     if got then
-      for _, e in ipairs(got[1][2]) do out[#out + 1] = {i, e[1], e[2]} end
+      for _, e in ipairs(got[1][2]) do
+        out[#out + 1] = {i, e[1], e[2]}
+        mine = mine + 1
+      end
     end
   end
+end
+if loads then
+  redis.call('HSET', loads, consumer, mine .. ':' .. now)
+  redis.call('PEXPIRE', loads, tonumber(ARGV[8]) * 10)
 end
 return out
 """

@@ -587,3 +587,61 @@ def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_ur
         assert younger in {f[b"id"].decode() for _, f in waiting}
         assert r.xlen(keys.request_stream("batch")) == 1
         assert batch not in [j for j, _ in engine.added]
+
+
+def test_a_busier_worker_leaves_a_new_entry_to_a_less_loaded_one(redis_url):
+    """Two workers of one queue, each stepping its engine: a new entry goes to the one that
+    runs fewer jobs, whichever reads first; the busier one takes it only once it has waited
+    balance_ms (the other may be dead or full), and a worker alone takes at once."""
+    settings = Settings(redis_url=redis_url, balance_ms=300, fair_every=0, top_lane_slowdown=0)
+    busy, light = Recorder(), Recorder()
+    w1 = Worker(busy, connect(redis_url), settings, worker_id="w1")
+    w2 = Worker(light, connect(redis_url), settings, worker_id="w2")
+    w1.start()
+    w2.start()
+
+    with Client(redis_url) as client:
+        first = [client.submit("a", lane="interactive").id for _ in range(2)]
+        w1._fill()  # alone so far: takes both at once
+        assert [rid for rid, _ in busy.added] == first
+        w2._fill()  # finds nothing; records its load (0)
+        late = client.submit("b", lane="interactive").id
+        w1._fill()
+        assert len(busy.added) == 2  # left to w2, which runs fewer jobs
+        w2._fill()
+        assert [rid for rid, _ in light.added] == [late]
+        again = client.submit("c", lane="interactive").id
+        w1._fill()  # 2 jobs against w2's 1
+        assert len(busy.added) == 2
+        time.sleep(0.35)  # w2 did not take it within balance_ms
+        w1._fill()
+        assert [rid for rid, _ in busy.added][2:] == [again]
+        w2._forget()  # w2 stops: w1 is alone again
+        alone = client.submit("d", lane="interactive").id
+        w1._fill()
+        assert [rid for rid, _ in busy.added][3:] == [alone]
+        assert client.job(late).status() == "running"
+    for w in (w1, w2):
+        w.intake.close()
+
+
+def test_a_prompt_backlog_over_the_lower_lanes_bound_still_takes_the_top_lane(redis_url):
+    """While the top lane runs on a worker, its engine's prompts not computed yet may exceed
+    the lower lanes' bound (prefill_backlog_tokens, 512): a top-lane entry is taken all the
+    same (no bound with the defaults), and the lower lanes' wait."""
+    settings = Settings(redis_url=redis_url, fair_every=0)
+    engine = Prefilling(step_tokens=512)
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    w.pace.seen(time.monotonic())  # the top lane ran here just now
+    with Client(redis_url) as client:
+        first = [client.submit("y" * 2400, lane="interactive").id for _ in range(2)]
+        w._fill()
+        assert [rid for rid, _ in engine.added] == first
+        assert engine.prompt_backlog > 512  # over the lower lanes' bound
+        lower = client.submit("z", lane="standard").id
+        top = client.submit("y", lane="interactive").id
+        w._fill()
+        assert [rid for rid, _ in engine.added][2:] == [top]
+        assert client.job(lower).status() == "queued"
+    w.intake.close()
