@@ -159,40 +159,49 @@ def vllm_python() -> Path | None:
     return Path(found) if Path(found).exists() else None
 
 
+def vllm_env(py: Path, threads: int, kv_gib: int = 4) -> tuple[dict[str, str], list[str]]:
+    """The environment of a vLLM peer, with the set-up vLLM's CPU docs recommend (Intel
+    OpenMP and tcmalloc preloaded where present, OpenMP threads bound to `threads` cores),
+    and the names of the libraries preloaded."""
+    preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
+    preload += [t for t in TCMALLOC if Path(t).exists()]
+    env = {
+        **os.environ,
+        "LD_PRELOAD": " ".join(preload),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+    }
+    return env, [Path(p).name for p in preload]
+
+
+def peer(cmd: list[str], spec: dict, env: dict[str, str] | None = None) -> tuple[dict | None, str]:
+    """A peer script (bench/vllm_peer.py, bench/plurai_peer.py) run on `spec`: its figures
+    (its "PEER " line; None when it failed) and its log (stdout, then stderr)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        run = subprocess.run([*cmd, f.name], env=env, capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    if run.returncode != 0:
+        return None, log
+    return json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:]), log
+
+
 def vllm_peer(
     py: Path, model: Path, reqs: list[Request], dtype: str, threads: int, options: dict
 ) -> tuple[dict | None, str, list[str]]:
-    """bench/vllm_peer.py on these requests with vLLM's EngineArgs `options`, with the
-    set-up vLLM's CPU docs recommend: its figures (None when it failed), its log (stdout,
-    where vLLM logs its engine's errors too, then stderr), and the libraries preloaded."""
-    preload = [str(p) for p in (py.parent.parent / "lib" / "libiomp5.so",) if p.exists()]
-    preload += [t for t in TCMALLOC if Path(t).exists()]
+    """bench/vllm_peer.py on these requests with vLLM's EngineArgs `options` (vllm_env's
+    set-up): its figures (None when it failed), its log (stdout, where vLLM logs its
+    engine's errors too, then stderr), and the libraries preloaded."""
     spec = {
         "model": str(model),
         "dtype": dtype,
         "requests": [[r.prompt, r.max_tokens] for r in reqs],
         "options": options,
     }
-    env = {
-        **os.environ,
-        "LD_PRELOAD": " ".join(preload),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(spec, f)
-        f.flush()
-        run = subprocess.run(
-            [str(py), str(ROOT / "bench" / "vllm_peer.py"), f.name],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-    names = [Path(p).name for p in preload]
-    if run.returncode != 0:
-        return None, run.stdout + run.stderr, names
-    out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEER "))[5:])
-    return out, run.stdout + run.stderr, names
+    env, names = vllm_env(py, threads)
+    out, log = peer([str(py), str(ROOT / "bench" / "vllm_peer.py")], spec, env)
+    return out, log, names
 
 
 def run_vllm(

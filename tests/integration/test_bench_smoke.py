@@ -1,7 +1,7 @@
 """Every bench under bench/ that needs only this environment runs to its end with --smoke,
 as a user runs it (`python bench/X.py --smoke` from the repository root, with this
 environment's python), and ends with its one JSON line of figures. Those with a vLLM peer
-(backends, throughput, quantized, speculative) run in tests/vllm/test_bench_smoke.py, in
+(backends, throughput, model_sizes, quantized, speculative) run in tests/vllm/test_bench_smoke.py, in
 vLLM's environment, which `make test` installs beside this suite; the serving bench runs
 in both: here its native stack alone (every scenario), there its vLLM stacks.
 
@@ -67,7 +67,7 @@ BENCHES = [
     Bench("tracing", ("spans_per_job",), server=True, model=True),
 ]
 # scripts that are no bench: the vLLM side of other benches, run by them
-HELPERS = {"vllm_peer", "vllm_cli"}
+HELPERS = {"vllm_peer", "plurai_peer", "vllm_cli"}
 
 
 def run_smoke(bench: Bench, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:

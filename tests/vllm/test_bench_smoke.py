@@ -1,7 +1,7 @@
 """The benches that reach vLLM run to their end with --smoke, as a user runs them, in
 vLLM's environment (its python runs the bench and its vLLM peers): the vLLM backend beside
 the native one, the serving stacks on vLLM engines, `vllm bench serve` against the gateway
-and a router (router_latency), and the throughput, quantized and speculative benches with
+and a router (router_latency), and the throughput, model_sizes, quantized and speculative benches with
 their vLLM peers (every other step of theirs as well). Checked as
 tests/integration/test_bench_smoke.py checks the others. A vLLM engine starts in ~15-20 s
 here: these smoke runs take 30-60 s each."""
@@ -26,6 +26,7 @@ BENCHES = [
     Bench("backends", ("e2e_vllm_tokens_per_s",), server=True, model=True),
     Bench("serving", ("stacks", "plurai-vllm"), SERVING, server=True, model=True),
     Bench("throughput", ("vllm_tok_s",), model=True),
+    Bench("model_sizes", ("dtypes", "fp32", "ratio_vs_vllm", "decode_32"), model=True),
     Bench("quantized", ("perplexity", "w4a16"), model=True),
     Bench("router_latency", ("ratios", "prefix_repetition", "0.9", "plurai-vllm"), model=True),
     Bench("speculative", ("documents", "vllm_batch", "ngram", "tok_s"), model=True),
