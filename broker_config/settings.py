@@ -147,10 +147,11 @@ class Settings(_Sourced):
     # a submit announces an entry (gpu_workers/arrivals.py)
     poll_ms: int = 20
     # Load balance between the workers of a queue: a worker that runs more jobs than
-    # another one (as each last recorded on taking) leaves a new entry to it for this long,
-    # then takes it all the same (that one may be dead, or its engine full); a worker alone,
-    # or the least loaded, takes at once. 0: whoever reads first takes.
-    balance_ms: int = Field(default=50, ge=0, le=10_000)
+    # another one (as each last recorded on taking) leaves a new entry to it until that
+    # one's next read (while it is due to read: it may be dead, full or in a long step),
+    # for at most this long; a worker alone, or the least loaded, takes at once. 0:
+    # whoever reads first takes.
+    balance_ms: int = Field(default=1000, ge=0, le=10_000)
     # SIGTERM: how long running jobs run on before they are handed back with their progress
     # (other workers resume them where they stopped)
     grace_period_s: float = Field(default=0.0, ge=0)

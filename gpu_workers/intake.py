@@ -104,6 +104,7 @@ class Intake:
         # the jobs this worker runs, for the balance between workers (Settings.balance_ms);
         # None: not balanced
         self.load: Callable[[], int] | None = None
+        self.turn_ms = 0  # the time between two reads while the engine steps (the worker's)
 
     def stream(self, lane: str, shard: int = 0) -> str:
         return keys.request_stream(lane, self.model, shard)
@@ -207,7 +208,12 @@ class Intake:
             balance = None
             if load is not None:
                 shard = self._shard_of[streams[0]]
-                balance = (keys.loads(self.model, shard), load + len(got), *self._balance)
+                balance = (
+                    keys.loads(self.model, shard),
+                    load + len(got),
+                    *self._balance,
+                    self.turn_ms,
+                )
             call = jobs.take(
                 streams=streams,
                 consumer=self.id,

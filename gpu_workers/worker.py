@@ -85,6 +85,8 @@ class Worker:
         self._prompt_size = 0.0  # mean prompt tokens of the entries taken (moving)
         self._top_size = 0.0  # mean prompt plus max_tokens of the top lane's (moving)
         self._output_size = 0.0  # mean max_tokens times n of the entries taken (moving)
+        self._turn_s = 0.0  # mean length of a turn that stepped the engine (moving)
+        self._turn_start, self._stepped = 0.0, False
         limits = settings.limits(engine.max_model_len - 1)
         self.intake = Intake(
             r, settings, self.id, self.metrics, self.writer, limits, self.model_names
@@ -199,6 +201,12 @@ class Worker:
 
     def iterate(self) -> None:
         """One turn: kept results, new work, cancels and deadlines, one step, heartbeat."""
+        start = time.monotonic()
+        if self._stepped:  # the turn's length, from one read to the next: other workers
+            # leave a new entry to this one for about that long when it runs fewer jobs
+            self._turn_s = moving(self._turn_s, start - self._turn_start)
+            self.intake.turn_ms = round(1000 * self._turn_s)
+        self._turn_start, self._stepped = start, False
         self.writer.flush()  # results kept through a Redis outage
         idle = not self.engine.has_unfinished()
         if idle and self.writer.unsent and self.writer.refusal is not None:
@@ -216,6 +224,7 @@ class Worker:
         self._expire_deadlines()
         if self.engine.has_unfinished():
             outputs = self.engine.step()
+            self._stepped = True
             if not self.engine.has_unfinished():
                 # drained: the metrics get the engine's last figures before its jobs' results
                 self._refresh_stats()

@@ -241,7 +241,7 @@ def take(
     consumer: str,
     count: int,
     wait_ms: int = 0,
-    balance: tuple[str, int, int, int] | None = None,
+    balance: tuple[str, int, int, int, int] | None = None,
 ) -> Call:
     """Take up to `count` entries for `consumer` from `streams` (one shard's lanes, in the
     order to read them: each while it has entries, then the next; in each, preempted jobs'
@@ -249,13 +249,14 @@ def take(
     (1-based), entry id, fields] for each, and for a handed-over entry its failed
     deliveries before as a fourth item. With `wait_ms`, only entries that have waited that
     long are taken. `balance`: (the shard's loads hash (keys.loads), the consumer's load,
-    balance ms, fresh ms): the load is recorded there, and an entry younger than balance ms
-    is left to a consumer whose load, written within fresh ms, is lower (scripts.TAKE)."""
+    balance ms, fresh ms, its turn ms): the load is recorded there, and an entry is left
+    for at most balance ms to a consumer that runs fewer jobs and has not read since the
+    entry was added, while it is due to read (scripts.TAKE)."""
     args: list[Any] = [keys.GROUP, consumer, count, keys.HANDED_OVER, wait_ms]
     if balance is None:
         return Call("TAKE", streams, args)
-    loads, load, balance_ms, fresh_ms = balance
-    return Call("TAKE", [*streams, loads], [*args, load, balance_ms, fresh_ms])
+    loads, load, balance_ms, fresh_ms, turn_ms = balance
+    return Call("TAKE", [*streams, loads], [*args, load, balance_ms, fresh_ms, turn_ms])
 
 
 def begin(

@@ -130,7 +130,8 @@ return job_id
 # KEYS: request streams of one shard (one hash tag), in the order to read them[, the
 #       shard's loads hash (keys.loads) when balancing]
 # ARGV: group, consumer, count, the hand-over consumer, wait ms (0: none)[, the consumer's
-#       load (jobs it runs), balance ms, fresh ms]
+#       load (jobs it runs), balance ms, fresh ms, its turn ms (the time between its reads
+#       while its engine steps)]
 # Takes up to count entries for the consumer: from the first stream while it has some,
 # then from the next; in a stream, first the entries of preempted jobs (pending to the
 # hand-over consumer, oldest first: they keep their place), then new ones (XREADGROUP, as
@@ -140,11 +141,13 @@ return job_id
 # as a fourth and a fifth item. With wait ms (> 0), a stream is read only while its oldest
 # waiting entry was added that long ago or more (by Redis's clock, which made the entry
 # ids).
-# Balancing: the consumer's load is recorded in the loads hash ("<load>:<ms>", its load
-# counting the entries taken now), and while another consumer's load written within
-# fresh ms is lower, an entry younger than balance ms is left to it: a busier worker takes
-# only what the less loaded ones did not in that time. Loads older than fresh ms are
-# dropped (a worker that stopped, or one that reads nothing while its engine is full).
+# Balancing: each consumer records "<load>:<ms>:<turn ms>" in the loads hash as it takes
+# (its load counting the entries taken now). An entry is left to another consumer that
+# runs fewer jobs and has not read since the entry was added, while that one is due to
+# read again (within two of its turns, plus 20 ms, of its last read), and at most balance
+# ms: a busier worker takes what a less loaded one did not want at its next read, as a
+# router's request would wait for that engine's next step. Records older than fresh ms
+# are dropped (a worker that stopped, or one that reads nothing while its engine is full).
 TAKE = """
 local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local wait = tonumber(ARGV[5])
@@ -153,16 +156,20 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cutoff = nil  -- with a wait: the newest entry time (ms) that may be taken
 if wait > 0 then cutoff = now - wait end
 local streams, loads, mine, least, young = #KEYS, nil, 0, nil, nil
+local others = {}  -- {load, last read ms} of the other consumers due to read again
 if ARGV[6] then
   streams, loads, mine = #KEYS - 1, KEYS[#KEYS], tonumber(ARGV[6])
-  young = now - tonumber(ARGV[7])  -- entries added after this are left to a less loaded one
+  young = now - tonumber(ARGV[7])  -- entries added after this may be left to another
   local fresh, all = tonumber(ARGV[8]), redis.call('HGETALL', KEYS[#KEYS])
   for k = 1, #all, 2 do
     if all[k] ~= consumer then
-      local load, at = string.match(all[k + 1], '^(%d+):(%d+)$')
+      local load, at, turn = string.match(all[k + 1], '^(%d+):(%d+):?(%d*)$')
       if load and now - tonumber(at) <= fresh then
-        load = tonumber(load)
-        if least == nil or load < least then least = load end
+        load, at = tonumber(load), tonumber(at)
+        if now <= at + 2 * (tonumber(turn) or 0) + 20 then
+          others[#others + 1] = {load, at}
+          if least == nil or load < least then least = load end
+        end
       else
         redis.call('HDEL', loads, all[k])
       end
@@ -174,7 +181,11 @@ local function added_ms(id) return tonumber(string.match(id, '^(%d+)')) end
 local function may(id)
   local at = added_ms(id)
   if cutoff and at > cutoff then return false end
-  return least == nil or mine <= least or at <= young
+  if young == nil or at <= young then return true end
+  for _, o in ipairs(others) do
+    if o[1] < mine and o[2] <= at then return false end
+  end
+  return true
 end
 -- the id of the last entry delivered to the group
 local function last_delivered(stream)
@@ -226,7 +237,7 @@ for i = 1, streams do
   end
 end
 if loads then
-  redis.call('HSET', loads, consumer, mine .. ':' .. now)
+  redis.call('HSET', loads, consumer, mine .. ':' .. now .. ':' .. tonumber(ARGV[9] or 0))
   redis.call('PEXPIRE', loads, tonumber(ARGV[8]) * 10)
 end
 return out
