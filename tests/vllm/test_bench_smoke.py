@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_workers.vllm_backend import cpu_support
 from tests.integration.test_bench_smoke import Bench, check, run_smoke
 
 pytestmark = pytest.mark.slow
@@ -47,6 +48,11 @@ def test_bench_runs_to_its_end_with_vllm(bench: Bench) -> None:
         hop = figures["figures"]["prefix_repetition"]["0.9"]["plurai-vllm"]["hops_ms"]["hop"]
         assert hop["n"] == 8 and 0 < hop["p50"] <= hop["p99"]
     if bench.name == "quantized":
-        # vLLM serves w4a16 in bf16 on every ISA (on AMX with cpu_support.allow_amx)
-        assert figures["vllm_checkpoints"] == ["w4a16"] and not figures["vllm_refused"]
-        assert figures["vllm_batch_tok_s"]["w4a16"] > 0
+        # vLLM serves w4a16 in bf16 with AVX-512 (on AMX with cpu_support.allow_amx); its
+        # build for AVX2 has no kernel for it (tests/vllm/test_quantized.py)
+        assert figures["vllm_checkpoints"] == ["w4a16"]
+        if cpu_support.isa() == "avx2":
+            assert list(figures["vllm_refused"]) == ["w4a16"]
+        else:
+            assert not figures["vllm_refused"]
+            assert figures["vllm_batch_tok_s"]["w4a16"] > 0
