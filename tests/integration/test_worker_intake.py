@@ -686,3 +686,30 @@ def test_a_prompt_backlog_over_the_lower_lanes_bound_still_takes_the_top_lane(re
         assert [rid for rid, _ in engine.added][2:] == [top]
         assert client.job(lower).status() == "queued"
     w.intake.close()
+
+
+def test_a_damaged_loads_record_is_dropped_and_the_entry_taken(redis_url):
+    """Whatever else writes to the loads hash (garbage, a turn far too long) never keeps a
+    worker from taking: a record that does not parse is dropped, and an entry is left to
+    another worker for at most balance_ms."""
+    settings = Settings(redis_url=redis_url, balance_ms=200, fair_every=0, top_lane_slowdown=0)
+    engine = Recorder()
+    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
+    w.start()
+    r = connect(redis_url)
+    loads = keys.loads(w.model)
+    with Client(redis_url) as client:
+        first = client.submit("a", lane="interactive").id
+        w._fill()
+        r.hset(loads, mapping={"junk": "x:y", "bad": "1:2:3:4", "huge": "0:9999999999999:99999999"})
+        w._fill()
+        assert r.hget(loads, "junk") is None and r.hget(loads, "bad") is None
+        now_ms = int(time.time() * 1000)
+        r.hset(loads, "slow", f"0:{now_ms}:99999999")  # less loaded, "due" for a day
+        late = client.submit("b", lane="interactive").id
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [first]
+        time.sleep(0.25)  # balance_ms bounds the wait
+        w._fill()
+        assert [rid for rid, _ in engine.added] == [first, late]
+    w.intake.close()
