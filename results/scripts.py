@@ -143,11 +143,12 @@ return job_id
 # ids).
 # Balancing: each consumer records "<load>:<ms>:<turn ms>" in the loads hash as it takes
 # (its load counting the entries taken now). An entry is left to another consumer that
-# runs fewer jobs and has not read since the entry was added, while that one is due to
-# read again (within two of its turns, plus 20 ms, of its last read), and at most balance
-# ms: a busier worker takes what a less loaded one did not want at its next read, as a
-# router's request would wait for that engine's next step. Records older than fresh ms
-# are dropped (a worker that stopped, or one that reads nothing while its engine is full).
+# runs fewer jobs and has not read since the entry was added (a read in the entry's own ms
+# counts as before it), while that one is due to read again (within two of its turns,
+# plus 20 ms, of its last read), and at most balance ms: a busier worker takes what a less
+# loaded one did not want at its next read, as a router's request would wait for that
+# engine's next step. Records older than fresh ms are dropped (a worker that stopped, or
+# one that reads nothing while its engine is full).
 TAKE = """
 local group, consumer, count, handed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local wait = tonumber(ARGV[5])
