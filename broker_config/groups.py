@@ -55,7 +55,7 @@ def request_streams(r: redis.Redis, lanes: list[str]) -> list[str]:
 def forget_dead_consumers(r: redis.Redis, lanes: list[str], min_idle_ms: int) -> list[str]:
     """Remove group consumers that hold no entries, have no live heartbeat and have been
     idle at least `min_idle_ms`: what dead workers leave behind. Their entries were already
-    reclaimed by live workers (XAUTOCLAIM), so nothing pending is dropped; a worker that
+    reclaimed by live workers (XPENDING IDLE, XCLAIM), so nothing pending is dropped; a worker that
     comes back under the same name is re-added by its next read."""
     removed = []
     for stream in request_streams(r, lanes):

@@ -128,7 +128,7 @@ def maintain() -> dict[str, Any]:
                 log.warning("batch %s not kicked, its record is damaged: %s", batch_id, e)
                 continue
             kicked.append(batch_id)
-    # stranded entries are reclaimed by the live GPU workers themselves (XAUTOCLAIM); what
+    # stranded entries are reclaimed by the live GPU workers themselves (XCLAIM); what
     # the dead ones leave behind is their name in the consumer group
     settings = client.settings
     forgotten = forget_dead_consumers(r, settings.lanes, 10 * settings.reclaim_idle_ms)

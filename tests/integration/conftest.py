@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ import pytest
 
 from broker_config import stats
 from broker_config.connection import connect
+
+from .zygote import Child, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +39,19 @@ def serving_pids(r) -> set[int]:
     return {w.pid for w in live if w.state == "serving"}
 
 
+_zygote: Zygote | None = None
+
+
+def zygote() -> Zygote | None:
+    """The session's zygote (tests/integration/zygote.py), started at its first use;
+    PLURAI_TEST_ZYGOTE=0 starts every worker as a process of its own instead."""
+    global _zygote
+    if _zygote is None and os.environ.get("PLURAI_TEST_ZYGOTE", "1") != "0":
+        _zygote = Zygote(Path(tempfile.mkdtemp(prefix="plurai-zygote-")))
+        atexit.register(_zygote.stop)
+    return _zygote
+
+
 class Workers:
     """Worker processes serving one Redis; stopped with SIGTERM at teardown."""
 
@@ -43,31 +60,26 @@ class Workers:
 
     def __init__(self, url: str, model: Path, log_dir: Path) -> None:
         self.url, self.model, self.log_dir = url, model, log_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | Child] = []
 
     def start(
         self, n: int = 1, *extra: str, env: dict[str, str] | None = None, timeout: float = 180.0
-    ) -> list[subprocess.Popen[bytes]]:
+    ) -> list[subprocess.Popen[bytes] | Child]:
         r = connect(self.url)
-        new = []
+        new: list[subprocess.Popen[bytes] | Child] = []
         for _ in range(n):
-            log = open(self.log_dir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
-            proc = subprocess.Popen(
-                [
-                    *self.command,
-                    "worker",
-                    "--model",
-                    str(self.model),
-                    "--url",
-                    self.url,
-                    *self.args,
-                    *extra,
-                ],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **(env or {})},
-            )
+            path = self.log_dir / f"worker-{len(self.procs)}.log"
+            argv = [*self.command, "worker", "--model", str(self.model), "--url", self.url]
+            argv += [*self.args, *extra]
+            full_env = {**os.environ, "PLURAI_HEARTBEAT_INTERVAL_S": "1", **(env or {})}
+            z = zygote() if argv[:2] == [sys.executable, "-m"] else None
+            if z is not None:
+                proc: subprocess.Popen[bytes] | Child = z.start(argv, ROOT, full_env, path)
+            else:
+                with open(path, "wb") as log:
+                    proc = subprocess.Popen(
+                        argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env
+                    )
             self.procs.append(proc)
             new.append(proc)
         deadline = time.monotonic() + timeout

@@ -1,17 +1,14 @@
 """Every setting goes through broker_config/settings.py: no other module of the product
 reads a PLURAI_* variable from the environment itself (a value in the PLURAI_CONFIG file
-or given to Settings(...) would never reach it), and every setting is in the settings
-table of docs/operations.md."""
+or given to Settings(...) would never reach it). docs/settings.md, every setting's
+reference, is checked in test_settings_doc.py."""
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
-
-from broker_config.settings import BulkSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("broker_config", "gpu_workers", "kv_store", "results", "producer", "gateway", "cli")
@@ -134,21 +131,3 @@ def test_the_check_finds_each_kind_of_read(source: str) -> None:
 )
 def test_the_check_passes_writes_and_other_variables(source: str) -> None:
     assert not reads(source)
-
-
-def settings_table() -> str:
-    text = (ROOT / "docs" / "operations.md").read_text()
-    start = text.index("\n## Settings\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else len(text)]
-
-
-def test_every_setting_is_in_the_settings_table() -> None:
-    documented = set(re.findall(r"`(PLURAI_[A-Z0-9_]+)`", settings_table()))
-    missing = [
-        cls.model_config["env_prefix"] + name.upper()
-        for cls in (Settings, BulkSettings)
-        for name in cls.model_fields
-        if cls.model_config["env_prefix"] + name.upper() not in documented
-    ]
-    assert not missing, f"not in docs/operations.md, Settings: {missing}"

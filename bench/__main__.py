@@ -1,0 +1,88 @@
+"""`python -m bench`: every bench, the question it answers, the peers it runs beside
+Plurai on the same work, the environment it runs in and where its figures are written up.
+
+Each bench is a script (`python bench/<name>.py --help`); `--smoke` runs it briefly as a
+check, and its last line is one JSON object of measured figures (the ISA among them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    question: str
+    peers: str
+    docs: str  # where its figures are written up
+    vllm_env: bool = False  # runs in vLLM's environment (.venv-vllm/bin/python)
+
+
+INDEX = [
+    # serving: the queue against router stacks
+    Bench("serving", "Floods, kills, load sweeps and added engines: Plurai against routers",
+          "vllm-router (round_robin, cache_aware) over `vllm serve`", "README.md"),
+    Bench("router_latency", "Everyday latency with the defaults, under `vllm bench serve`",
+          "vllm-router over `vllm serve`", "README.md", vllm_env=True),
+    Bench("priority", "Interactive TTFT while the batch lane saturates the workers",
+          "the same requests on idle workers", "README.md"),
+    Bench("policy_sim", "Routers against pulling at 64-1,000 engines (a simulation)",
+          "simulated routers", "docs/architecture.md"),
+    Bench("fleet_sim", "The real queue layer at fleet scale, engines simulated",
+          "the smallest fleet (scaling to 256 workers)", "README.md"),
+    # the queue's own costs
+    Bench("queue_overhead", "What Redis costs a job: end to end against offline",
+          "Engine.generate offline; a bare XADD", "README.md"),
+    Bench("gateway", "The HTTP gateway against the SDK straight to Redis",
+          "producer.aio's AsyncClient", "README.md"),
+    Bench("tracing", "What tracing every job costs", "the same jobs, tracing off",
+          "docs/operations.md"),
+    Bench("dashboard", "The dashboard's weight and its Redis cost as the backlog grows",
+          "(none)", "docs/operations.md"),
+    Bench("bulk", "Documents/s of the batch pipeline (Celery) against offline",
+          "the same map-reduce plan offline", "README.md"),
+    Bench("backends", "The native and vLLM backends on the same queue work",
+          "vLLM's LLM.generate", "README.md", vllm_env=True),
+    # the engine
+    Bench("throughput", "Tokens/s of the engine on a mixed workload",
+          "vLLM's CPU build, transformers", "README.md"),
+    Bench("model_sizes", "Decode, prefill, start and memory at 0.5B and 1B",
+          "vLLM's CPU build", "README.md"),
+    Bench("quantized", "int8/int4 weights against bf16, speed and perplexity",
+          "vLLM's CPU build on the same checkpoints", "README.md"),
+    Bench("speculative", "Prompt-lookup and draft-model speculation, with and without",
+          "vLLM's CPU build with n-gram speculation", "docs/architecture.md"),
+    Bench("structured", "JSON-schema constrained decoding against unconstrained",
+          "the same batch unconstrained", "README.md"),
+    Bench("prefix_reuse", "TTFT and throughput with prefixes on the device, host and Redis",
+          "a cold engine", "README.md"),
+    Bench("overhead", "A decode step against the bare forward inside it",
+          "the forward alone", "README.md"),
+    Bench("step_profile", "Where a step's time goes, and the matmul-only floor",
+          "the model's linear layers alone", "README.md"),
+    Bench("cpu_kernels", "What each fused CPU kernel gains, alone and in place",
+          "the torch ops it replaces", "docs/architecture.md"),
+    Bench("parallel", "Tensor- and pipeline-parallel groups against one rank",
+          "one rank", "docs/architecture.md"),
+]  # fmt: skip
+
+# Parts of the benches above, not benches: the serving bench's workload and its figures,
+# its simulated engines, the engine peers run in processes of their own, vLLM's CLI.
+PARTS = ["serving_workload", "serving_figures", "sim_backend", "fleet_procs", "trace_replay",
+         "workload", "plurai_peer", "vllm_peer", "vllm_cli"]  # fmt: skip
+
+
+def main() -> None:
+    width = max(len(b.name) for b in INDEX)
+    print(__doc__.split("\n\n")[0].replace("\n", " "))
+    print()
+    for b in INDEX:
+        python = ".venv-vllm/bin/python" if b.vllm_env else "python"
+        print(f"{b.name:<{width}}  {b.question}")
+        print(f"{'':<{width}}  peers: {b.peers}; figures: {b.docs}")
+        print(f"{'':<{width}}  {python} bench/{b.name}.py [--smoke]")
+
+
+if __name__ == "__main__":
+    main()
