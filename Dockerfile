@@ -3,9 +3,12 @@ FROM python:3.11-slim
 WORKDIR /app
 # g++ builds the fused CPU kernels (without it the engine runs its pure-torch path)
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
-# Pass TORCH=torch==2.13.0 --index-url ... to pick a CPU or CUDA build explicitly.
+# The torch build: TORCH names it (--build-arg TORCH=torch==2.13.0), TORCH_INDEX the index
+# to take it from, e.g. --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu for
+# the CPU-only build; unset, pip's own index (the CUDA build on Linux).
 ARG TORCH=torch
-RUN pip install --no-cache-dir "${TORCH}"
+ARG TORCH_INDEX=
+RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "${TORCH}"
 COPY pyproject.toml README.md ./
 COPY cli cli
 COPY producer producer

@@ -66,8 +66,8 @@ BENCHES = [
     Bench("structured", ("libraries", "llguidance"), model=True),
     Bench("tracing", ("spans_per_job",), server=True, model=True),
 ]
-# scripts that are no bench: the vLLM side of other benches, run by them
-HELPERS = {"vllm_peer", "plurai_peer", "vllm_cli"}
+# scripts that are no bench: the vLLM side of other benches, run by them, and the index
+HELPERS = {"vllm_peer", "plurai_peer", "vllm_cli", "__main__"}
 
 
 def run_smoke(bench: Bench, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:

@@ -160,7 +160,7 @@ class Session:
 
 # The README's placeholders, and what replaces each in every command and block after the
 # command that printed its value (Session.values; the Redis URLs: Session.redis_url).
-REDIS_URLS = ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0")
+REDIS_URLS = ("redis://127.0.0.1:6379/0",)
 PLACEHOLDERS = {
     "JOB_ID": "the job id `plurai submit` prints",
     "pk-...": "the key `plurai keys create` prints",

@@ -1,0 +1,37 @@
+"""Every error code a job, a submit or the engine can end with is in docs/protocol.md, "Error codes",
+and the page names no code that does not exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from broker_config.errors import Code, ErrorCode
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def section() -> str:
+    text = PAGE.read_text()
+    start = text.index("\n## Error codes\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def codes() -> set[str]:
+    """Code's, and the engine's own (ErrorCode: duplicate_request_id, of offline use)."""
+    return {
+        v for cls in (Code, ErrorCode) for k, v in vars(cls).items()
+        if k.isupper() and isinstance(v, str)
+    }  # fmt: skip
+
+
+def test_every_code_is_documented() -> None:
+    text = section()
+    missing = sorted(c for c in codes() if f"`{c}`" not in text)
+    assert not missing, f"add them to docs/protocol.md, Error codes: {missing}"
+
+
+def test_the_table_names_only_codes_that_exist() -> None:
+    rows = re.findall(r"^\| `([a-z_0-9]+)` \|", section(), re.M)
+    assert rows, "the table was not found"
+    assert sorted(set(rows) - codes()) == []
