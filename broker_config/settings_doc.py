@@ -93,10 +93,10 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _table(cls: type[BaseSettings], prefix: str, who: dict[str, str], key: str) -> list[str]:
+def _table(cls: type[BaseSettings], who: dict[str, str], key: str) -> list[str]:
     lines = ["| variable | default | range | read by | what it does |", "|---|---|---|---|---|"]
     for name, f in cls.model_fields.items():
-        var = prefix + name.upper()
+        var = cls.model_config["env_prefix"] + name.upper()
         lines.append(
             f"| `{var}` | `{_default(f)}` | {_range(f)} | {who[key + name]} "
             f"| {_cell(f.description or '')} |"
@@ -139,8 +139,7 @@ def render() -> str:
         "Celery's batch workers (`producer/bulk`) and the clients that create batches.",
         "",
     ]
-    lines = head + _table(Settings, "PLURAI_", who, "") + bulk
-    lines += _table(BulkSettings, "PLURAI_BATCH_", who, "batch.")
+    lines = head + _table(Settings, who, "") + bulk + _table(BulkSettings, who, "batch.")
     return "\n".join(lines) + "\n"
 
 
