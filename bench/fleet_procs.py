@@ -67,7 +67,7 @@ def worker_proc(cfg: dict[str, Any], stop: Any, out: Any) -> None:
             for i in range(3):
                 acc[i] += v[i]
     result = {
-        "jobs_done": sum(w.jobs_done for w, _ in workers),
+        "jobs_done": sum(w.publisher.jobs_done for w, _ in workers),
         "alive": sum(t.is_alive() for t in threads),
         "errors": errors,
         "per_second": {str(k): v for k, v in per_second.items()},

@@ -17,18 +17,21 @@ SGLang router's idea: the router keeps, per engine, a tree of the prompts it sen
 the outstanding counts are imbalanced, max - min > 32 and max > 1.0001 * min, the least
 loaded engine; else the engine whose tree matches the longest share of the prompt, if that
 share is over 0.5; else the engine with the smallest tree). Pulling (Plurai): one FIFO queue
-per lane; an engine takes the head of the highest non-empty lane when it has a free slot,
-KV room for prompt + max_tokens, and the prompts it holds with no token yet plus the new
-one fit the backlog bound B (--pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS; whole prompts,
-as the worker counts them, a top-lane request the top lane's only; one alone always
-fits); no lower-lane entry while a top-lane prompt it holds has no token yet (the
-worker's rule); every 8th take starts at the lower lanes (PLURAI_FAIR_EVERY). With a
-top-lane TPOT target (PLURAI_TOP_LANE_TPOT_MS; --tpot-share of the SLO, or the measured
-run's), an engine whose top-lane tokens of the last second came slower than it, while
-top-lane sequences decode there, takes nothing of the lower lanes; of the top lane, it
-takes arrivals while lower-lane requests run on it (the worker's `_lower_running`), else
-only the head once that has waited --wait-share of the TTFT SLO (PLURAI_TOP_LANE_WAIT_MS),
-one a poll (50 ms); after 7 such takes, the next is the lower lanes' head (their fair turn
+per lane; each engine's worker decides what it takes with the worker's own admission
+policy (gpu_workers/admission.py, the same object, fed the simulated engine's figures): an
+idle engine takes the head of the highest non-empty lane; a busy one while it has a free
+slot and KV room for prompt + max_tokens, within the prompt backlog bound where one
+applies (the lower lanes' --pull-budget, PLURAI_PREFILL_BACKLOG_TOKENS, while the top lane
+runs there; every lane's step budget with an objective), no lower-lane entry beside a
+top-lane prompt with no token yet, nor while the top lane's tokens come over
+PLURAI_TOP_LANE_SLOWDOWN times slower than unloaded, nor into the top lane's reserved
+slots and KV; at most its takes a step; every 8th take starts at the lower lanes
+(PLURAI_FAIR_EVERY, the queue's read order). With a top-lane TPOT target
+(PLURAI_TOP_LANE_TPOT_MS; --tpot-share of the SLO, or the measured run's), an engine over
+it while top-lane sequences decode there takes nothing of the lower lanes; of the top
+lane, it takes arrivals while lower-lane requests run on it, else only the head once that
+has waited --wait-share of the TTFT SLO (PLURAI_TOP_LANE_WAIT_MS), one a poll
+(PLURAI_POLL_MS); after 7 such takes, the next is the lower lanes' head (their fair turn
 in the hold). Engines that found the queue empty wait in line and the longest-waiting
 pulls first (a blocking stream read); the others pull again at the end of each step.
 --lookahead N lets a puller take, among the first N entries of the lane, the one with the
@@ -111,12 +114,11 @@ sys.path.insert(0, str(ROOT))
 from bench import serving_figures as sf  # noqa: E402
 from bench.serving_workload import arrival_times, flatten  # noqa: E402
 from broker_config.settings import Settings  # noqa: E402
+from gpu_workers.admission import Admission  # noqa: E402
 
 BLOCK = 16  # vLLM's block on a GPU
 STEP_TOKENS = 2048  # vLLM's max_num_batched_tokens
 MAX_SEQS = 256
-PACE_S = 1.0  # the worker's pace sums the top lane's tokens of the last second
-POLL_S = 0.05  # PLURAI_POLL_MS: how often a slow worker looks for a waited top-lane entry
 # PLURAI_FAIR_EVERY's default: every fair_every-th take of a worker starts at the lower lanes
 FAIR_EVERY: int = Settings.model_fields["fair_every"].default
 KV_TOKEN_BYTES = 2 * 12 * 4 * 64 * 4  # bench-llama: K and V, 12 layers, 4 heads of 64, fp32
@@ -366,8 +368,13 @@ class Lru:
 
 @dataclass(slots=True)
 class Engine:
+    """A simulated engine; the worker's admission policy (gpu_workers/admission.py) reads
+    it as its engine and its running jobs."""
+
     i: int
     cache: Lru
+    kv_blocks: int
+    block: int
     used: int = 0  # KV blocks reserved by its requests
     outstanding: int = 0  # assigned and not finished
     pending: int = 0  # prompt tokens of the requests assigned with no token yet
@@ -385,13 +392,38 @@ class Engine:
     speed: float = 1.0  # its machine's steps' time factor (Constants.noise_sd)
     speed_until: float = 0.0
     decoding_top: int = 0  # top-lane sequences among the decoding ones
-    # the top lane's tokens of the last PACE_S: (when, step time x tokens, tokens)
-    top_tokens: deque = field(default_factory=deque)
-    top_spent: float = 0.0
-    top_made: int = 0
-    next_waited: float = 0.0  # when a slow engine may look for a waited top-lane entry
     takes: int = 0  # entries taken (a fair turn is every FAIR_EVERY-th)
-    waited_takes: int = 0  # top-lane entries taken for their wait since a fair turn
+    adm: Any = None  # its worker's Admission, pulling
+    max_num_seqs: int = MAX_SEQS
+    step_tokens: int = STEP_TOKENS
+    num_waiting: int = 0  # counted in num_running
+
+    @property
+    def prompt_backlog(self) -> int:
+        return self.pending
+
+    @property
+    def num_running(self) -> int:
+        return self.outstanding
+
+    def has_unfinished(self) -> bool:
+        return self.outstanding > 0
+
+    def can_admit(
+        self, prompt_tokens: int, max_tokens: int, priority: int | None = None, spare: int = 0
+    ) -> bool:
+        """A slot and KV for the request and `spare` tokens more; no preemption here."""
+        blocks = -(-(prompt_tokens + max_tokens + spare) // self.block)
+        return self.outstanding < MAX_SEQS and self.used + blocks <= self.kv_blocks
+
+    def top_backlog(self) -> int:
+        return self.pending_top
+
+    def lower_running(self) -> bool:
+        return self.lower > 0
+
+    def top_making(self) -> bool:
+        return self.decoding_top > 0
 
 
 class Sim:
@@ -412,11 +444,20 @@ class Sim:
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        self.policy, self.k, self.budget, self.lookahead = policy, k, pull_budget, lookahead
-        self.target, self.wait = tpot_target_s, wait_s
+        self.policy, self.k, self.lookahead = policy, k, lookahead
         self.machine = max(1, machine)  # engines per machine, sharing its speed
         self.block, self.kv_blocks = block, kv_tokens // block
-        self.engines = [Engine(i, Lru(self.kv_blocks)) for i in range(engines)]
+        self.engines = [
+            Engine(i, Lru(self.kv_blocks), self.kv_blocks, block) for i in range(engines)
+        ]
+        settings = Settings.model_construct(  # the defaults, but for the knobs the run sets
+            lanes=list(LANES),
+            prefill_backlog_tokens=pull_budget,
+            top_lane_tpot_ms=1000 * tpot_target_s,
+            top_lane_wait_ms=1000 * wait_s,
+        )
+        for e in self.engines:
+            e.adm = Admission.of(settings, e, e)
         self.pool = Lru(pool_blocks) if policy == "pull" else None
         self.rng = random.Random(f"{seed}/policy")
         self.noise = random.Random(f"{seed}/noise")
@@ -534,17 +575,11 @@ class Sim:
         while not by.get(self.load_min):
             self.load_min += 1
 
-    def fits(self, e: Engine, r: Req) -> bool:
-        """Room for r's KV and a sequence slot, and its prompt within the backlog bound
-        beside the prompts with no token yet, as the product's worker counts them (whole
-        prompts, cached parts included; a top-lane request counts the top lane's only; one
-        alone always fits; a budget of 0: no bound)."""
-        pending = e.pending_top if r.lane == LANES[0] else e.pending
-        return (
-            e.outstanding < MAX_SEQS
-            and e.used + -(-(r.prompt + r.max_tokens) // self.block) <= self.kv_blocks
-            and (not self.budget or pending == 0 or pending + r.prompt <= self.budget)
-        )
+    def fits(self, e: Engine, r: Req, now: float) -> bool:
+        """Whether e's worker would start r now: an idle engine always; else as the
+        worker's admission says (room, the prompt backlog bound)."""
+        top = r.lane == LANES[0]
+        return not e.outstanding or e.adm.fits(r.prompt, r.max_tokens, top, now)
 
     def pick(self, e: Engine, lane: deque) -> int:
         """The index in lane that e takes: the head, or with lookahead the entry of the
@@ -564,41 +599,35 @@ class Sim:
             lane[j].skips += 1
         return best
 
-    def slow(self, e: Engine) -> bool:
-        """Over the top lane's target: its recent time per token (the worker's pace: the
-        last PACE_S of its top-lane tokens) while top-lane sequences decode here."""
-        return (
-            self.target > 0
-            and e.decoding_top > 0
-            and e.top_made > 0
-            and e.top_spent / e.top_made > self.target
-        )
-
     def pull(self, e: Engine, now: float) -> None:
-        """e takes entries while it has room; waits in line if the lanes are empty. While
-        slow, it takes nothing of the lower lanes, and of the top lane only while
-        lower-lane requests run on it (they slow the top lane too: holding its arrivals
-        would put them behind batch work, the worker's `_lower_running`), else only the top
-        lane's head once that has waited `wait` (one a poll)."""
-        slow = self.slow(e)
+        """e takes entries while its worker's admission lets them in, at most its takes a
+        step; it waits in line if the lanes are empty. While the top lane is over its
+        target, it takes nothing of the lower lanes, and of the top lane only while
+        lower-lane requests run on it, else only the top lane's head once that has waited
+        top_lane_wait_ms (one a poll), with the lower lanes' fair turn among those takes
+        (the worker's Taker, gpu_workers/take.py)."""
+        adm, top = e.adm, self.lanes[0]
+        slow = adm.slow()
         if slow and not e.lower:
-            top = self.lanes[0]
-            if self.wait > 0 and now >= e.next_waited:
-                e.next_waited = now + POLL_S
+            if adm.look_for_waited(now):
                 lower = next((q for q in self.lanes[1:] if q), None)
-                if FAIR_EVERY <= e.waited_takes + 1 and lower and self.startable(e, lower[0]):
-                    e.waited_takes = 0  # the lower lanes' fair turn inside the hold
+                if adm.fair_turn() and lower and self.startable(e, lower[0], now):
+                    adm.took_waited(1, fair=True)
                     self.assign(e, lower.popleft(), now)
-                elif top and now - top[0].arrival_s >= self.wait and self.fits(e, top[0]):
-                    e.waited_takes += 1
+                elif (
+                    top
+                    and now - top[0].arrival_s >= adm.wait_ms / 1000
+                    and self.fits(e, top[0], now)
+                ):
+                    adm.took_waited(1, fair=False)
                     self.assign(e, top.popleft(), now)
             return
-        while True:
+        for _ in range(adm.takes()):
             lanes = self.lanes
             if slow:
                 lanes = lanes[:1]
             elif (e.takes + 1) % FAIR_EVERY == 0:
-                lanes = lanes[1:] + lanes[:1]  # the lower lanes' fair turn
+                lanes = lanes[1:] + lanes[:1]  # the lower lanes' fair turn (the read order)
             lane = next((q for q in lanes if q), None)
             if lane is None:
                 if slow:
@@ -607,19 +636,18 @@ class Sim:
                     e.in_line = True
                     self.line.append(e)
                 return
-            if lane is not self.lanes[0] and e.pending_top:
-                return  # no lower-lane prompt beside a top-lane one not computed yet
+            if lane is not top and not adm.room_below_top(now):
+                return  # held: the top lane's reserve and pace
             j = self.pick(e, lane)
             r = lane[j]
-            if not self.fits(e, r):
+            if not self.fits(e, r, now):
                 return
             del lane[j]
             self.assign(e, r, now)
 
-    def startable(self, e: Engine, r: Req) -> bool:
-        """Whether lower-lane r may start on e: no top-lane prompt without its first token
-        there, and room (`fits`)."""
-        return not e.pending_top and self.fits(e, r)
+    def startable(self, e: Engine, r: Req, now: float) -> bool:
+        """Whether lower-lane r may start on e now."""
+        return bool(e.adm.room_below_top(now)) and self.fits(e, r, now)
 
     def assign(self, e: Engine, r: Req, now: float) -> None:
         limit = (r.prompt - 1) // self.block  # at least one token is computed
@@ -627,6 +655,10 @@ class Sim:
         pool = self.pool.leading(r.blocks, dev, limit) if self.pool is not None else 0
         r.engine, r.device, r.pool = e.i, dev * self.block, pool * self.block
         e.takes += 1
+        if self.policy == "pull":
+            e.adm.taken(r.prompt, r.max_tokens, 1, r.lane == LANES[0])
+            if r.lane == LANES[0]:
+                e.adm.pace.seen(now)
         r.left = r.prompt - r.device - r.pool
         r.reserved = -(-(r.prompt + r.max_tokens) // self.block)
         e.used += r.reserved
@@ -686,14 +718,8 @@ class Sim:
         chunks, decoded, top, dt = step
         e.steps += 1
         e.context += decoded
-        if top and self.target > 0:
-            e.top_tokens.append((now, dt * top, top))
-            e.top_spent += dt * top
-            e.top_made += top
-            while now - e.top_tokens[0][0] > PACE_S:
-                _, spent, made = e.top_tokens.popleft()
-                e.top_spent -= spent
-                e.top_made -= made
+        if top and self.policy == "pull":  # each decoding top-lane sequence made a token
+            e.adm.pace.tokens(dt * top, top, now)
         fin = e.finishes
         while fin and fin[0][0] <= e.steps:
             r = heapq.heappop(fin)[2]

@@ -204,3 +204,31 @@ class Running:
         if not self.entry.req.stream:
             return jobs.RESYNC_NEVER
         return jobs.RESYNC_ALWAYS if self.resync else jobs.RESYNC_AUTO
+
+
+class Runs(dict[str, Running]):
+    """The jobs running on this worker by job id, with the figures admission reads of them
+    (gpu_workers/admission.py, `Jobs`)."""
+
+    def __init__(self, top: str) -> None:
+        super().__init__()
+        self.top = top  # the top lane
+
+    def top_backlog(self) -> int:
+        return sum(
+            r.entry.req.prompt_tokens
+            for r in self.values()
+            if r.entry.lane == self.top and not r.num_tokens
+        )
+
+    def lower_running(self) -> bool:
+        return any(r.entry.lane != self.top for r in self.values())
+
+    def top_making(self) -> bool:
+        return any(r.entry.lane == self.top and r.num_tokens for r in self.values())
+
+    def resync(self) -> None:
+        """Redis failed: each job's next stream write first resets its stream to the whole
+        text so far (Writer.lost_writes)."""
+        for run in self.values():
+            run.resync = True

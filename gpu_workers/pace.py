@@ -20,7 +20,7 @@ An operator who has a target for the top lane's time per token (their latency ob
 that runs top-lane jobs starts nothing new, so excess work waits in the queue (for a faster
 worker, or for this one's running jobs to finish) instead of slowing every running job;
 only a top-lane entry that has waited past its bound is taken, and among those takes the
-lower lanes keep their fair turn (worker.py, `_waited`).
+lower lanes keep their fair turn (admission.py, `fair_turn`).
 The target then replaces the slowdown as the lower lanes' bound: the operator has said how
 slow the top lane may get, and a gate at `slowdown` times the unloaded time, below it,
 would hold back batch work the engine had room for (docs/operations.md, "Top-lane target").

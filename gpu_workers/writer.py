@@ -256,8 +256,11 @@ class Writer:
         self.unsent += [jobs.resynced(c) for c in calls if c.script == "FINALIZE"]
 
     def lost_writes(self) -> None:
-        """Redis failed: the kept results rewrite their streams (see keep), which makes the
-        kept stream writes that went with them (a job's held tokens) needless."""
+        """Redis failed: writes sent since the last reply may be lost, and a Redis restarted
+        from its append-only file may have lost the last ones it acknowledged. Each running
+        job's next stream write, and each kept result, first resets the stream to the whole
+        text so far (Runs.resync), so its deltas after the last reset always spell the result;
+        that makes the kept stream writes that went with the kept results needless."""
         self.unsent = [jobs.resynced(c) for c in self.unsent if c.script == "FINALIZE"]
 
     def execute(self, items: list[jobs.Call] | list[list[Any]]) -> list[Any]:

@@ -1,18 +1,24 @@
-"""Helpers the tests share: prompts and engine drains, Redis state written by hand (a
-worker's heartbeat, a served model) and a gateway to call. Fixtures live in the conftest
-files."""
+"""Helpers the tests share: prompts and engine drains, an in-process worker a test drives
+turn by turn, Redis state written by hand (a worker's heartbeat, a served model) and a
+gateway to call. Fixtures live in the conftest files."""
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from broker_config import keys
+from broker_config.connection import connect
 from broker_config.routes import registry_value
+from broker_config.settings import Settings
+from gpu_workers.backend import Backend
 from gpu_workers.engine.sampling_params import SamplingParams
+from gpu_workers.worker import Worker
 
 
 def gone(pid: int) -> bool:
@@ -54,6 +60,31 @@ def drain(engine) -> dict[str, list]:
 
 def tokens(outs: list) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
+
+
+def driven_worker(url: str, engine: Backend, name: str = "w1", **settings: Any) -> Worker:
+    """A started worker in this process, which the test turns (`turn_until`) rather than
+    runs; the jobs a previous test left in the engine are aborted first."""
+    for job_id in list(getattr(engine, "seqs", ())):
+        engine.abort(job_id)
+    w = Worker(engine, connect(url), Settings(redis_url=url, **settings), worker_id=name)
+    w.start()
+    return w
+
+
+def turn_until(
+    workers: Worker | list[Worker], done: Callable[[], bool], timeout: float = 60.0
+) -> None:
+    """Turn the workers until `done()`, then take their last replies and send the acks
+    these made due (Writer.settle)."""
+    workers = workers if isinstance(workers, list) else [workers]
+    give_up = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < give_up, "timed out"
+        for w in workers:
+            w.iterate()
+    for w in workers:
+        w.writer.settle()
 
 
 def beat(r: redis.Redis, worker: str, **fields: object) -> None:

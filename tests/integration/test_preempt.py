@@ -73,7 +73,7 @@ def test_a_preempted_batch_job_is_handed_over_and_resumed_elsewhere(redis_url, e
     newer = client.submit("a newer batch document", **BATCH)
     got = big.intake.take(False, True, count=1)
     assert [e.job_id for e in got] == [job.id]
-    big.held = got
+    big.held[:] = got
     rec = finish(big, job.id, r)
     assert rec.state == records.COMPLETED
     assert rec.token_ids == ref.token_ids and rec.text == ref.text

@@ -17,13 +17,12 @@ import redis
 
 from broker_config import keys
 from broker_config.connection import connect
-from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
 from gpu_workers.worker import Worker
 from producer.client import Client
 from results import progress, records
-from tests.helpers import oracle
+from tests.helpers import driven_worker, oracle, turn_until
 
 SCHEMA = {
     "type": "object",
@@ -76,18 +75,10 @@ def engines(tiny_model):
 
 
 def worker(url: str, engine: Engine, name: str, **settings) -> Worker:
-    for job_id in list(engine.seqs):  # what a previous test left in it
-        engine.abort(job_id)
-    s = Settings(
-        redis_url=url,
-        reclaim_idle_ms=300,
-        reclaim_interval_s=0.1,
-        heartbeat_interval_s=60,
+    return driven_worker(
+        url, engine, name, reclaim_idle_ms=300, reclaim_interval_s=0.1, heartbeat_interval_s=60,
         **settings,
-    )
-    w = Worker(engine, connect(url), s, worker_id=name)
-    w.start()
-    return w
+    )  # fmt: skip
 
 
 def finish(w: Worker, job_id: str, r: redis.Redis, timeout: float = 60.0) -> records.JobRecord:
@@ -100,11 +91,8 @@ def finish(w: Worker, job_id: str, r: redis.Redis, timeout: float = 60.0) -> rec
 
 
 def run_until(w: Worker, job_id: str, tokens: int) -> None:
-    give_up = time.monotonic() + 60
-    while job_id not in w.running or w.running[job_id].num_tokens < tokens:
-        assert time.monotonic() < give_up, "the job did not reach the cut"
-        w.iterate()
-    w.writer.collect()
+    """Turn the worker until the job has made `tokens` tokens here."""
+    turn_until(w, lambda: job_id in w.running and w.running[job_id].num_tokens >= tokens)
 
 
 def stream_types(r: redis.Redis, job_id: str) -> list[bytes]:

@@ -33,12 +33,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from broker_config import keys
 from broker_config.connection import connect
-from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
 from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
+from tests.helpers import driven_worker, turn_until
 
 from .conftest import Workers
 from .faults import FAST
@@ -203,22 +203,9 @@ def engines(tiny_model: Path) -> Iterator[list[Engine]]:
 
 
 def worker(url: str, engine: Engine, name: str, **settings: Any) -> Worker:
-    for job_id in list(engine.seqs):  # what a previous test left in it
-        engine.abort(job_id)
-    s = Settings(redis_url=url, heartbeat_interval_s=60, stream_flush_tokens=1, **settings)
-    w = Worker(engine, connect(url), s, worker_id=name)
-    w.start()
-    return w
-
-
-def run_until(workers: list[Worker], done: Callable[[], bool], timeout: float = 60.0) -> None:
-    give_up = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < give_up, "timed out"
-        for w in workers:
-            w.iterate()
-    for w in workers:
-        w.writer.settle()
+    return driven_worker(
+        url, engine, name, heartbeat_interval_s=60, stream_flush_tokens=1, **settings
+    )
 
 
 def finished(traced: Any) -> list[Span]:
@@ -232,7 +219,7 @@ def test_a_jobs_spans_from_submit_to_result(shared_redis_url: str, engines, trac
         "trace this job", max_tokens=8, ignore_eos=True, lane="interactive", priority=7
     )
     r = connect(shared_redis_url)
-    run_until([w], lambda: records.get(r, job.id).final)
+    turn_until([w], lambda: records.get(r, job.id).final)
     rec = records.get(r, job.id)
     assert rec.state == records.COMPLETED
     spans = [s for s in finished(traced) if s.job == job.id]
@@ -286,14 +273,14 @@ def test_a_drained_job_resumed_elsewhere_is_one_trace(
     client = Client(shared_redis_url)
     job = client.submit("drain me", max_tokens=40, ignore_eos=True)
     r = connect(shared_redis_url)
-    run_until([one_w], lambda: job.id in one_w.running and one_w.running[job.id].num_tokens >= 5)
+    turn_until([one_w], lambda: job.id in one_w.running and one_w.running[job.id].num_tokens >= 5)
     sent = one_w.running[job.id].entry.fields[b"traceparent"]
     one_w.request_stop(0)
     one_w._shut(crashed=False)  # handed over: the entry keeps its place, with its fields
     ((_, fields),) = r.xrange(keys.request_stream("standard"))
     assert fields[b"traceparent"] == sent
     two = worker(shared_redis_url, engines[1], "w2")
-    run_until([two], lambda: records.get(r, job.id).final)
+    turn_until([two], lambda: records.get(r, job.id).final)
     assert records.get(r, job.id).state == records.COMPLETED
     spans = [s for s in finished(traced) if s.job == job.id]
     submit = one(spans, "submit")

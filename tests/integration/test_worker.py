@@ -13,14 +13,13 @@ import pytest
 import redis
 
 from broker_config import keys, protocol
-from broker_config.connection import connect
 from broker_config.groups import ensure_groups
-from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
 from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
+from tests.helpers import driven_worker, turn_until
 
 
 @pytest.fixture
@@ -33,21 +32,13 @@ def engine(tiny_model) -> Iterator[Engine]:
 @contextmanager
 def serving(url: str, engine: Engine, **settings: object) -> Iterator[tuple[Worker, Client]]:
     """A started worker (driven by the test through `iterate`) and a client."""
-    worker = Worker(engine, connect(url), Settings(redis_url=url, **settings), worker_id="w1")
-    worker.start()
+    worker = driven_worker(url, engine, **settings)
     client = Client(url)
     try:
         yield worker, client
     finally:
         worker.cancels.close()
         client.close()
-
-
-def run_until(worker: Worker, done, timeout: float = 60.0) -> None:
-    give_up = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < give_up, "timed out"
-        worker.iterate()
 
 
 def stream(r: redis.Redis, job_id: str) -> list[dict[bytes, bytes]]:
@@ -58,11 +49,11 @@ def test_cancel_channel_takes_any_bytes(redis_url, engine):
     with serving(redis_url, engine) as (worker, client):
         r = worker.r
         job = client.submit("cancel noise", max_tokens=300, ignore_eos=True)
-        run_until(worker, lambda: job.id in worker.running)
+        turn_until(worker, lambda: job.id in worker.running)
         for junk in (b"\xff", b"\x00" * 100_000, "é".encode(), b"", job.id.encode() + b"\xff"):
             r.publish(keys.CANCEL_CHANNEL, junk)
         time.sleep(0.2)
-        run_until(worker, lambda: job.record().final)
+        turn_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED  # none of it named the job
 
 
@@ -73,7 +64,7 @@ def test_wrong_type_keys_end_only_their_job(redis_url, engine):
         r.delete(keys.job(a.id))
         r.set(keys.job(a.id), "not a hash")  # the record itself: no result can be written
         r.set(keys.output(b.id), "not a stream")  # the stream: the record says why
-        run_until(worker, lambda: b.record().final and c.record().final)
+        turn_until(worker, lambda: b.record().final and c.record().final)
         rb = b.record()
         assert rb.state == records.FAILED and rb.error_code == protocol.Code.BAD_RECORD
         assert c.record().state == records.COMPLETED
@@ -82,19 +73,19 @@ def test_wrong_type_keys_end_only_their_job(redis_url, engine):
         assert b"bad_record" in dead[0][b"error"]
         assert r.get(keys.job(a.id)) == b"not a hash"  # left as it was found
         streams = worker.intake.streams()  # every entry acked, just after its result
-        run_until(worker, lambda: not any(r.xpending(s, keys.GROUP)["pending"] for s in streams))
+        turn_until(worker, lambda: not any(r.xpending(s, keys.GROUP)["pending"] for s in streams))
 
         # A record replaced while its job runs: the job ends at the next heartbeat.
         d = client.submit("replaced", max_tokens=2000, ignore_eos=True)
-        run_until(worker, lambda: d.id in worker.running)
+        turn_until(worker, lambda: d.id in worker.running)
         r.delete(keys.job(d.id))
         r.set(keys.job(d.id), "x")
         worker._next_beat = 0
-        run_until(worker, lambda: d.id not in worker.running)
+        turn_until(worker, lambda: d.id not in worker.running)
         assert not engine.has_unfinished()
         assert [f[b"job_id"] for _, f in r.xrange(keys.DEAD_LETTER)][-1] == d.id.encode()
         e = client.submit("still serving", max_tokens=4)
-        run_until(worker, lambda: e.record().final)
+        turn_until(worker, lambda: e.record().final)
         assert e.record().state == records.COMPLETED
 
 
@@ -113,7 +104,7 @@ def test_msgpack_bin_metadata_is_a_bad_field(redis_url, engine):
                 "body": body,
             },
         )
-        run_until(worker, lambda: r.hget(keys.job("binmeta-0001"), "final"))
+        turn_until(worker, lambda: r.hget(keys.job("binmeta-0001"), "final"))
         rec = records.get(r, "binmeta-0001")
         assert rec.error_code == "bad_field" and "bytes" in rec.error_message
 
@@ -121,9 +112,9 @@ def test_msgpack_bin_metadata_is_a_bad_field(redis_url, engine):
 def test_lost_cancel_message_is_honoured_at_the_heartbeat(redis_url, engine):
     with serving(redis_url, engine, heartbeat_interval_s=0.2) as (worker, client):
         job = client.submit("cancel me quietly", max_tokens=3000, ignore_eos=True)
-        run_until(worker, lambda: job.id in worker.running)
+        turn_until(worker, lambda: job.id in worker.running)
         worker.r.hset(keys.job(job.id), "cancel", "1")  # the flag, without the message
-        run_until(worker, lambda: job.record().final, timeout=30)
+        turn_until(worker, lambda: job.record().final, timeout=30)
         rec = job.record()
         assert rec.state == records.CANCELLED and rec.output_tokens < 3000
         assert not engine.has_unfinished()
@@ -135,7 +126,7 @@ def test_reclaimed_entry_is_dropped_unwritten(redis_url, engine):
     with serving(redis_url, engine) as (worker, client):
         r = worker.r
         job = client.submit("stalled", max_tokens=3000, ignore_eos=True)
-        run_until(worker, lambda: job.id in worker.running)
+        turn_until(worker, lambda: job.id in worker.running)
         entry = worker.running[job.id].entry
         # What a second worker's reclaim and BEGIN do:
         r.xclaim(keys.request_stream(entry.lane), keys.GROUP, "w2", 0, [entry.entry_id])
@@ -171,7 +162,7 @@ def test_stream_and_dead_letter_bounds(redis_url, engine):
         job = client.submit("bounded", max_tokens=20, ignore_eos=True)
         for _ in range(400):  # earlier runs' entries (here: written by hand)
             r.xadd(keys.output(job.id), {"type": "delta", "text": "old", "token_ids": "[]"})
-        run_until(worker, lambda: job.record().final)
+        turn_until(worker, lambda: job.record().final)
         assert 0 < r.ttl(keys.output(job.id)) <= 120  # the stream expires before the record
         assert r.ttl(keys.job(job.id)) > 3600
         entries = stream(r, job.id)
@@ -181,7 +172,7 @@ def test_stream_and_dead_letter_bounds(redis_url, engine):
         assert "".join(f[b"text"].decode() for f in after) == job.record().text
         for i in range(300):
             r.xadd(keys.request_stream("standard"), {"id": "x", "n": str(i)})
-        run_until(worker, lambda: r.xlen(keys.request_stream("standard")) == 0)
+        turn_until(worker, lambda: r.xlen(keys.request_stream("standard")) == 0)
         assert r.xlen(keys.DEAD_LETTER) < 300  # capped, about dead_letter_maxlen entries
         raw = [f for _, f in r.xrange(keys.DEAD_LETTER)][-1]
         assert json.loads(raw[b"fields"])["n"] == "299"
@@ -203,7 +194,7 @@ def test_engine_fault_is_retried_then_dead_lettered(redis_url, tiny_model):
         try:
             bad = client.submit(token_ids=[5, 7, 9], max_tokens=8)
             good = client.submit(token_ids=[5, 6, 9], max_tokens=8, ignore_eos=True)
-            run_until(worker, lambda: bad.record().final and good.record().final)
+            turn_until(worker, lambda: bad.record().final and good.record().final)
             rb, rg = bad.record(), good.record()
             assert rb.error_code == "too_many_deliveries" and "failed 3 times" in rb.error_message
             assert "injected" in rb.error_message
@@ -237,9 +228,9 @@ def test_overwritten_shared_keys_do_not_stop_the_worker(redis_url, engine):
         r.set(keys.DEAD_LETTER, "x")
         job = client.submit("serving", max_tokens=40, ignore_eos=True)
         r.xadd(keys.request_stream("standard"), {"no": "id"})  # for the dead-letter stream
-        run_until(worker, lambda: job.id in worker.running)
+        turn_until(worker, lambda: job.id in worker.running)
         r.set(keys.worker(worker.id), "x")
-        run_until(worker, lambda: job.record().final)
+        turn_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED
         worker._next_beat = 0
         worker.iterate()
@@ -260,7 +251,7 @@ def test_a_result_without_text_voids_earlier_deltas(redis_url, engine):
             r.xadd(keys.output(job.id), {"type": "delta", "text": "hello", "token_ids": "[1]"})
         assert by_sdk.cancel() == "cancelled"
         r.hset(keys.job(by_worker.id), "cancel", "1")  # the flag alone, as if no script ran
-        run_until(worker, lambda: by_worker.record().final)
+        turn_until(worker, lambda: by_worker.record().final)
         for job in (by_sdk, by_worker):
             rec = job.record()
             assert rec.state == records.CANCELLED and rec.text in ("", None)
@@ -275,9 +266,9 @@ def test_a_stream_at_the_largest_id_ends_only_its_job(redis_url, engine):
         r.xadd(keys.output(before.id), {"x": "y"}, id=top)
         during = client.submit("blocked during", max_tokens=60, ignore_eos=True)
         other = client.submit("bystander", max_tokens=60, ignore_eos=True)
-        run_until(worker, lambda: during.id in worker.running and other.id in worker.running)
+        turn_until(worker, lambda: during.id in worker.running and other.id in worker.running)
         r.xadd(keys.output(during.id), {"x": "y"}, id=top)
-        run_until(worker, lambda: during.record().final and other.record().final)
+        turn_until(worker, lambda: during.record().final and other.record().final)
         rb = before.record()
         assert rb.state == records.FAILED and rb.error_code == protocol.Code.BAD_RECORD
         assert during.record().state == records.COMPLETED  # its record holds the text
@@ -289,8 +280,8 @@ def test_a_stream_at_the_largest_id_ends_only_its_job(redis_url, engine):
 def test_an_entry_deleted_while_its_job_runs_still_gets_its_result(redis_url, engine):
     with serving(redis_url, engine, heartbeat_interval_s=0.05) as (worker, client):
         job = client.submit("deleted entry", max_tokens=300, ignore_eos=True)
-        run_until(worker, lambda: job.id in worker.running)
+        turn_until(worker, lambda: job.id in worker.running)
         entry = worker.running[job.id].entry
         worker.r.xdel(keys.request_stream(entry.lane), entry.entry_id)
-        run_until(worker, lambda: job.record().final)
+        turn_until(worker, lambda: job.record().final)
         assert job.record().state == records.COMPLETED

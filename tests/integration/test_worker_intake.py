@@ -76,12 +76,12 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
     with Client(redis_url) as client:
         batch = [client.submit("b", lane="batch", priority=-5).id for _ in range(4)]
         top = client.submit("i", lane="interactive", priority=7).id
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [top, *batch[:2]]  # 3, highest lane first
         ranks = dict(engine.added)
         assert ranks[top] == 7  # the top lane: the job's own priority
         assert ranks[batch[0]] == 2 * (2 * MAX_PRIORITY + 1) - 5  # two lanes down
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [top, *batch]
         assert client.job(top).status() == "running"
 
@@ -113,7 +113,7 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
     with Client(redis_url) as client:
         ids = [client.submit("x" * 160, lane="standard").id for _ in range(5)]  # 40 tokens
         for w in workers:
-            w._fill()
+            w.taker.fill()
             assert not w.held  # nothing taken that it could not start
         got = [[rid for rid, _ in e.added] for e in engines]
         assert got == [ids[:2], ids[2:4], [ids[4]]]  # 80 each; a third would pass 100
@@ -121,7 +121,7 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
         fresh = Prefilling(step_tokens=100)
         w = Worker(fresh, connect(redis_url), settings, worker_id="w3")
         w.start()
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in fresh.added] == [big]  # a prompt alone always may
         assert client.job(big).status() == "running"
 
@@ -142,10 +142,10 @@ def test_under_an_objective_a_top_lane_entry_waits_only_behind_top_lane_prompts(
     w.start()
     with Client(redis_url) as client:
         batch = [client.submit("x" * 320, lane="batch").id for _ in range(3)]  # 80 tokens
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == batch[:1]  # a second would pass 100
         top = [client.submit("y" * 240, lane="interactive").id for _ in range(3)]  # 60
-        w._fill()
+        w.taker.fill()
         # the first top-lane prompt beside the batch one; a second would pass 100 with it
         assert [rid for rid, _ in engine.added] == [batch[0], top[0]]
         assert client.job(batch[1]).status() == "queued"
@@ -227,14 +227,14 @@ def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url)
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
     w.start()
     now = time.monotonic()
-    w.pace.tokens(0.01, 10, now - 2)  # unloaded: 1 ms a token
-    w.pace.tokens(0.5, 10, now)  # now: 50x slower
+    w.admission.pace.tokens(0.01, 10, now - 2)  # unloaded: 1 ms a token
+    w.admission.pace.tokens(0.5, 10, now)  # now: 50x slower
     with Client(redis_url) as client:
         batch = client.submit("x" * 1600, lane="batch").id  # 400 prompt tokens
-        w._fill()
+        w.taker.fill()
         top = [client.submit("y" * 1600, lane="interactive").id for _ in range(6)]
         lower = [client.submit("z", lane="standard").id for _ in range(3)]
-        w._fill()
+        w.taker.fill()
         # 400 + 6 x 400 tokens, past the step's 512: the engine has room for them all
         assert [rid for rid, _ in engine.added] == [batch, *top]
         assert not w.held  # no lower-lane entry taken that may not start
@@ -242,12 +242,12 @@ def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url)
             assert client.job(job).status() == "queued"  # a top-lane prompt is not computed
         engine.prompt_backlog = 0  # the prompts computed
         late = client.submit("y" * 1600, lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added][7:] == [late]
         assert client.job(lower[0]).status() == "queued"  # until a top-lane token comes
         engine.can_admit = lambda *_a: False  # type: ignore[method-assign]  # the engine full
         full = client.submit("y", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert client.job(full).status() == "queued"  # left for a worker with room
 
 
@@ -262,11 +262,11 @@ def test_lower_lanes_are_bounded_only_while_the_top_lane_runs(redis_url):
         w = Worker(engine, connect(redis_url), settings, worker_id=f"w{top_ran}")
         w.start()
         if top_ran:
-            w.pace.seen(time.monotonic())
+            w.admission.pace.seen(time.monotonic())
         with Client(redis_url) as client:
             batch = [client.submit("x" * 1200, lane="batch").id for _ in range(3)]  # 300 each
-            w._fill()
-            w._fill()
+            w.taker.fill()
+            w.taker.fill()
             assert [rid for rid, _ in engine.added] == batch[:taken]
             for job in batch[taken:]:  # left for another worker
                 assert client.job(job).status() == "queued"
@@ -299,11 +299,11 @@ def test_with_no_bound_a_worker_reads_no_more_than_its_engine_can_start(redis_ur
     w.start()
     with Client(redis_url) as client:
         first = client.submit("x" * 400, lane="standard", max_tokens=16).id  # 100 + 16
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [first]
         engine.free = 2 * 116 + 50  # room for two more of that size
         rest = [client.submit("x" * 400, lane="standard", max_tokens=16).id for _ in range(5)]
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [first, *rest[:2]]
         assert not w.held  # nothing read that could not start
         for job in rest[2:]:
@@ -317,7 +317,7 @@ def test_default_takes_scale_with_the_engine(redis_url):
     w.start()
     with Client(redis_url) as client:
         client.submit_many([{"prompt": "x", "lane": "interactive"} for _ in range(10)])
-        w._fill()
+        w.taker.fill()
         assert len(engine.added) == 8  # 128 slots / 16
 
 
@@ -334,7 +334,7 @@ def test_several_entries_a_take_keep_the_fair_turns(redis_url):
     with Client(redis_url) as client:
         top = [client.submit("i", lane="interactive").id for _ in range(10)]
         low = [client.submit("b", lane="batch").id for _ in range(10)]
-        w._fill()
+        w.taker.fill()
     got = [rid for rid, _ in engine.added[1:]]
     assert got == [*top[:3], low[0], *top[3:6], low[1]]
     assert set(w.running) == set(got)
@@ -355,7 +355,7 @@ def test_one_batch_of_begins_answers_each_job(redis_url):
         assert cancelled.cancel() == "cancelled"
         late = client.submit("late", lane="interactive", deadline=time.time() - 1)
         refused = client.submit("refuse me", lane="interactive")
-        w._fill()
+        w.taker.fill()
         w.writer.settle()
         assert list(w.running) == [runs.id] and runs.status() == "running"
         assert [rid for rid, _ in engine.added] == [runs.id, cancelled.id, late.id]
@@ -384,14 +384,14 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
     w.start()
     with Client(redis_url) as client:
         job = client.submit("i", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         start = time.monotonic()
-        w._publish([token(job, 1)])
+        w.publisher.step([token(job, 1)])
         time.sleep(0.06)
-        w._publish([token(job, 2), token(job, 3), token(job, 4)])
+        w.publisher.step([token(job, 2), token(job, 3), token(job, 4)])
         took = time.monotonic() - start  # 60 ms, or more on a loaded machine
-        assert 0.06 / 3 <= w.pace.tpot_s <= took / 3  # that interval over three tokens
-        assert w.pace.unloaded_s == 0.0  # three tokens are too few to learn it by
+        assert 0.06 / 3 <= w.admission.pace.tpot_s <= took / 3  # that interval over three tokens
+        assert w.admission.pace.unloaded_s == 0.0  # three tokens are too few to learn it by
 
 
 def test_no_lower_lane_prompt_joins_a_top_lane_prompt_not_computed_yet(redis_url):
@@ -405,12 +405,12 @@ def test_no_lower_lane_prompt_joins_a_top_lane_prompt_not_computed_yet(redis_url
     with Client(redis_url) as client:
         top = client.submit("i", lane="interactive").id
         low = [client.submit("b", lane="batch").id for _ in range(3)]
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [top]
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [top]  # still no first token
-        w._publish([StepOutput(job, [5], "a", False, None, 1, 5, 0) for job in [top]])
-        w._fill()
+        w.publisher.step([StepOutput(job, [5], "a", False, None, 1, 5, 0) for job in [top]])
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [top, *low]
 
 
@@ -433,10 +433,10 @@ def test_a_top_lane_arrival_passes_lower_lane_entries_that_do_not_fit(redis_url)
     w.start()
     with Client(redis_url) as client:
         held = client.submit("b", lane="batch").id
-        w._fill()
+        w.taker.fill()
         assert [e.job_id for e in w.held] == [held]
         top = client.submit("i", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == ["busy", top]
         assert [e.job_id for e in w.held] == [held]
 
@@ -469,14 +469,14 @@ def test_lower_lanes_leave_kv_for_the_top_lanes_reserve(redis_url):
     w.start()
     with Client(redis_url) as client:
         client.submit("b", lane="batch", max_tokens=10)
-        w._fill()
+        w.taker.fill()
         assert engine.asked[-1] == (None, 0)  # no top-lane job seen: nothing kept back
         top = client.submit(token_ids=[5] * 30, lane="interactive", max_tokens=70).id
-        w._fill()
+        w.taker.fill()
         assert engine.asked[-1] == (None, 0)  # the top lane's own entry keeps nothing
-        w._publish([token(top, 1)])  # its prompt is computed: lower lanes may go on
+        w.publisher.step([token(top, 1)])  # its prompt is computed: lower lanes may go on
         client.submit("b", lane="batch", max_tokens=10)
-        w._fill()
+        w.taker.fill()
         assert engine.asked[-1] == (None, 3 * 100)
 
 
@@ -488,10 +488,10 @@ def over_target(redis_url: str, client: Client, **settings: Any) -> tuple[Worker
     w = Worker(engine, connect(redis_url), s, worker_id="w1")
     w.start()
     first = client.submit("i", lane="interactive").id
-    w._fill()
-    w._publish([token(first, 1)])
+    w.taker.fill()
+    w.publisher.step([token(first, 1)])
     time.sleep(0.3)
-    w._publish([token(first, 2)])
+    w.publisher.step([token(first, 2)])
     return w, engine, first
 
 
@@ -503,17 +503,17 @@ def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
         w, engine, first = over_target(redis_url, client)
         assert [j for j, _ in engine.added] == [first]
         waiting = [client.submit("i", lane="interactive").id, client.submit("b", lane="batch").id]
-        w._fill()
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first]  # both wait in the queue
         r = connect(redis_url)
         assert r.xlen(keys.request_stream("interactive")) == 2
-        w.pace.tokens(0.05, 20, time.monotonic() + 1.5)  # the old arrivals age out: 50 ms
-        assert not w.pace.over_target()
-        w._fill()
+        w.admission.pace.tokens(0.05, 20, time.monotonic() + 1.5)  # the old arrivals age out: 50 ms
+        assert not w.admission.pace.over_target()
+        w.taker.fill()
         # the batch prompt waits for the new top-lane prompt's first token
         assert [j for j, _ in engine.added] == [first, waiting[0]]
-        w._publish([StepOutput(waiting[0], [5], "a", False, None, 1, 1, 0)])
-        w._fill()
+        w.publisher.step([StepOutput(waiting[0], [5], "a", False, None, 1, 1, 0)])
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first, *waiting]
 
 
@@ -524,22 +524,22 @@ def test_over_the_target_beside_lower_lane_jobs_the_top_lane_still_starts(redis_
     with Client(redis_url) as client:
         w, engine, first = over_target(redis_url, client, top_lane_slowdown=0)
         now = time.monotonic()
-        w.pace.tokens(0.05, 20, now + 1.5)  # fast for a while: a batch job starts
+        w.admission.pace.tokens(0.05, 20, now + 1.5)  # fast for a while: a batch job starts
         running = client.submit("b", lane="batch").id
-        w._fill()
-        w.pace.tokens(3.0, 1, now + 1.6)  # the top lane is slow again
-        assert w.pace.over_target()
+        w.taker.fill()
+        w.admission.pace.tokens(3.0, 1, now + 1.6)  # the top lane is slow again
+        assert w.admission.pace.over_target()
         assert [j for j, _ in engine.added] == [first, running]
         batch = client.submit("b", lane="batch").id
         top = client.submit("i", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first, running, top]
         r = connect(redis_url)
         assert [f[b"id"].decode() for _, f in r.xrange(keys.request_stream("batch"))][-1] == batch
         assert batch not in [j for j, _ in engine.added]
         w.running.pop(running)  # the batch job ended: over the target, the top lane waits
         later = client.submit("i", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert later not in [j for j, _ in engine.added]
 
 
@@ -554,12 +554,12 @@ def test_in_a_hold_the_lower_lanes_keep_their_fair_turn(redis_url):
         batch = client.submit("b", lane="batch").id
         late = client.submit("i", lane="interactive").id
         time.sleep(0.25)
-        w._publish([token(first, 3)])  # still slow
-        assert w.pace.over_target()
-        w._fill()
+        w.publisher.step([token(first, 3)])  # still slow
+        assert w.admission.pace.over_target()
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first, late]  # waited 250 ms: taken
-        w._next_waited = 0.0
-        w._fill()
+        w.admission.next_waited = 0.0
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first, late, batch]  # the fair turn
 
 
@@ -571,16 +571,16 @@ def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_ur
         w, engine, first = over_target(redis_url, client, top_lane_wait_ms=400)
         late = client.submit("i", lane="interactive").id
         batch = client.submit("b", lane="batch").id
-        w._fill()
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first]  # younger than 400 ms: it waits
         time.sleep(0.45)
-        w._publish([token(first, 3)])  # still slow: 450 ms since the last token
-        assert w.pace.over_target()
+        w.publisher.step([token(first, 3)])  # still slow: 450 ms since the last token
+        assert w.admission.pace.over_target()
         younger = client.submit("i", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first, late]
-        w._next_waited = 0.0  # the next look, however soon: the younger one is too young
-        w._fill()
+        w.admission.next_waited = 0.0  # the next look, however soon: the younger one is too young
+        w.taker.fill()
         assert [j for j, _ in engine.added] == [first, late]
         r = connect(redis_url)
         waiting = r.xrange(keys.request_stream("interactive"), count=10)
@@ -607,34 +607,34 @@ def test_a_busier_worker_leaves_a_new_entry_to_a_less_loaded_one(redis_url):
 
     with Client(redis_url) as client:
         first = [client.submit("a", lane="interactive").id for _ in range(2)]
-        w1._fill()  # alone so far: takes both at once
+        w1.taker.fill()  # alone so far: takes both at once
         assert [rid for rid, _ in busy.added] == first
-        w2._fill()  # finds nothing; records its load (0)
+        w2.taker.fill()  # finds nothing; records its load (0)
         late = client.submit("b", lane="interactive").id
-        w1._fill()
+        w1.taker.fill()
         assert len(busy.added) == 2  # left to w2, which runs fewer jobs
-        w2._fill()
+        w2.taker.fill()
         assert [rid for rid, _ in light.added] == [late]
 
         again = client.submit("c", lane="batch").id
-        w1._fill()  # 2 jobs against w2's 1, and w2 has not read since
+        w1.taker.fill()  # 2 jobs against w2's 1, and w2 has not read since
         assert len(busy.added) == 2
         time.sleep(0.002)  # a read in the entry's own ms may have come before it
         assert w2.intake.take(False, below_top=False) == []  # w2 reads the top lane only
-        w1._fill()  # w2 read and left it: taken at once, long before balance_ms
+        w1.taker.fill()  # w2 read and left it: taken at once, long before balance_ms
         assert [rid for rid, _ in busy.added][2:] == [again]
 
-        w2._fill()  # w2 reads again (nothing there): due to read within 320 ms
+        w2.taker.fill()  # w2 reads again (nothing there): due to read within 320 ms
         later = client.submit("d", lane="interactive").id
-        w1._fill()
+        w1.taker.fill()
         assert len(busy.added) == 3
         time.sleep(0.4)  # w2 did not read again when due
-        w1._fill()
+        w1.taker.fill()
         assert [rid for rid, _ in busy.added][3:] == [later]
 
-        w2._forget()  # w2 stops: w1 is alone again
+        w2.beat.forget(w2.model)  # w2 stops: w1 is alone again
         alone = client.submit("e", lane="interactive").id
-        w1._fill()
+        w1.taker.fill()
         assert [rid for rid, _ in busy.added][4:] == [alone]
         assert client.job(late).status() == "running"
     for w in (w1, w2):
@@ -675,15 +675,15 @@ def test_a_prompt_backlog_over_the_lower_lanes_bound_still_takes_the_top_lane(re
     engine = Prefilling(step_tokens=512)
     w = Worker(engine, connect(redis_url), settings, worker_id="w1")
     w.start()
-    w.pace.seen(time.monotonic())  # the top lane ran here just now
+    w.admission.pace.seen(time.monotonic())  # the top lane ran here just now
     with Client(redis_url) as client:
         first = [client.submit("y" * 2400, lane="interactive").id for _ in range(2)]
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == first
         assert engine.prompt_backlog > 512  # over the lower lanes' bound
         lower = client.submit("z", lane="standard").id
         top = client.submit("y", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added][2:] == [top]
         assert client.job(lower).status() == "queued"
     w.intake.close()
@@ -701,16 +701,16 @@ def test_a_damaged_loads_record_is_dropped_and_the_entry_taken(redis_url):
     loads = keys.loads(w.model)
     with Client(redis_url) as client:
         first = client.submit("a", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         r.hset(loads, mapping={"junk": "x:y", "bad": "1:2:3:4", "huge": "0:9999999999999:99999999"})
-        w._fill()
+        w.taker.fill()
         assert r.hget(loads, "junk") is None and r.hget(loads, "bad") is None
         now_ms = int(time.time() * 1000)
         r.hset(loads, "slow", f"0:{now_ms}:99999999")  # less loaded, "due" for a day
         late = client.submit("b", lane="interactive").id
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [first]
         time.sleep(0.25)  # balance_ms bounds the wait
-        w._fill()
+        w.taker.fill()
         assert [rid for rid, _ in engine.added] == [first, late]
     w.intake.close()

@@ -107,11 +107,11 @@ def test_pulling_leaves_no_entry_queued_beside_an_idle_engine() -> None:
 
 
 def test_pulling_serves_the_interactive_lane_first() -> None:
-    first = req(0, 0.0, prompt=400, out=20, lane="batch")
+    first = req(0, 0.0, prompt=400, out=20)
     late_batch = req(1, 0.001, prompt=400, out=4, lane="batch")
     late_chat = req(2, 0.002, prompt=400, out=4)
     done = ps.simulate([first, late_batch, late_chat], 1, "pull", K, pull_budget=256)
-    # both wait for the first prompt; the interactive one is pulled first though it came later
+    # the batch entry waits behind the first prompt; the interactive one, later, does not
     assert done[2].first_s < done[1].first_s
 
 
@@ -150,7 +150,7 @@ def test_over_the_top_lane_target_new_work_waits_the_bound_at_most() -> None:
 
 def test_over_the_target_with_batch_running_a_chat_arrival_starts_at_once() -> None:
     """While lower-lane requests run on a slow engine, they slow the top lane too: its
-    arrivals start at once (the worker's `_lower_running`), a new lower-lane entry waits."""
+    arrivals start at once (gpu_workers/take.py), a new lower-lane entry waits."""
     chat_running = req(0, 0.0, prompt=64, out=200)  # steps of 12 ms: over a 5 ms target
     batch_running = req(1, 0.0, prompt=64, out=200, lane="batch")
     chat, batch = req(2, 0.5, prompt=64), req(3, 0.5, prompt=64, lane="batch")
@@ -184,11 +184,14 @@ def test_in_a_hold_the_batch_lane_keeps_its_fair_turn() -> None:
     assert done[11].end_s < done[0].end_s
 
 
-def test_pull_budget_splits_a_burst_across_idle_engines() -> None:
-    burst = [req(i, 0.0, prompt=400) for i in range(4)]
-    spread = ps.simulate(burst, 4, "pull", K, pull_budget=512)
+def test_an_objective_splits_a_burst_across_idle_engines() -> None:
+    """With no objective an idle engine takes a burst it has room for, as the worker does
+    (up to its takes a step); with one, the top lane keeps to the step budget (2,048 tokens
+    of prompts not computed yet), so the rest of the burst goes to the other engines."""
+    burst = [req(i, 0.0, prompt=1500) for i in range(4)]
+    spread = ps.simulate(burst, 4, "pull", K, tpot_target_s=10.0)
     assert sorted(r.engine for r in spread) == [0, 1, 2, 3]
-    lumped = ps.simulate(burst, 4, "pull", K, pull_budget=2048)
+    lumped = ps.simulate(burst, 4, "pull", K)
     assert {r.engine for r in lumped} == {0}
     assert max(r.first_s for r in spread) < max(r.first_s for r in lumped)
 
@@ -207,15 +210,16 @@ def test_pull_counts_device_and_pool_hits() -> None:
 
 def test_lookahead_takes_the_entry_held_on_device() -> None:
     a, b = list(range(1, 9)), list(range(11, 19))
-    reqs = [
-        req(0, 0.0, prompt=160, out=40, blocks=a + [100, 101]),
-        req(1, 0.01, prompt=160, out=40, blocks=b + [102, 103]),
-        req(2, 0.02, prompt=160, blocks=b + [104, 105]),  # queued while both are busy
-        req(3, 0.03, prompt=160, blocks=a + [106, 107]),
+    reqs = [  # with an objective, a 1,600-token prompt leaves no room for a second
+        req(0, 0.0, prompt=1600, out=40, blocks=a + [100, 101]),
+        req(1, 0.01, prompt=1600, out=40, blocks=b + [102, 103]),
+        req(2, 0.02, prompt=1600, blocks=b + [104, 105]),  # queued while both are busy
+        req(3, 0.03, prompt=1600, blocks=a + [106, 107]),
     ]
-    plain = ps.simulate(reqs, 2, "pull", K, pull_budget=1)
-    ahead = ps.simulate(reqs, 2, "pull", K, pull_budget=1, lookahead=2, pool_blocks=0)
-    assert plain[3].engine != plain[0].engine or plain[3].device == 0
+    slo = {"tpot_target_s": 10.0, "pool_blocks": 0}
+    plain = ps.simulate(reqs, 2, "pull", K, **slo)
+    ahead = ps.simulate(reqs, 2, "pull", K, lookahead=2, **slo)
+    assert plain[3].engine != plain[0].engine and plain[3].device == 0
     assert ahead[3].engine == ahead[0].engine and ahead[3].device == 8 * ps.BLOCK
     assert ahead[2].engine == ahead[1].engine and ahead[2].device == 8 * ps.BLOCK
 
