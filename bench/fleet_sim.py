@@ -21,6 +21,9 @@ result. Scaling efficiency of size W against the smallest size W0 is
 Redis CPU per job it also works out, on paper, the jobs/s and the worker count at which
 one Redis core saturates. The last line is one JSON object. --smoke: fleets of 2 and 4
 workers in one process, 3 s each: a check that the bench runs, not a measurement.
+
+One file, though long: the producer, the worker processes and the report share one run's
+settings.
 """
 
 from __future__ import annotations

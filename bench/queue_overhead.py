@@ -18,6 +18,8 @@ rates follow the sum of the two.
 The last line is one JSON object of measured figures and ratios. --smoke: every part
 with a few jobs on the smoke runs' tiny model (random weights, for the cost runs too): a
 check that the bench runs, not a measurement.
+
+One file, though long: its three parts share one Redis, one model and the JSON line.
 """
 
 from __future__ import annotations

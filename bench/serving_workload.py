@@ -20,6 +20,9 @@ Arrivals are a gamma renewal process as `vllm bench serve` draws it: intervals o
 more of them within the duration). The flood scenario adds a burst of batch requests on
 top of steady traffic. Prompt lengths are counted as the engine counts them (the model's
 chat template and tokenizer) and kept within [min_prompt, max_prompt].
+
+One file, though long: the workload's kinds and the files written for every stack come
+from one seeded generator.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ docs/protocol.md is the human description; this module is the executable one. It
 engine dependency so clients import it cheaply; the worker adds the engine's own checks.
 The body field's decoding (JSON or msgpack, plain JSON values only) is broker_config/body.py;
 the error codes an entry is refused with are broker_config/errors.py's `Code`.
+
+One file, though long: the entry's fields, their bounds and their checks are protocol v1 as
+one executable description, read beside docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ plurai make-model models/tiny-llama          write a random-weight test model
 plurai quantize SRC DST --scheme w4a16       write a quantized copy of a float model
 plurai batch submit FILE|DIR [--task ...]    run an OpenAI Batch JSONL, or documents, in bulk
 plurai batch status|cancel|results ID        watch, stop, or fetch the output of a batch
+
+One file, though long: every subcommand's arguments, each handler a few lines calling
+into its package.
 """
 
 # Also `python -m cli ...`. The client commands use producer/ (the SDK); `worker`,

@@ -2,8 +2,14 @@
 first, lower lanes given their turn; entries that cannot run are answered on the way
 (an error result, or the dead-letter stream when no result can be written).
 
-A job's life, top to bottom: intake (here) takes and checks its entry, worker.py runs it
-on the backend, writer.py sends its deltas and stores its one final result.
+A job's life, top to bottom: take.py asks for as many entries as admission.py lets in,
+intake (here) reads and checks them, starter.py puts them in the engine and intake BEGINs
+them, worker.py steps them, publish.py and writer.py send the deltas and store the one final
+result, give_back.py hands back what a worker lets go.
+
+One file, though long: reading, reclaiming, checking and answering entries, beginning
+them and handing them back share the lanes' streams, the consumer group and the
+dead-letter path.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe, keys, protocol, tracing
+from broker_config import keys, protocol, tracing
 from broker_config.protocol import Code, WireError
 from broker_config.settings import Settings
 from broker_config.text import text
@@ -512,14 +518,8 @@ class Intake:
         refused for a reason that passes (OOM, ...); a refusal tied to the job's keys is
         'badkey'."""
         calls = [self._begin_call(entry) for entry in entries]
-        replies = self._begin(calls, entries)
         out: list[tuple[str | redis.ResponseError, bytes | None]] = []
-        for call, reply in zip(calls, replies, strict=True):
-            if isinstance(reply, redis.exceptions.NoScriptError):  # nothing of it ran
-                try:
-                    reply = jobs.run(self.r, call)
-                except redis.ResponseError as e:
-                    reply = e
+        for reply in self._begin(calls, entries):
             if isinstance(reply, redis.ResponseError):
                 out.append((reply if passing(reply) else "badkey", None))
             elif isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], bytes):
@@ -532,19 +532,19 @@ class Intake:
         """BEGIN's replies; the entries also go to the dashboard's index of recent jobs, in
         the same round trip on one server. On a Cluster that index lives on a node of its
         own: it is written after, and a failure there never stops a job."""
-        commands = [call.command() for call in calls]
         maxlen = self.settings.recent_jobs_maxlen
         recent = [
             ["XADD", keys.RECENT, "MAXLEN", "~", maxlen, "*", "id", entry.job_id,
              "model", self.model, "lane", entry.lane]
             for entry in (entries if maxlen else [])
         ]  # fmt: skip
-        if not self.writer.cluster:
-            return self._pipeline(commands + recent)[: len(commands)]
-        replies = self._pipeline(commands)
+        cluster = self.writer.cluster
+        if not cluster:
+            return jobs.pipeline(self.r, [*calls, *recent], cluster)[: len(calls)]
+        replies = jobs.pipeline(self.r, calls, cluster)
         if recent:
             try:
-                self._pipeline(recent)
+                jobs.pipeline(self.r, recent, cluster)
             except redis.RedisError as e:
                 log.debug("the recent jobs index was not written (%s)", e)
         return replies
@@ -566,16 +566,6 @@ class Intake:
             progress_head=head,
             progress_limit=progress.limit(head, env.max_tokens, asked, entry.req.n),
         )
-
-    def _pipeline(self, commands: list[list[Any]]) -> list[Any]:
-        """Commands in one round trip (one per node on a Cluster); error replies in
-        place."""
-        if self.writer.cluster:
-            pipe = self.r.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return pipe.execute(raise_on_error=False)
-        return fastpipe.run(self.r, commands)
 
     def ack(self, entry: Entry) -> None:
         """Ack and delete an entry that needs no result from here (workers delete acked

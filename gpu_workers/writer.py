@@ -156,7 +156,7 @@ class Writer:
             if items:
                 if self._conn is None:
                     self._conn = self.r.connection_pool.get_connection()
-                packed = b"".join(fastpipe.pack(_command(c)) for c in items)
+                packed = b"".join(fastpipe.pack(jobs.command(c)) for c in items)
                 self._conn.send_packed_command([packed])
         except BaseException:
             self.keep(calls)
@@ -189,10 +189,8 @@ class Writer:
         """Take the replies of a write; a call Redis refused is kept (a result) and the
         first refusal raised once all are taken."""
         refused: redis.ResponseError | None = None
-        for item, reply in zip(items, replies, strict=True):
-            if isinstance(reply, redis.exceptions.NoScriptError) and isinstance(item, jobs.Call):
-                reply = jobs.run(self.r, item)  # Redis lost its script cache: run it again
-            elif isinstance(reply, redis.ResponseError) and isinstance(item, jobs.Call):
+        for item, reply in zip(items, jobs.rerun(self.r, items, replies), strict=True):
+            if isinstance(reply, redis.ResponseError) and isinstance(item, jobs.Call):
                 self.keep([item])
                 refused = refused or reply
             self.replied(item, reply)
@@ -213,10 +211,7 @@ class Writer:
 
     def _pipeline(self, items: list[jobs.Call | list[Any]]) -> list[Any]:
         try:
-            pipe = self.r.pipeline(transaction=False)
-            for item in items:
-                pipe.execute_command(*_command(item))
-            return pipe.execute(raise_on_error=False)
+            return jobs.pipeline(self.r, items, self.cluster)
         except BaseException:
             self.keep([c for c in items if isinstance(c, jobs.Call)])
             raise
@@ -269,17 +264,8 @@ class Writer:
         logged and dropped, since repeating them would stall the worker."""
         if not items:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for item in items:
-            pipe.execute_command(*_command(item))
-        replies = pipe.execute(raise_on_error=False)
         again = []
-        for item, rep in zip(items, replies, strict=True):
-            if isinstance(rep, redis.exceptions.NoScriptError):  # nothing of it ran
-                try:
-                    rep = jobs.run(self.r, item)  # type: ignore[arg-type]
-                except redis.ResponseError as e:
-                    rep = e
+        for item, rep in zip(items, jobs.pipeline(self.r, items, self.cluster), strict=True):
             if not isinstance(rep, redis.ResponseError):
                 self.replied(item, rep)
                 continue
@@ -306,10 +292,6 @@ class Writer:
         if self._conn is not None:
             self.r.connection_pool.release(self._conn)
             self._conn = None
-
-
-def _command(item: jobs.Call | list[Any]) -> list[Any]:
-    return item.command() if isinstance(item, jobs.Call) else item
 
 
 class Outage:

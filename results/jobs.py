@@ -6,6 +6,9 @@ with EVALSHA, loading the script when Redis does not have it. Pipelines and pack
 take `call.command()`. Nothing else builds a script's positional arguments.
 
     jobs.run(r, jobs.cancel(job_id=job_id, ttl_s=86400, stream_ttl_s=3600, now_ms=now))
+
+One file, though long: one short typed function per script, beside the `Call` they build
+and the one send path (`pipeline`, `rerun`) every caller's round trips go through.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ import dataclasses
 import functools
 import hashlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis
 import redis.asyncio
 
-from broker_config import keys
+from broker_config import fastpipe, keys
 from results import records, scripts
 
 # FINALIZE's resync: when to rewrite the token stream's text before its end entry.
@@ -134,6 +137,40 @@ def load(r: redis.Redis, *names: str) -> None:
 async def load_async(r: redis.asyncio.Redis, *names: str) -> None:
     for name in names:
         await r.script_load(_text(name))
+
+
+def command(item: Call | list[Any]) -> list[Any]:
+    """A call's EVALSHA, or a plain command as it is."""
+    return item.command() if isinstance(item, Call) else item
+
+
+def pipeline(r: redis.Redis, items: Sequence[Call | list[Any]], cluster: bool) -> list[Any]:
+    """Calls and plain commands in one round trip (one a node on a Cluster, where the
+    packed write cannot go), each reply in its place, an error reply as its exception;
+    `rerun`'s second try for the calls whose script Redis had lost."""
+    commands = [command(item) for item in items]
+    if cluster:
+        pipe = r.pipeline(transaction=False)
+        for c in commands:
+            pipe.execute_command(*c)
+        replies = pipe.execute(raise_on_error=False)
+    else:
+        replies = fastpipe.run(r, commands)
+    return rerun(r, items, replies)
+
+
+def rerun(r: redis.Redis, items: Sequence[Call | list[Any]], replies: list[Any]) -> list[Any]:
+    """The replies, with each call Redis answered NOSCRIPT (its script cache was lost, as
+    after a restart: nothing of the call ran) run again by `run`, its reply or error in
+    its place."""
+    out = list(replies)
+    for i, (item, reply) in enumerate(zip(items, replies, strict=True)):
+        if isinstance(reply, redis.exceptions.NoScriptError) and isinstance(item, Call):
+            try:
+                out[i] = run(r, item)
+            except redis.ResponseError as e:
+                out[i] = e
+    return out
 
 
 # -- the calls of a job's life ---------------------------------------------------------

@@ -10,6 +10,10 @@ at.
 
 Each script's KEYS and ARGV are built in one place only, results/jobs.py, which has one typed
 function per script: call those, never a script with positional arguments.
+
+One file, though long: every script that writes a job's keys, so that every write to them
+reads in one place; each script is a few dozen lines, grouped by the job's life (submit,
+take and begin, deltas and result, cancel and hand back, leases, batches).
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ local function queued_over(stream, limit, group)
   local pending = redis.pcall('XPENDING', stream, group)
   if type(pending) == 'table' and pending.err == nil then queued = queued - pending[1] end
   if queued >= limit then return queued end
+  return nil
+end
+-- why a submit adds nothing: the earlier job that holds the idempotency key (its id is the
+-- reply), or the lane holding max_queued entries not yet taken (QUEUEFULL); else nil
+local function refused(stream, idem, max_queued, group)
+  if idem then
+    local owner = redis.call('GET', idem)
+    if owner then return owner end
+  end
+  local queued = queued_over(stream, tonumber(max_queued), group)
+  if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
   return nil
 end
 """
@@ -76,12 +91,8 @@ SUBMIT = (
 local stream, idem = KEYS[1], KEYS[2]
 local maxlen, idem_ttl, job_id, max_queued, group, arrivals = unpack(ARGV, 1, 6)
 local ENTRY = 7  -- ARGV[7..]: the entry's field/value pairs
-if idem then
-  local owner = redis.call('GET', idem)
-  if owner then return owner end
-end
-local queued = queued_over(stream, tonumber(max_queued), group)
-if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
+local answer = refused(stream, idem, max_queued, group)
+if answer then return answer end
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
 redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
 redis.call('PUBLISH', arrivals, stream)
@@ -107,12 +118,8 @@ local record, stream, idem = KEYS[1], KEYS[2], KEYS[3]
 local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
 local maxlen, idem_ttl, job_id, max_queued, group, arrivals = unpack(ARGV, 9, 14)
 local ENTRY = 15  -- ARGV[15..]: the entry's field/value pairs
-if idem then
-  local owner = redis.call('GET', idem)
-  if owner then return owner end
-end
-local queued = queued_over(stream, tonumber(max_queued), group)
-if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
+local answer = refused(stream, idem, max_queued, group)
+if answer then return answer end
 redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
 redis.call('PUBLISH', arrivals, stream)
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end

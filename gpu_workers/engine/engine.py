@@ -21,6 +21,9 @@ its choices had: `add(..., output_ids=...)` books them as if this engine had sam
 emitting nothing (`_replay`), and computes prompt and outputs as one prefill, as after a
 preemption. With seeded draws that depend on position only (sampler.py), the request then
 goes on exactly as the uninterrupted run did.
+
+One file, though long: the engine's interface (add, step, abort, figures) and the step's
+orchestration of scheduler, model runner, sampler and detokenizer, each a file of its own.
 """
 
 from __future__ import annotations

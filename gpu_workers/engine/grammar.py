@@ -17,6 +17,9 @@ Near the end of its max_tokens, a constrained output is steered to a completion
 (`Grammars.steer`): a drawn token after which the grammar could no longer be completed in
 the tokens left is replaced by the next token of a short completion, so an output ends
 `stop` and parses whenever its grammar allows a completion that short.
+
+One file, though long: compiling a constraint, caching the compiled grammars and steering
+the sampler share llguidance's objects and the tokenizer's mapping.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ With `train`, the model and its tokenizer are instead trained for a few seconds 
 public-domain text shipped beside this module (train.py), so that its answers read like
 words; the result is cached in the directory. FACTORY_FILE records what a directory holds,
 and describe() says it in one line.
+
+One file, though long: the families' shapes, the sizes users run and the tokenizer's
+training make one model directory together, and FACTORY_FILE records them all.
 """
 
 from __future__ import annotations

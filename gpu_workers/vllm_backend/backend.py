@@ -25,6 +25,10 @@ bad_progress, and the worker runs them again from the start.
 Where vLLM's engine itself fails (its step raises), the backend cannot tell which request
 caused it: the exception reaches the worker, which hands every running job back with the
 attempt counted and exits; another worker (or this one, restarted) runs them.
+
+One file, though long: the Backend interface over vLLM is one object whose methods share
+its requests' bookkeeping (choices, resumes, detokenizers); parameters, the stat logger and
+the KV connector are modules of their own.
 """
 
 from __future__ import annotations

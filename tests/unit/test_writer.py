@@ -15,6 +15,16 @@ from results import jobs
 
 
 class Down(fakeredis.FakeRedis):
+    """Every round trip fails: pipelines and the packed writes' connections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def refused(*a, **kw):
+            raise redis.ConnectionError("down")
+
+        self.connection_pool.get_connection = refused
+
     def pipeline(self, *a, **kw):
         raise redis.ConnectionError("down")
 
