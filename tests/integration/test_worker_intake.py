@@ -5,65 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 from broker_config import keys, protocol
 from broker_config.connection import connect
 from broker_config.protocol import MAX_PRIORITY
 from broker_config.settings import Settings
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import StepOutput
 from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
 
-
-class Recorder:
-    """Stands in for the engine: always has room, records what it is given."""
-
-    num_running = num_waiting = prompt_backlog = 0
-    max_model_len = 4096
-    max_num_seqs = 64
-    step_tokens = 512
-    model_fingerprint = "fake"
-
-    def __init__(self) -> None:
-        self.added: list[tuple[str, int]] = []
-        self.aborted: list[str] = []
-
-    def has_unfinished(self) -> bool:
-        return bool(self.added)
-
-    def can_admit(self, *_a: object) -> bool:
-        return True
-
-    def preempted(self) -> list[str]:
-        return []
-
-    def wake(self) -> None:
-        pass
-
-    def add(self, request_id: str, priority: int, prompt: str | None = None, **_kw: object):
-        if prompt == "refuse me":
-            raise RequestError("invalid_params", "temperature must be in 0..100")
-        self.added.append((request_id, priority))
-
-    def abort(self, request_id: str) -> bool:
-        self.aborted.append(request_id)
-        return True
-
-
-def token(job_id: str, n: int) -> StepOutput:
-    """The job's n-th output token, as a backend's step gives it."""
-    return StepOutput(
-        request_id=job_id,
-        new_token_ids=[n],
-        text_delta="a",
-        finished=False,
-        finish_reason=None,
-        num_prompt_tokens=1,
-        num_output_tokens=n,
-        num_cached_tokens=0,
-    )
+from .recorder import Recorder, Waiting, token
 
 
 def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
@@ -150,34 +102,6 @@ def test_under_an_objective_a_top_lane_entry_waits_only_behind_top_lane_prompts(
         assert [rid for rid, _ in engine.added] == [batch[0], top[0]]
         assert client.job(batch[1]).status() == "queued"
         assert client.job(top[1]).status() == "queued"
-
-
-class Waiting(Recorder):
-    """Steps as vLLM's engine process does: each step waits for the engine's outputs (none
-    come here) until its wait ends or wake() is called."""
-
-    WAIT_S = 60.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.woken = False
-        self.cond = threading.Condition()
-        self.waits_ended = 0  # steps that waited WAIT_S out: a poll, not a wake-up
-
-    def wake(self) -> None:
-        with self.cond:
-            self.woken = True
-            self.cond.notify_all()
-
-    def stats(self) -> dict[str, Any]:
-        return {"running": len(self.added), "waiting": 0, "kv_usage": 0.0}
-
-    def step(self) -> list[StepOutput]:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.woken, self.WAIT_S):
-                self.waits_ended += 1
-            self.woken = False
-        return []
 
 
 def test_an_entry_arriving_mid_step_is_taken_at_the_next_step(redis_url):
@@ -480,193 +404,6 @@ def test_lower_lanes_leave_kv_for_the_top_lanes_reserve(redis_url):
         assert engine.asked[-1] == (None, 3 * 100)
 
 
-def over_target(redis_url: str, client: Client, **settings: Any) -> tuple[Worker, Recorder, str]:
-    """A started worker (top_lane_tpot_ms=100) running one top-lane job whose tokens come
-    300 ms apart: over its target."""
-    s = Settings(redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100, **settings)
-    engine = Recorder()
-    w = Worker(engine, connect(redis_url), s, worker_id="w1")
-    w.start()
-    first = client.submit("i", lane="interactive").id
-    w.taker.fill()
-    w.publisher.step([token(first, 1)])
-    time.sleep(0.3)
-    w.publisher.step([token(first, 2)])
-    return w, engine, first
-
-
-def test_a_top_lane_over_its_target_time_per_token_stops_new_work(redis_url):
-    """top_lane_tpot_ms: while the top lane's tokens come slower than the target, the
-    worker starts nothing new (of any lane): it stays in the queue; once they are fast
-    again, the worker takes it."""
-    with Client(redis_url) as client:
-        w, engine, first = over_target(redis_url, client)
-        assert [j for j, _ in engine.added] == [first]
-        waiting = [client.submit("i", lane="interactive").id, client.submit("b", lane="batch").id]
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first]  # both wait in the queue
-        r = connect(redis_url)
-        assert r.xlen(keys.request_stream("interactive")) == 2
-        w.admission.pace.tokens(0.05, 20, time.monotonic() + 1.5)  # the old arrivals age out: 50 ms
-        assert not w.admission.pace.over_target()
-        w.taker.fill()
-        # the batch prompt waits for the new top-lane prompt's first token
-        assert [j for j, _ in engine.added] == [first, waiting[0]]
-        w.publisher.step([StepOutput(waiting[0], [5], "a", False, None, 1, 1, 0)])
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first, *waiting]
-
-
-def test_over_the_target_beside_lower_lane_jobs_the_top_lane_still_starts(redis_url):
-    """A worker over the top lane's target while a batch job runs on it: the batch job
-    slows the top lane too, so the lower lanes wait and a top-lane arrival starts at once
-    (held, it would wait behind batch work it outranks)."""
-    with Client(redis_url) as client:
-        w, engine, first = over_target(redis_url, client, top_lane_slowdown=0)
-        now = time.monotonic()
-        w.admission.pace.tokens(0.05, 20, now + 1.5)  # fast for a while: a batch job starts
-        running = client.submit("b", lane="batch").id
-        w.taker.fill()
-        w.admission.pace.tokens(3.0, 1, now + 1.6)  # the top lane is slow again
-        assert w.admission.pace.over_target()
-        assert [j for j, _ in engine.added] == [first, running]
-        batch = client.submit("b", lane="batch").id
-        top = client.submit("i", lane="interactive").id
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first, running, top]
-        r = connect(redis_url)
-        assert [f[b"id"].decode() for _, f in r.xrange(keys.request_stream("batch"))][-1] == batch
-        assert batch not in [j for j, _ in engine.added]
-        w.running.pop(running)  # the batch job ended: over the target, the top lane waits
-        later = client.submit("i", lane="interactive").id
-        w.taker.fill()
-        assert later not in [j for j, _ in engine.added]
-
-
-def test_in_a_hold_the_lower_lanes_keep_their_fair_turn(redis_url):
-    """Over the target, a worker that takes top-lane entries only because they waited past
-    their bound is not getting the top lane under it by holding work: after fair_every - 1
-    such takes, the next is the lower lanes' oldest entry, started over the target."""
-    with Client(redis_url) as client:
-        w, engine, first = over_target(
-            redis_url, client, top_lane_wait_ms=200, fair_every=2, top_lane_slowdown=0
-        )
-        batch = client.submit("b", lane="batch").id
-        late = client.submit("i", lane="interactive").id
-        time.sleep(0.25)
-        w.publisher.step([token(first, 3)])  # still slow
-        assert w.admission.pace.over_target()
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first, late]  # waited 250 ms: taken
-        w.admission.next_waited = 0.0
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first, late, batch]  # the fair turn
-
-
-def test_a_top_lane_entry_waits_for_the_target_no_longer_than_its_bound(redis_url):
-    """top_lane_wait_ms: a worker over the target still takes the top lane's entry once it
-    has waited that long in the queue (every worker may be over it), and only that one:
-    younger top-lane entries and the lower lanes' wait on."""
-    with Client(redis_url) as client:
-        w, engine, first = over_target(redis_url, client, top_lane_wait_ms=400)
-        late = client.submit("i", lane="interactive").id
-        batch = client.submit("b", lane="batch").id
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first]  # younger than 400 ms: it waits
-        time.sleep(0.45)
-        w.publisher.step([token(first, 3)])  # still slow: 450 ms since the last token
-        assert w.admission.pace.over_target()
-        younger = client.submit("i", lane="interactive").id
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first, late]
-        w.admission.next_waited = 0.0  # the next look, however soon: the younger one is too young
-        w.taker.fill()
-        assert [j for j, _ in engine.added] == [first, late]
-        r = connect(redis_url)
-        waiting = r.xrange(keys.request_stream("interactive"), count=10)
-        assert younger in {f[b"id"].decode() for _, f in waiting}
-        assert r.xlen(keys.request_stream("batch")) == 1
-        assert batch not in [j for j, _ in engine.added]
-
-
-def test_a_busier_worker_leaves_a_new_entry_to_a_less_loaded_one(redis_url):
-    """Two workers of one queue, each stepping its engine: a new entry goes to the one that
-    runs fewer jobs, whichever reads first. The busier one leaves it until the other's next
-    read: it takes the entry once the other has read without taking it, or is late for its
-    next read (two of its turns and 20 ms: it may be dead, full or in a long step); a worker
-    alone takes at once."""
-    settings = Settings(
-        redis_url=redis_url, balance_ms=5000, poll_ms=0, fair_every=0, top_lane_slowdown=0
-    )
-    busy, light = Recorder(), Recorder()
-    w1 = Worker(busy, connect(redis_url), settings, worker_id="w1")
-    w2 = Worker(light, connect(redis_url), settings, worker_id="w2")
-    w1.start()
-    w2.start()
-    w2.intake.turn_ms = 150  # due to read within 320 ms of its last read
-
-    with Client(redis_url) as client:
-        first = [client.submit("a", lane="interactive").id for _ in range(2)]
-        w1.taker.fill()  # alone so far: takes both at once
-        assert [rid for rid, _ in busy.added] == first
-        w2.taker.fill()  # finds nothing; records its load (0)
-        late = client.submit("b", lane="interactive").id
-        w1.taker.fill()
-        assert len(busy.added) == 2  # left to w2, which runs fewer jobs
-        w2.taker.fill()
-        assert [rid for rid, _ in light.added] == [late]
-
-        again = client.submit("c", lane="batch").id
-        w1.taker.fill()  # 2 jobs against w2's 1, and w2 has not read since
-        assert len(busy.added) == 2
-        time.sleep(0.002)  # a read in the entry's own ms may have come before it
-        assert w2.intake.take(False, below_top=False) == []  # w2 reads the top lane only
-        w1.taker.fill()  # w2 read and left it: taken at once, long before balance_ms
-        assert [rid for rid, _ in busy.added][2:] == [again]
-
-        w2.taker.fill()  # w2 reads again (nothing there): due to read within 320 ms
-        later = client.submit("d", lane="interactive").id
-        w1.taker.fill()
-        assert len(busy.added) == 3
-        time.sleep(0.4)  # w2 did not read again when due
-        w1.taker.fill()
-        assert [rid for rid, _ in busy.added][3:] == [later]
-
-        w2.beat.forget(w2.model)  # w2 stops: w1 is alone again
-        alone = client.submit("e", lane="interactive").id
-        w1.taker.fill()
-        assert [rid for rid, _ in busy.added][4:] == [alone]
-        assert client.job(late).status() == "running"
-    for w in (w1, w2):
-        w.intake.close()
-
-
-def test_a_worker_records_the_length_of_its_turns_for_the_balance(redis_url):
-    """A worker that steps its engine records, as it takes, its load, the time of its read
-    and its turns' mean length (what another worker waits on before taking an entry left
-    to it); an idle one's turns are not counted."""
-    settings = Settings(redis_url=redis_url, fair_every=0, top_lane_slowdown=0)
-    engine = Waiting()
-    engine.WAIT_S = 0.05  # a step of 50 ms, unless an arrival wakes it
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
-    r = connect(redis_url)
-    w.iterate()  # idle: nothing stepped
-    assert w.intake.turn_ms == 0
-    with Client(redis_url) as client:
-        client.submit("a", lane="interactive")
-        for _ in range(4):
-            w.iterate()  # takes it, then steps
-        assert 0 < w.intake.turn_ms < 1000
-        client.submit("b", lane="interactive")
-        w.iterate()
-        turn = w.intake.turn_ms  # as recorded at this turn's read
-    load, at, recorded = r.hget(keys.loads(w.model), "w1").decode().split(":")
-    assert (int(load), int(recorded)) == (2, turn)
-    assert abs(int(at) - time.time() * 1000) < 5000
-    w.intake.close()
-
-
 def test_a_prompt_backlog_over_the_lower_lanes_bound_still_takes_the_top_lane(redis_url):
     """While the top lane runs on a worker, its engine's prompts not computed yet may exceed
     the lower lanes' bound (prefill_backlog_tokens, 512): a top-lane entry is taken all the
@@ -686,31 +423,4 @@ def test_a_prompt_backlog_over_the_lower_lanes_bound_still_takes_the_top_lane(re
         w.taker.fill()
         assert [rid for rid, _ in engine.added][2:] == [top]
         assert client.job(lower).status() == "queued"
-    w.intake.close()
-
-
-def test_a_damaged_loads_record_is_dropped_and_the_entry_taken(redis_url):
-    """Whatever else writes to the loads hash (garbage, a turn far too long) never keeps a
-    worker from taking: a record that does not parse is dropped, and an entry is left to
-    another worker for at most balance_ms."""
-    settings = Settings(redis_url=redis_url, balance_ms=200, fair_every=0, top_lane_slowdown=0)
-    engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
-    r = connect(redis_url)
-    loads = keys.loads(w.model)
-    with Client(redis_url) as client:
-        first = client.submit("a", lane="interactive").id
-        w.taker.fill()
-        r.hset(loads, mapping={"junk": "x:y", "bad": "1:2:3:4", "huge": "0:9999999999999:99999999"})
-        w.taker.fill()
-        assert r.hget(loads, "junk") is None and r.hget(loads, "bad") is None
-        now_ms = int(time.time() * 1000)
-        r.hset(loads, "slow", f"0:{now_ms}:99999999")  # less loaded, "due" for a day
-        late = client.submit("b", lane="interactive").id
-        w.taker.fill()
-        assert [rid for rid, _ in engine.added] == [first]
-        time.sleep(0.25)  # balance_ms bounds the wait
-        w.taker.fill()
-        assert [rid for rid, _ in engine.added] == [first, late]
     w.intake.close()
