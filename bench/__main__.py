@@ -1,13 +1,17 @@
 """`python -m bench`: every bench, the question it answers, the peers it runs beside
 Plurai on the same work, the environment it runs in and where its figures are written up.
 
-Each bench is a script (`python bench/<name>.py --help`); `--smoke` runs it briefly as a
-check, and its last line is one JSON object of measured figures (the ISA among them).
+Each bench is a script (`python bench/<name>.py --help`), or a module of a package
+(`python -m bench.serving --help`); `--smoke` runs it briefly as a check, and its last line
+is one JSON object of measured figures (the ISA among them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -17,18 +21,35 @@ class Bench:
     peers: str
     docs: str  # where its figures are written up
     vllm_env: bool = False  # runs in vLLM's environment (.venv-vllm/bin/python)
+    module: str = ""  # run as `python -m <module>`; else bench/<name>.py
+
+    @property
+    def command(self) -> str:
+        return f"-m {self.module}" if self.module else f"bench/{self.name}.py"
+
+    @property
+    def file(self) -> str:
+        """Its source under bench/, without .py (a package's: its __main__)."""
+        return source(self.module) if self.module else self.name
+
+
+def source(module: str) -> str:
+    """bench.serving -> serving/__main__, bench.serving.workload -> serving/workload."""
+    rel = module.removeprefix("bench.").replace(".", "/")
+    return f"{rel}/__main__" if (BENCH / rel).is_dir() else rel
 
 
 INDEX = [
     # serving: the queue against router stacks
     Bench("serving", "Floods, kills, load sweeps and added engines: Plurai against routers",
-          "vllm-router (round_robin, cache_aware) over `vllm serve`", "docs/benchmarks.md"),
+          "vllm-router (round_robin, cache_aware) over `vllm serve`", "docs/benchmarks.md",
+          module="bench.serving"),
     Bench("router_latency", "Everyday latency with the defaults, under `vllm bench serve`",
           "vllm-router over `vllm serve`", "docs/benchmarks.md", vllm_env=True),
     Bench("priority", "Interactive TTFT while the batch lane saturates the workers",
           "the same requests on idle workers", "docs/benchmarks.md"),
-    Bench("policy_sim", "Routers against pulling at 64-1,000 engines (a simulation)",
-          "simulated routers", "docs/architecture.md"),
+    Bench("simulation", "Routers against pulling at 64-1,000 engines (a simulation)",
+          "simulated routers", "docs/architecture.md", module="bench.serving.simulation"),
     Bench("fleet_sim", "The real queue layer at fleet scale, engines simulated",
           "the smallest fleet (scaling to 256 workers)", "docs/benchmarks.md"),
     # the queue's own costs
@@ -67,10 +88,13 @@ INDEX = [
           "one rank", "docs/architecture.md"),
 ]  # fmt: skip
 
-# Parts of the benches above, not benches: the serving bench's workload and its figures,
-# its simulated engines, the engine peers run in processes of their own, vLLM's CLI.
-PARTS = ["serving_workload", "serving_figures", "sim_backend", "fleet_procs", "trace_replay",
-         "workload", "plurai_peer", "vllm_peer", "vllm_cli"]  # fmt: skip
+# Parts of the benches above, not benches (files under bench/, without .py): the serving
+# bench's workload, stacks, client, scenarios and figures, the fleet bench's simulated
+# engines, the engine peers run in processes of their own, vLLM's CLI.
+PARTS = ["serving/workload", "serving/figures", "serving/stacks", "serving/client",
+         "serving/scenarios", "serving/report", "serving/__init__", "sim_backend",
+         "fleet_procs", "trace_replay", "workload", "plurai_peer", "vllm_peer",
+         "vllm_cli"]  # fmt: skip
 
 
 def main() -> None:
@@ -81,7 +105,7 @@ def main() -> None:
         python = ".venv-vllm/bin/python" if b.vllm_env else "python"
         print(f"{b.name:<{width}}  {b.question}")
         print(f"{'':<{width}}  peers: {b.peers}; figures: {b.docs}")
-        print(f"{'':<{width}}  {python} bench/{b.name}.py [--smoke]")
+        print(f"{'':<{width}}  {python} {b.command} [--smoke]")
 
 
 if __name__ == "__main__":

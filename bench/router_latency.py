@@ -7,7 +7,7 @@ and against `vllm-router` over the same engines, with default settings on every 
         [--loads 0.5,0.9,1.2] [--num-prompts 600] [--repeats 1] [--capacity DATASET=REQ_S]
         [--model DIR] [--out DIR] [--smoke]
 
-The stacks are bench/serving.py's (K engines of vLLM's CPU build, each on its own core,
+The stacks are bench/serving/'s (K engines of vLLM's CPU build, each on its own core,
 the same KV budget; Plurai: a Redis, `plurai gateway`, K `plurai worker --backend vllm`;
 routers: K `vllm serve` behind `vllm-router --policy P`), here with no Plurai objective
 set: what a team that deploys with the defaults gets (plurai-vllm-notier: no KV tier, as
@@ -52,8 +52,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.serving import VLLM_PY, EngineSpec, PluraiStack, Stack, make_stack  # noqa: E402
-from bench.serving_figures import percentile  # noqa: E402
+from bench.serving.figures import percentile  # noqa: E402
+from bench.serving.stacks import VLLM_PY, EngineSpec, PluraiStack, Stack, make_stack  # noqa: E402
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
 from broker_config import keys  # noqa: E402
 from results.records import HOPS  # noqa: E402

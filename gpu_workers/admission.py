@@ -4,7 +4,7 @@ It reads the engine's figures (room, slots, prompts not computed yet), the runni
 (a top-lane prompt with no token yet, lower-lane jobs running, top-lane jobs making
 tokens) and the top lane's pace (pace.py); it holds no Redis and no engine of its own, and
 the clock is passed in. The worker asks it between steps (take.py), and the
-fleet simulation (bench/policy_sim.py) asks the same object of its simulated
+fleet simulation (bench/serving/simulation.py) asks the same object of its simulated
 engines, so that the two cannot drift apart.
 
 The rules, by default (no objective set): a request goes in while the engine has room for

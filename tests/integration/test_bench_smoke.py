@@ -1,6 +1,6 @@
 """Every bench under bench/ that needs only this environment runs to its end with --smoke,
-as a user runs it (`python bench/X.py --smoke` from the repository root, with this
-environment's python), and ends with its one JSON line of figures. Those with a vLLM peer
+as a user runs it (`python bench/X.py --smoke`, or `python -m bench.serving --smoke` for a
+module of a package, from the repository root, with this environment's python), and ends with its one JSON line of figures. Those with a vLLM peer
 (backends, throughput, model_sizes, quantized, speculative) run in tests/vllm/test_bench_smoke.py, in
 vLLM's environment, which `make test` installs beside this suite; the serving bench runs
 in both: here its native stack alone (every scenario), there its vLLM stacks.
@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bench.__main__ import source
 from tests.integration.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,15 @@ class Bench:
     args: list[str] = field(default_factory=list)
     server: bool = False  # starts a redis-server
     model: bool = False  # builds or loads a model
+    module: str = ""  # run as `python -m <module>`; else bench/<name>.py
+
+    @property
+    def command(self) -> list[str]:
+        return ["-m", self.module] if self.module else [f"bench/{self.name}.py"]
+
+    @property
+    def file(self) -> str:
+        return source(self.module) if self.module else self.name
 
     def param(self) -> Any:
         marks = [pytest.mark.server] * self.server + [pytest.mark.model] * self.model
@@ -49,7 +59,7 @@ BENCHES = [
     Bench("gateway", ("gateway_jobs_per_s",), server=True, model=True),
     Bench("overhead", ("overhead_share_median",), model=True),
     Bench("parallel", ("step_ratio_vs_first",), model=True),
-    Bench("policy_sim", ("sizes", "4", "pull")),
+    Bench("simulation", ("sizes", "4", "pull"), module="bench.serving.simulation"),
     Bench("prefix_reuse", ("ttft_redis_ms",), server=True, model=True),
     Bench("priority", ("p99_ratio",), server=True, model=True),
     Bench("queue_overhead", ("redis_cost", "every_token"), server=True, model=True),
@@ -60,8 +70,9 @@ BENCHES = [
         ["--stacks", "plurai-native"],
         True,
         True,
+        "bench.serving",
     ),
-    Bench("serving_workload", ("vllm_trace_args",), model=True),
+    Bench("workload", ("vllm_trace_args",), model=True, module="bench.serving.workload"),
     Bench("step_profile", ("run_over_gemm",), model=True),
     Bench("structured", ("libraries", "llguidance"), model=True),
     Bench("tracing", ("spans_per_job",), server=True, model=True),
@@ -71,10 +82,10 @@ HELPERS = {"vllm_peer", "plurai_peer", "vllm_cli", "__main__"}
 
 
 def run_smoke(bench: Bench, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
-    """`python bench/<name>.py --smoke` from the repository root: its JSON line, once it has
+    """`python bench/<name>.py --smoke` (or `python -m <module> --smoke`) from the repository root: its JSON line, once it has
     exited 0. Run in a session of its own, so that a run cut off at the timeout takes the
     workers and redis-servers it started with it."""
-    cmd = [sys.executable, f"bench/{bench.name}.py", "--smoke", *bench.args]
+    cmd = [sys.executable, *bench.command, "--smoke", *bench.args]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -120,9 +131,9 @@ def test_every_bench_script_has_a_smoke_test() -> None:
     from tests.vllm.test_bench_smoke import BENCHES as VLLM_BENCHES
 
     scripts = {
-        p.stem
-        for p in (ROOT / "bench").glob("*.py")
+        str(p.relative_to(ROOT / "bench").with_suffix(""))
+        for p in (ROOT / "bench").rglob("*.py")
         if 'if __name__ == "__main__"' in p.read_text()
     }
-    tested = {b.name for b in BENCHES + VLLM_BENCHES}
+    tested = {b.file for b in BENCHES + VLLM_BENCHES}
     assert scripts - HELPERS <= tested, scripts - HELPERS - tested

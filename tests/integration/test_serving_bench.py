@@ -1,4 +1,4 @@
-"""bench/serving.py's client and Plurai stack, end to end on the tiny model: every request
+"""bench/serving/'s client and Plurai stack, end to end on the tiny model: every request
 of a seeded two-lane workload, replayed open-loop through the gateway's OpenAI API as the
 bench sends it to every stack, completes with the tokens it asked for and its usage."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from bench.serving import EngineSpec, PluraiStack, replay
-from bench.serving_figures import Slo, stack_figures
-from bench.serving_workload import BATCH, INTERACTIVE, Tokens, WorkloadConfig, generate
+from bench.serving.client import replay
+from bench.serving.figures import Slo, stack_figures
+from bench.serving.stacks import EngineSpec, PluraiStack
+from bench.serving.workload import BATCH, INTERACTIVE, Tokens, WorkloadConfig, generate
 from broker_config import keys
 
 

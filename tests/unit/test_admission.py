@@ -1,5 +1,5 @@
 """The admission policy as a pure object: known figures in, the worker's decision out (no
-Redis, no engine). The fleet simulation runs the same object (bench/policy_sim.py)."""
+Redis, no engine). The fleet simulation runs the same object (bench/serving/simulation.py)."""
 
 from __future__ import annotations
 

@@ -13,28 +13,35 @@ from bench.__main__ import INDEX, PARTS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def files() -> set[str]:
+    """Every file under bench/, as the index names them (its path there, without .py)."""
+    return {
+        str(p.relative_to(ROOT / "bench").with_suffix("")) for p in (ROOT / "bench").rglob("*.py")
+    }
+
+
 def scripts() -> set[str]:
-    """bench/*.py that run as scripts (an `if __name__ == "__main__"` at the top level)."""
+    """bench/**/*.py that run as scripts (an `if __name__ == "__main__"` at the top level)."""
     found = set()
-    for path in (ROOT / "bench").glob("*.py"):
+    for path in (ROOT / "bench").rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-                found.add(path.stem)
+                found.add(str(path.relative_to(ROOT / "bench").with_suffix("")))
     return found - {"__main__"}
 
 
 def test_every_bench_script_is_indexed_or_a_part() -> None:
-    named = [b.name for b in INDEX] + PARTS
+    named = [b.file for b in INDEX] + PARTS
     assert len(named) == len(set(named)), "a bench is named twice"
     assert sorted(scripts() - set(named)) == [], "add it to bench/__main__.py's INDEX"
-    assert sorted(set(named) - {p.stem for p in (ROOT / "bench").glob("*.py")}) == []
+    assert sorted(set(named) - files()) == []
 
 
 def test_each_benchs_page_names_it_and_it_takes_smoke() -> None:
     for b in INDEX:
-        source = (ROOT / "bench" / f"{b.name}.py").read_text()
-        assert "--smoke" in source, f"bench/{b.name}.py has no --smoke"
-        assert f"bench/{b.name}.py" in (ROOT / b.docs).read_text(), (b.name, b.docs)
+        source = (ROOT / "bench" / f"{b.file}.py").read_text()
+        assert "--smoke" in source, f"bench/{b.file}.py has no --smoke"
+        assert b.command.removeprefix("-m ") in (ROOT / b.docs).read_text(), (b.name, b.docs)
 
 
 def test_the_index_prints_every_bench() -> None:
@@ -42,5 +49,5 @@ def test_the_index_prints_every_bench() -> None:
         [sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     for b in INDEX:
-        assert f"bench/{b.name}.py" in out
+        assert b.command in out
     assert ".venv-vllm/bin/python bench/router_latency.py" in out

@@ -1,4 +1,4 @@
-"""bench/serving.py's own arithmetic and wiring: recovery after a kill, ratios against
+"""bench/serving/'s own arithmetic and wiring: recovery after a kill, ratios against
 the best router, CPU used, the saturated rate, the stacks' settings, its results file."""
 
 from __future__ import annotations
@@ -11,16 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving_figures import (
+from bench.serving.client import Run, slos_from, slowest_share
+from bench.serving.figures import (
     Result,
     Slo,
     saturated_rate,
 )
-from bench.serving_workload import (
+from bench.serving.report import ratios, recovery_s, summary
+from bench.serving.stacks import EngineSpec, PluraiStack, RouterStack, cpu_used, rounds
+from bench.serving.workload import (
     INTERACTIVE,
 )
 
-# -- bench/serving.py's own arithmetic --------------------------------------------------
+# -- bench/serving/'s own arithmetic --------------------------------------------------
 from .test_serving_figures import res
 
 
@@ -29,7 +32,6 @@ def _done(i: int, end: float) -> Result:
 
 
 def test_recovery_after_a_kill() -> None:
-    from bench.serving import recovery_s
 
     # 2 completions/s for 10 s, nothing for 4 s after the kill at 10 s, then 2/s again
     ends = [0.25 + 0.5 * i for i in range(20)] + [14.25 + 0.5 * i for i in range(20)]
@@ -44,7 +46,6 @@ def test_recovery_after_a_kill() -> None:
 
 
 def test_ratios_against_the_best_router_on_each_figure() -> None:
-    from bench.serving import ratios
 
     stacks = {
         "plurai-vllm": {
@@ -98,7 +99,6 @@ def test_ratios_against_the_best_router_on_each_figure() -> None:
 
 
 def test_cpu_used_counts_the_processes_alive_at_the_end() -> None:
-    from bench.serving import cpu_used
 
     before = {"engines": {1: 10.0, 2: 20.0}, "front": {3: 1.0}}
     after = {"engines": {2: 26.5, 4: 3.0}, "front": {3: 1.5}, "redis": {}}
@@ -115,7 +115,6 @@ def test_the_saturated_rate_leaves_out_the_drain_tail() -> None:
 
 
 def test_the_slowest_interactive_first_tokens_split_into_queue_and_engine() -> None:
-    from bench.serving import slowest_share
 
     def res(i: int, ttft: float, lane: str = "interactive") -> Result:
         return Result(f"r{i}", lane, 0.0, ttft, ttft + 1.0, 8, True)
@@ -141,8 +140,6 @@ def test_the_slowest_interactive_first_tokens_split_into_queue_and_engine() -> N
 def test_bound_peers_run_wholly_on_their_engines_core(tmp_path: Path) -> None:
     import shutil
 
-    from bench.serving import EngineSpec, RouterStack
-
     if shutil.which("taskset") is None:
         pytest.skip("taskset is not installed")
     spec = EngineSpec(model=tmp_path, name="m", dtype="bfloat16", max_model_len=768)
@@ -156,7 +153,6 @@ def test_bound_peers_run_wholly_on_their_engines_core(tmp_path: Path) -> None:
 
 
 def test_a_plurai_stack_gives_its_workers_the_operators_targets(tmp_path: Path) -> None:
-    from bench.serving import EngineSpec, PluraiStack
 
     spec = EngineSpec(model=tmp_path, name="m", dtype="bfloat16", max_model_len=768)
     stack = PluraiStack("vllm", spec, 2, tmp_path)
@@ -168,7 +164,7 @@ def test_a_plurai_stack_gives_its_workers_the_operators_targets(tmp_path: Path) 
 
 
 def test_a_results_file_line_with_the_stacks_record_reads_back() -> None:
-    # bench/serving.py writes each result with what the job's record says beside it
+    # bench/serving/ writes each result with what the job's record says beside it
     row = {
         **asdict(Result("r1", "batch", 1.0, 1.5, 3.0, 8, True, None, 200, 128)),
         "job": "abc",
@@ -185,7 +181,6 @@ def test_a_results_file_line_with_the_stacks_record_reads_back() -> None:
 def test_the_trace_is_judged_by_its_own_slos() -> None:
     """The trace's prompts are of other lengths than the mixed workload's: its runs are
     scored by the SLOs of its own idle requests, the sweep's by the mixed ones'."""
-    from bench.serving import Run, summary
 
     mixed, trace = {INTERACTIVE: Slo(ttft_s=1.0)}, {INTERACTIVE: Slo(ttft_s=3.0)}
     rs = [res(i, ttft=2.0) for i in range(10)]
@@ -201,7 +196,7 @@ def test_the_trace_is_judged_by_its_own_slos() -> None:
 
 
 def test_a_bench_scripts_folder_shadows_nothing_transformers_imports() -> None:
-    # `python bench/serving.py` puts bench/ first on sys.path: a file there named like a
+    # `python -m bench.serving` puts bench/ first on sys.path: a file there named like a
     # package transformers probes for (bench/kernels.py against `kernels`) broke making the
     # bench model on a fresh clone
     bench = Path(__file__).resolve().parents[2] / "bench"
@@ -211,7 +206,6 @@ def test_a_bench_scripts_folder_shadows_nothing_transformers_imports() -> None:
 
 
 def test_a_later_run_takes_an_earlier_runs_slos(tmp_path: Path) -> None:
-    from bench.serving import slos_from
 
     slos = {
         "interactive": {"ttft_s": 0.5, "tpot_s": 0.08, "e2e_s": None},
@@ -233,7 +227,6 @@ def test_a_later_run_takes_an_earlier_runs_slos(tmp_path: Path) -> None:
 
 
 def test_each_round_of_the_sweep_runs_every_stack_in_turn() -> None:
-    from bench.serving import rounds
 
     stacks = ["round_robin", "cache_aware", "plurai-vllm"]
     # a slow stretch of the machine lands on every stack's rounds, not on the last stack's

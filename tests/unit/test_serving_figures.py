@@ -1,4 +1,4 @@
-"""The serving bench's figures (bench/serving_figures.py) on hand-computed inputs:
+"""The serving bench's figures (bench/serving/figures.py) on hand-computed inputs:
 percentiles, latency, SLO attainment, goodput, summaries, prefill."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from bench.serving_figures import (
+from bench.serving.client import Run
+from bench.serving.figures import (
     Result,
     Slo,
     attainment,
@@ -21,7 +22,8 @@ from bench.serving_figures import (
     slos_from_idle,
     stack_figures,
 )
-from bench.serving_workload import (
+from bench.serving.report import summary
+from bench.serving.workload import (
     BATCH,
     INTERACTIVE,
 )
@@ -112,7 +114,6 @@ def test_goodput_is_where_the_attainment_crosses_90_percent() -> None:
 
 
 def test_summary_pools_a_loads_repeats() -> None:
-    from bench.serving import Run, summary
 
     slo = {INTERACTIVE: Slo(ttft_s=1.0)}
 

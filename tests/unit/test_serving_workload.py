@@ -1,4 +1,4 @@
-"""The serving bench's seeded workload (bench/serving_workload.py): arrivals, sessions,
+"""The serving bench's seeded workload (bench/serving/workload.py): arrivals, sessions,
 shared prefixes, lengths counted with the model's tokenizer, vLLM's replay formats."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving_workload import (
+from bench.serving.workload import (
     BATCH,
     INTERACTIVE,
     ServingRequest,

@@ -25,7 +25,7 @@ SERVING = ["--stacks", STACKS, "--scenarios", "idle,sweep,flood,kill"]
 
 BENCHES = [
     Bench("backends", ("e2e_vllm_tokens_per_s",), server=True, model=True),
-    Bench("serving", ("stacks", "plurai-vllm"), SERVING, server=True, model=True),
+    Bench("serving", ("stacks", "plurai-vllm"), SERVING, True, True, "bench.serving"),
     Bench("throughput", ("vllm_tok_s",), model=True),
     Bench("model_sizes", ("dtypes", "fp32", "ratio_vs_vllm", "decode_32"), model=True),
     Bench("quantized", ("perplexity", "w4a16"), model=True),

@@ -3,7 +3,7 @@ requests, as a discrete-event simulation (one heap of events; no Redis, engines 
 One file, though long: the simulated engines and policies, their calibration on a measured
 run and the fleets share one set of constants and are read together.
 
-    python bench/policy_sim.py [--calibrate-from DIR] [--check-against DIR[,DIR]]
+    python -m bench.serving.simulation [--calibrate-from DIR] [--check-against DIR[,DIR]]
         [--check-budget 512] [--sizes 64,256,1000] [--scales 0.3,0.6,1.0,1.2,1.4,1.6]
         [--duration 60] [--pull-budget 512] [--tpot-share 0.8] [--wait-share 0.5]
         [--lookahead 0] [--seed 0] [--smoke]
@@ -57,18 +57,18 @@ TTFT and end times get the front's fixed overhead, one constant per stack kind (
 gateway + queue).
 
 Prefix identity. The replayed workloads carry messages, not tokens; the results carry each
-prompt's token count. A prompt's conversation text (bench/serving_workload.py's flatten) is
+prompt's token count. A prompt's conversation text (bench/serving/workload.py's flatten) is
 cut into blocks at the workload's mean characters per token: block i stands for the text up
 to (i + 1) * block tokens, chained on the block before (as a chained block hash), so two
 prompts share exactly the leading blocks whose text they share: a system prompt, a
 session's earlier turns, the extraction instructions. The block is the measured engines'
 (the gcd of the results' cached tokens: 128 on vLLM's CPU backend); replayed this way the
 simulated routers' cached tokens come within a few blocks of the measured ones. Generated
-fleets use the same structure in token counts (bench/serving_workload.py's chats, sessions
+fleets use the same structure in token counts (bench/serving/workload.py's chats, sessions
 and extractions, with 2 prefix groups and 2 open sessions per engine) and 16-token blocks.
 Requests of the same instant are queued together before an engine pulls (a burst).
 
-Calibration (--calibrate-from a bench/serving.py folder, K = 2): its sweep and flood runs
+Calibration (--calibrate-from a bench/serving/ folder, K = 2): its sweep and flood runs
 are whatever out.json holds; a measured request arrives at its sent_s (when the load
 generator really sent it); plurai-vllm pulls with out.json's plurai_prefill_backlog_tokens,
 else --check-budget (2048 for runs before the bound). The constants are fitted on the
@@ -86,11 +86,11 @@ p99 are the measured repeats' own, and the summary counts the loads whose repeat
 within 20%: on a noisy 2-core machine a 40 s run's p99 moves by more than that from one
 run of the same load to the next, which bounds how close any model can come.
 Then fleets of --sizes engines at --scales of the simulated capacity per engine * engines:
-the capacity is measured in the simulation as bench/serving.py measures the real one (a
+the capacity is measured in the simulation as bench/serving/ measures the real one (a
 saturating burst of about 12 requests per engine, its third quarter of completions / its
 end, pulling); the measured run's is reported beside the simulated one at K = 2 (the median
 of 5 bursts: one of 24 requests moves by 2x from one seed to the next). Figures (p50/p99,
-SLO attainment, goodput) are bench/serving_figures.py's own. The last line is one JSON
+SLO attainment, goodput) are bench/serving/figures.py's own. The last line is one JSON
 object.
 """
 
@@ -108,13 +108,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.serving import figures as sf
+from bench.serving.workload import arrival_times, flatten
+from broker_config.settings import Settings
+from gpu_workers.admission import Admission
 
-from bench import serving_figures as sf  # noqa: E402
-from bench.serving_workload import arrival_times, flatten  # noqa: E402
-from broker_config.settings import Settings  # noqa: E402
-from gpu_workers.admission import Admission  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 BLOCK = 16  # vLLM's block on a GPU
 STEP_TOKENS = 2048  # vLLM's max_num_batched_tokens
@@ -149,7 +148,7 @@ class Constants:
     noise_s: float = 2.0
 
 
-# Fitted by `--calibrate-from` a bench/serving.py sweep folder (0.6-1.2x, two rounds a
+# Fitted by `--calibrate-from` a bench/serving/ sweep folder (0.6-1.2x, two rounds a
 # load), K = 2, bench-llama bf16, vLLM CPU engines bound to a core each on a 2-core AVX-512
 # machine (out.json capacity 9.473 req/s), pull budget 512, top-lane target 52 ms, wait
 # bound 239 ms. pool_block_s is not fitted (the run does not split device hits from pool
@@ -265,7 +264,7 @@ def from_messages(
 
 @dataclass
 class Shape:
-    """Generated requests in token counts, as bench/serving_workload.py builds them with
+    """Generated requests in token counts, as bench/serving/workload.py builds them with
     --prompt 64-512 --output 16-64 (the calibration run's)."""
 
     groups: int = 4
@@ -842,16 +841,16 @@ class Measured:
         return self.reqs[stack, run]
 
 
-IDLE_REQUESTS = 10  # bench/serving.py's idle run sends its workload's first 10, one at a time
+IDLE_REQUESTS = 10  # bench/serving/'s idle run sends its workload's first 10, one at a time
 
 
 def workload_file(run: str) -> str:
-    """bench/serving.py's name for a run's workload: sweep@0.7 -> sweep-0.7.jsonl."""
+    """bench/serving/'s name for a run's workload: sweep@0.7 -> sweep-0.7.jsonl."""
     return run.replace("@", "-") + ".jsonl"
 
 
 def load(folder: str | Path, budget: int = 512) -> Measured:
-    """A bench/serving.py folder's figures, and the workloads and per-request results of
+    """A bench/serving/ folder's figures, and the workloads and per-request results of
     its sweep runs and flood. The pull budget is out.json's plurai_prefill_backlog_tokens,
     else `budget` (runs before the bound pulled with 2048). The engines' cache block is the
     gcd of the cached token counts (vLLM's CPU backend caches 128-token blocks, its GPU
@@ -1133,7 +1132,7 @@ def check_summary(stacks: dict[str, Any]) -> dict[str, Any]:
 
 def capacity(size: int, k: Constants, seed: int = 0, **kw: Any) -> float:
     """Completed requests per second per engine of a saturating burst on `size` engines, as
-    bench/serving.py measures the real capacity on its first stack: about 12 requests per
+    bench/serving/ measures the real capacity on its first stack: about 12 requests per
     engine of the mixed workload within 0.24 s, the third quarter of completions / its end."""
     shape = Shape(groups=2 * size, open_sessions=2 * size)
     n = max(16, 12 * size)
@@ -1191,7 +1190,7 @@ def fleet(
 
 
 def ratios(stacks: dict[str, Any], scales: list[float], ours: str = "pull") -> dict[str, Any]:
-    """Pulling against the best router on each figure, as bench/serving.py prints them."""
+    """Pulling against the best router on each figure, as bench/serving/ prints them."""
     out: dict[str, Any] = {}
     me = stacks[ours]
 
@@ -1223,11 +1222,11 @@ def ratios(stacks: dict[str, Any], scales: list[float], ours: str = "pull") -> d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--calibrate-from", default=None, help="a bench/serving.py folder to fit on")
+    p.add_argument("--calibrate-from", default=None, help="a bench/serving/ folder to fit on")
     p.add_argument(
         "--check-against",
         default=None,
-        help="bench/serving.py folders, comma-separated, to check the constants on "
+        help="bench/serving/ folders, comma-separated, to check the constants on "
         "(default: the calibration folder)",
     )
     p.add_argument(
@@ -1246,14 +1245,14 @@ def main() -> None:
         type=float,
         default=0.8,
         help="pulling's top-lane TPOT target as a share of the interactive TPOT SLO, as "
-        "bench/serving.py sets PLURAI_TOP_LANE_TPOT_MS; 0: none",
+        "bench/serving/ sets PLURAI_TOP_LANE_TPOT_MS; 0: none",
     )
     p.add_argument(
         "--wait-share",
         type=float,
         default=0.5,
         help="PLURAI_TOP_LANE_WAIT_MS, the longest a top-lane entry waits for the target, as "
-        "a share of the interactive TTFT SLO, as bench/serving.py sets it",
+        "a share of the interactive TTFT SLO, as bench/serving/ sets it",
     )
     p.add_argument("--lookahead", type=int, default=0)
     p.add_argument(
@@ -1275,7 +1274,7 @@ def main() -> None:
     scales = [float(x) for x in a.scales.split(",") if x]
     started = time.monotonic()
     k, slos, measured = DEFAULTS, DEFAULT_SLOS, DEFAULT_CAPACITY_PER_ENGINE
-    out: dict[str, Any] = {"bench": "policy_sim"}
+    out: dict[str, Any] = {"bench": "simulation"}
     out["isa"] = cpu_isa()
     folders: dict[Path, Measured] = {}
     if a.calibrate_from:

@@ -1,7 +1,7 @@
 """The serving bench's workload: seeded OpenAI chat requests with arrival times, written
 to a JSON-lines file that every stack replays.
 
-    python bench/serving_workload.py --model DIR --out FILE [--seed 0] [--rate 2]
+    python -m bench.serving.workload --model DIR --out FILE [--seed 0] [--rate 2]
         [--scale 1] [--burstiness 1] [--duration 60] [--flood N --flood-at S]
         [--vllm-custom FILE] [--vllm-trace FILE] [--smoke]
 
@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+
 
 INTERACTIVE, BATCH = "interactive", "batch"
 EXTRACT_SYSTEM = (

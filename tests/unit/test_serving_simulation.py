@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench import policy_sim as ps
+from bench.serving import simulation as ps
 
 K = ps.Constants(
     a_s=0.01,
@@ -255,7 +255,7 @@ def test_prefix_identity_from_messages() -> None:
 def write_folder(
     path, runs: dict[str, list[float]], budget: int | None = None, delay: float = 0.0
 ) -> None:
-    """A bench/serving.py folder: run -> arrival times, one round_robin and one plurai-vllm
+    """A bench/serving/ folder: run -> arrival times, one round_robin and one plurai-vllm
     stack; every result sent `delay` after its arrival, with no times measured yet."""
     path.mkdir()
     figures = {}
@@ -410,7 +410,7 @@ def test_check_flags_errors_over_20_percent(tmp_path) -> None:
 def test_calibrates_on_one_folder_and_checks_on_others(tmp_path, monkeypatch, capsys) -> None:
     write_folder(tmp_path / "a", {"sweep@0.5": [0.5 * i for i in range(8)]})
     write_folder(tmp_path / "b", {"sweep@1.0": [0.2 * i for i in range(8)]}, budget=256)
-    argv = ["policy_sim.py", "--calibrate-from", str(tmp_path / "a")]
+    argv = ["simulation.py", "--calibrate-from", str(tmp_path / "a")]
     argv += ["--check-against", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--check-budget", "2048"]
     argv += ["--sizes", "2", "--scales", "0.5,1.5", "--duration", "5"]
     monkeypatch.setattr("sys.argv", argv)

@@ -36,7 +36,7 @@ class Result:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Result:
         """A result from a line of a run's results file, which also holds what the stack's
-        own records say of the request (bench/serving.py: queue_ms, engine_ms, ...)."""
+        own records say of the request (bench/serving/: queue_ms, engine_ms, ...)."""
         return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
 
     @property
