@@ -25,6 +25,8 @@ What a user relies on, checked after every batch:
 `test_catalog` runs a fixed list of nasty entries one at a time (so a crash names its
 input, and every case is reported, not just the first); `test_fuzz_batches` draws random
 batches with hypothesis.
+
+One file, though long: its tests must share the one worker process they attack.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 redis-server and real workers. Chat and completions, streamed and not, equal the same
 request through the Python SDK; usage equals the job record; bad input gets the documented
 status and Plurai's code; a client leaving mid-stream cancels its job; a stream survives
-its worker's SIGKILL."""
+its worker's SIGKILL.
+
+One file, though long: the tests share one gateway process, its redis-server and workers
+(module fixtures).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Every typed call of results/jobs.py against a real redis-server: each named parameter
 lands where its script reads it (the record, the token stream, the request stream, the
-dead-letter stream, the channels, the TTLs)."""
+dead-letter stream, the channels, the TTLs).
+
+One file, though long: a test or two per typed call, in the order of results/jobs.py.
+"""
 
 from __future__ import annotations
 

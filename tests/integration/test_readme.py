@@ -14,6 +14,9 @@ when it ends; `plurai status` (a live view) is interrupted with Ctrl-C once it h
 the queue. Every command must exit 0, and those of CHECKS must print what the README says
 they print; a python block must exit 0 and print what its check in PYTHON_CHECKS says the
 block promises. A README command or output that no longer holds fails here.
+
+One file, though long: the README's runner (blocks, placeholders, transcripts,
+background processes) and its checks are one test.
 """
 
 from __future__ import annotations

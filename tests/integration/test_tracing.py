@@ -7,7 +7,11 @@ whose engine fails until it is dead-lettered, each in one trace, the entry's tra
 kept wherever the entry goes. Across processes (workers and a gateway with OTEL_* set,
 exporting to a small OTLP/HTTP receiver run here): a request through the gateway that
 continues its client's traceparent; a job whose worker is SIGKILLed mid-generation and
-which another worker finishes; a job with a malformed traceparent, which runs untraced."""
+which another worker finishes; a job with a malformed traceparent, which runs untraced.
+
+One file, though long: the tests share the exporter, the OTLP receiver and the engines
+(module fixtures).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The gateway's requests: what it takes as OpenAI's API and its official client send them,
 and what it refuses of bodies an attacker sends or of odd Redis content, in OpenAI's error
 shape and never a bare 500 (Starlette's test client against a real redis-server; a worker's
-entry in the model directory and what it writes for a job are written by hand)."""
+entry in the model directory and what it writes for a job are written by hand).
+
+One file, though long: one request handler's inputs, each test a request and its answer.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Quantized checkpoints (GPTQ, AWQ, compressed-tensors) load into the native engine: the
 layouts unpack to the values they hold, the engine computes what the dequantized weights
 compute (greedy tokens equal transformers' on them), shards respect groups, and a bad
-checkpoint is refused at start with a message."""
+checkpoint is refused at start with a message.
+
+One file, though long: the three formats share the checkpoint writers and the reference
+they are checked against.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The fleet policy simulation: engines, routers, pulling and the calibration check."""
+"""The fleet policy simulation: engines, routers, pulling and the calibration check.
+
+One file, though long: the simulation is one module (bench/serving/simulation.py),
+tested in one place.
+"""
 
 from __future__ import annotations
 
