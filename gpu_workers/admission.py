@@ -72,16 +72,17 @@ class Jobs(Protocol):
 class Admission:
     engine: Engine
     jobs: Jobs
-    slowdown: float = 3.0  # top_lane_slowdown
-    target_s: float = 0.0  # top_lane_tpot_ms / 1000: the objective; 0: none
-    wait_ms: float = 500.0  # top_lane_wait_ms
-    poll_s: float = 0.02  # poll_ms / 1000: how often to look for a waited entry
-    fair_every: int = 8
-    reserve: int = 4  # top_lane_reserve
-    lower_bound: int = 512  # prefill_backlog_tokens
-    takes_per_step: int | None = None
-    preempt: bool = True
-    lanes: int = 2
+    # the knobs, from Settings (`of`), where their defaults live
+    slowdown: float  # top_lane_slowdown
+    target_s: float  # top_lane_tpot_ms / 1000: the objective; 0: none
+    wait_ms: float  # top_lane_wait_ms
+    poll_s: float  # poll_ms / 1000: how often to look for a waited entry
+    fair_every: int
+    reserve: int  # top_lane_reserve
+    lower_bound: int  # prefill_backlog_tokens
+    takes_per_step: int | None
+    preempt: bool
+    lanes: int  # how many
     pace: Pace = field(init=False)
     prompt_size: float = 0.0  # mean prompt tokens of the entries taken (moving)
     top_size: float = 0.0  # mean prompt plus max_tokens of the top lane's (moving)
@@ -206,7 +207,7 @@ class Admission:
         probably not fit. With no bound, as many as the engine has room for (KV, sequence
         slots), up to a turn's takes: an entry read that cannot start would wait here
         while another worker might start it."""
-        bound, size, backlog = self.bound(top, now), round(self.prompt_size), self.backlog(top)
+        bound, size = self.bound(top, now), round(self.prompt_size)
         if bound is None:
             if not self.engine.has_unfinished() or not size:
                 return self.takes()
@@ -214,6 +215,7 @@ class Admission:
             while n < self.takes() and self.admits((n + 1) * size, (n + 1) * output, top, now):
                 n += 1
             return n
+        backlog = self.backlog(top)
         room = (bound - backlog) // size if size else 1
         return room if backlog else max(1, room)
 

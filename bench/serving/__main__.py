@@ -33,8 +33,6 @@ from bench.serving.workload import (
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model
 from broker_config.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def main() -> None:
     p = argparse.ArgumentParser(

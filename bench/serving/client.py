@@ -22,8 +22,6 @@ from bench.serving.workload import (
     ServingRequest,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-
 # -- the client -----------------------------------------------------------------------
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
 from bench.serving import figures as sf
@@ -14,8 +13,6 @@ from bench.serving.client import Run
 from bench.serving.workload import (
     INTERACTIVE,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def recovery_s(results: list[sf.Result], at: float, window: float = 3.0) -> float | None:

@@ -39,8 +39,6 @@ from bench.serving.workload import (
 from bench.trace_replay import read_trace
 from bench.trace_replay import replay as replay_trace
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 class Bench:
     def __init__(self, a: argparse.Namespace, spec: EngineSpec, work: Path) -> None:
