@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -170,9 +172,11 @@ def run_engine(model: Path, reqs, dtype: str, ops, kv_bytes: int | None = None) 
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
     for i, r in enumerate(reqs):
         engine.add(
-            f"k{i}",
-            token_ids=r.prompt,
-            params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+            AddRequest(
+                f"k{i}",
+                token_ids=r.prompt,
+                params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+            ),
         )
     start = time.perf_counter()
     while engine.has_unfinished():

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -61,7 +63,7 @@ def main() -> None:
                 seed=i,
             )
         )
-        engine.add(f"r{i}", token_ids=r.prompt, params=sp)
+        engine.add(AddRequest(f"r{i}", token_ids=r.prompt, params=sp))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
         engine.step()  # through prefill
 

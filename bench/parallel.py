@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.workload import (  # noqa: E402
@@ -54,7 +56,7 @@ def measure(model: str, tp: int, pp: int, args: argparse.Namespace) -> dict:
         reqs = mixed(args.batch, engine.vocab_size, seed=2, output_median=100000, **lengths)
         sp = SamplingParams(max_tokens=args.steps + 50, ignore_eos=True)
         for i, r in enumerate(reqs):
-            engine.add(f"r{i}", token_ids=r.prompt, params=sp)
+            engine.add(AddRequest(f"r{i}", token_ids=r.prompt, params=sp))
         start = time.perf_counter()
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
             engine.step()

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.vllm_peer import tree_rss_mib  # noqa: E402
@@ -36,9 +38,11 @@ def main() -> None:
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(requests):
             engine.add(
-                f"{name}-{i}",
-                token_ids=prompt,
-                params=SamplingParams(max_tokens=n, ignore_eos=True),
+                AddRequest(
+                    f"{name}-{i}",
+                    token_ids=prompt,
+                    params=SamplingParams(max_tokens=n, ignore_eos=True),
+                ),
             )
         made = 0
         while engine.has_unfinished():

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import redis
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
@@ -43,7 +45,7 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
 def ttft(engine: Engine, prompt: list[int]) -> float:
     start = time.perf_counter()
-    engine.add("probe", token_ids=prompt, params=FIRST_TOKEN)
+    engine.add(AddRequest("probe", token_ids=prompt, params=FIRST_TOKEN))
     while not any(o.request_id == "probe" for o in engine.step()):
         pass
     return time.perf_counter() - start

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker_config.errors import ErrorCode
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import AddRequest, RequestError, StepOutput
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
@@ -93,27 +93,16 @@ class SimBackend:
         # per wall-clock second: [steps, sequences stepped, seconds inside steps]
         self.per_second: dict[int, list[float]] = {}
 
-    def add(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
-        params: dict[str, Any] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        special_tokens: bool = False,
-        output_ids: list[int] | None = None,
-    ) -> str:
-        if output_ids:  # its tokens are made up: a job cut off starts over
+    def add(self, req: AddRequest) -> list[str]:
+        request_id = req.request_id
+        if req.output_ids:  # its tokens are made up: a job cut off starts over
             raise RequestError(ErrorCode.BAD_PROGRESS, "the simulated engine does not resume jobs")
         if request_id in self._running or request_id in self._waiting:
             raise RequestError(ErrorCode.DUPLICATE_ID, f"{request_id} is already here")
-        max_tokens = (params or {}).get("max_tokens", 16)
+        max_tokens = (req.params or {}).get("max_tokens", 16)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise RequestError(ErrorCode.INVALID_PARAMS, "max_tokens must be an integer >= 1")
-        n = estimate_tokens(prompt, token_ids, messages)
+        n = estimate_tokens(req.prompt, req.token_ids, req.messages)
         if n + 1 > self.max_model_len:
             raise RequestError(
                 ErrorCode.PROMPT_TOO_LONG, f"{n} prompt tokens; at most {self.max_model_len - 1}"
@@ -124,10 +113,10 @@ class SimBackend:
             id=request_id,
             prompt_tokens=n,
             max_tokens=max_tokens,
-            priority=priority,
+            priority=req.priority,
             order=self._order,
         )
-        return ""
+        return [""]
 
     def _reserved(self) -> int:
         return sum(s.need for s in self._running.values()) + sum(

@@ -50,6 +50,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from gpu_workers.backend import AddRequest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -148,14 +150,14 @@ def run_native(
     if batch:
         start = time.perf_counter()
         for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
-            engine.add(f"b{i}", token_ids=r.prompt, params=p)
+            engine.add(AddRequest(f"b{i}", token_ids=r.prompt, params=p))
         while engine.has_unfinished():
             made += sum(len(o.new_token_ids) for o in engine.step())
         rate = made / (time.perf_counter() - start)
     else:
         decode_s = 0.0
         for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
-            engine.add(f"s{i}", token_ids=r.prompt, params=p)
+            engine.add(AddRequest(f"s{i}", token_ids=r.prompt, params=p))
             first = None
             while engine.has_unfinished():
                 outs = engine.step()

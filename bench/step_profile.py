@@ -23,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -93,7 +95,7 @@ def main() -> None:
     runner.run = timed_run  # type: ignore[method-assign]
     for i, r in enumerate(reqs):
         params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
-        engine.add(f"p{i}", token_ids=r.prompt, params=params)
+        engine.add(AddRequest(f"p{i}", token_ids=r.prompt, params=params))
     steps: list[tuple[int, int, int, float, float]] = []
     start = time.perf_counter()
     while engine.has_unfinished():

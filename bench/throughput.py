@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu_workers.backend import AddRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -67,7 +69,7 @@ def run_plurai(
     start = time.perf_counter()
     ids = [f"b{i}" for i in range(len(reqs))]
     for rid, r, p in zip(ids, reqs, params, strict=True):
-        engine.add(rid, token_ids=r.prompt, params=p)
+        engine.add(AddRequest(rid, token_ids=r.prompt, params=p))
     produced = 0
     while engine.has_unfinished():
         produced += len(engine.step())

@@ -13,11 +13,27 @@ from typing import Any, Protocol
 
 from broker_config.errors import CodedError
 
-__all__ = ["Backend", "RequestError", "StepOutput"]
+__all__ = ["AddRequest", "Backend", "RequestError", "StepOutput"]
 
 
 class RequestError(CodedError):
     """A request a backend refuses; `code` is stable, `message` says what to fix."""
+
+
+@dataclass
+class AddRequest:
+    """One request for a backend: give exactly one of `prompt`, `token_ids`, `messages`."""
+
+    request_id: str
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None  # chat turns, rendered by the model's template
+    # the wire's sampling fields, or the native engine's SamplingParams (None: defaults)
+    params: Any = None
+    priority: int = 0  # lower runs first (the lane and the job's own priority)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under equal salts
+    special_tokens: bool = False  # the prompt's text may name special tokens
+    output_ids: list[list[int]] | None = None  # per choice: a cut-off run's output tokens
 
 
 @dataclass
@@ -46,22 +62,10 @@ class Backend(Protocol):
     max_num_seqs: int  # sequences it runs at once (a request's choices are one each)
     step_tokens: int  # tokens one step computes at most (prompt chunks and decodes)
 
-    def add(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
-        params: dict[str, Any] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        special_tokens: bool = False,
-        output_ids: list[list[int]] | None = None,
-    ) -> list[str]:
-        """Queue a request; `params` are the wire's sampling fields. Raises RequestError.
+    def add(self, req: AddRequest) -> list[str]:
+        """Queue a request. Raises RequestError.
 
-        With `n` > 1 in `params` the request has n choices, choice i sampled as a request
+        With `n` > 1 in `req.params` the request has n choices, choice i sampled as a request
         of seed `seed` + i (mod 2^63) would be; each step output says its choice
         (`index`), and a choice's `finished` ends that choice only. The request is over
         once every choice has finished.

@@ -12,7 +12,7 @@ import redis
 
 from broker_config import protocol, tracing
 from broker_config.protocol import Code
-from gpu_workers.backend import Backend, RequestError
+from gpu_workers.backend import AddRequest, Backend, RequestError
 from gpu_workers.give_back import GiveBack
 from gpu_workers.intake import BAD_RECORD, Entry, Intake
 from gpu_workers.job import Running, Runs
@@ -72,15 +72,17 @@ class Starter:
     def _engine_add(self, entry: Entry, output_ids: list[list[int]] | None = None) -> list[str]:
         req, env = entry.req, entry.req.envelope
         texts = self.engine.add(
-            entry.job_id,
-            prompt=req.prompt,
-            token_ids=req.token_ids,
-            messages=req.messages,
-            params=req.params,
-            priority=protocol.engine_priority(self.lanes.index(entry.lane), env.priority),
-            cache_salt=req.cache_salt,
-            special_tokens=req.special_tokens,
-            output_ids=output_ids,
+            AddRequest(
+                entry.job_id,
+                prompt=req.prompt,
+                token_ids=req.token_ids,
+                messages=req.messages,
+                params=req.params,
+                priority=protocol.engine_priority(self.lanes.index(entry.lane), env.priority),
+                cache_salt=req.cache_salt,
+                special_tokens=req.special_tokens,
+                output_ids=output_ids,
+            ),
         )
         entry.added_s = time.time()
         return texts

@@ -62,12 +62,19 @@ def tokens(outs: list) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def driven_worker(url: str, engine: Backend, name: str = "w1", **settings: Any) -> Worker:
-    """A started worker in this process, which the test turns (`turn_until`) rather than
-    runs; the jobs a previous test left in the engine are aborted first."""
+def driven_worker(
+    url: str, engine: Backend, name: str = "w1", settings: Settings | None = None, **fields: Any
+) -> Worker:
+    """A started worker in this process, which the test turns (`turn_until`, or its steps one
+    by one) rather than runs; its settings are `settings`, else the defaults with `fields`.
+    The jobs a previous test left in the engine are aborted first."""
     for job_id in list(getattr(engine, "seqs", ())):
         engine.abort(job_id)
-    w = Worker(engine, connect(url), Settings(redis_url=url, **settings), worker_id=name)
+    if settings is None:
+        settings = Settings(redis_url=url, **fields)
+    elif fields:
+        raise TypeError("pass settings or fields, not both")
+    w = Worker(engine, connect(url), settings, worker_id=name)
     w.start()
     return w
 

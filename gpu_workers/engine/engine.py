@@ -1,7 +1,7 @@
 """The serving engine: add requests, step, read outputs.
 
     engine = Engine(EngineConfig(model="models/tiny-llama"))
-    engine.add("r1", prompt="Hello", params=SamplingParams(max_tokens=8))
+    engine.add(AddRequest("r1", prompt="Hello", params=SamplingParams(max_tokens=8)))
     while engine.has_unfinished():
         for out in engine.step(): ...
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
-from gpu_workers.backend import StepOutput
+from gpu_workers.backend import AddRequest, StepOutput
 from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.detokenizer import Detokenizer
@@ -162,18 +162,7 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------
 
-    def add(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
-        params: SamplingParams | dict | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        special_tokens: bool = False,
-        output_ids: list[list[int]] | None = None,
-    ) -> list[str]:
+    def add(self, req: AddRequest) -> list[str]:
         """Queue a request. Raises RequestError for bad input; nothing else is affected.
 
         Requests share prefix-cache blocks (device, host and Redis tiers) only when their
@@ -187,6 +176,7 @@ class Engine:
         text deltas ("" without output_ids). Progress this engine cannot continue is
         refused with BAD_PROGRESS (see `_replay`).
         """
+        request_id, params, output_ids = req.request_id, req.params, req.output_ids
         if request_id in self.seqs:
             raise RequestError(
                 ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
@@ -195,8 +185,8 @@ class Engine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
-        check_options(priority, cache_salt, special_tokens)
-        ids = self.tokenize(prompt, token_ids, messages, special_tokens)
+        check_options(req.priority, req.cache_salt, req.special_tokens)
+        ids = self.tokenize(req.prompt, req.token_ids, req.messages, req.special_tokens)
         if output_ids is None:
             output_ids = [[]] * params.n
         elif not isinstance(output_ids, list) or len(output_ids) != params.n:
@@ -210,9 +200,9 @@ class Engine:
                 request_id=request_id,
                 token_ids=list(ids),
                 params=p,
-                priority=priority,
+                priority=req.priority,
                 index=i,
-                cache_salt=cache_salt,
+                cache_salt=req.cache_salt,
             )
             seq.matcher = self.grammars.matcher(p)  # compiled (or refused) once, then copied
             seq.steer = Steer() if seq.matcher is not None else None
@@ -583,9 +573,9 @@ class Engine:
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
             prio = priorities[i] if priorities else 0
             if isinstance(prompt, str):
-                self.add(rid, prompt=prompt, params=p, priority=prio)
+                self.add(AddRequest(rid, prompt=prompt, params=p, priority=prio))
             else:
-                self.add(rid, token_ids=list(prompt), params=p, priority=prio)
+                self.add(AddRequest(rid, token_ids=list(prompt), params=p, priority=prio))
             seqs += self.seqs[rid].choices
         while any(s.status is not Status.FINISHED for s in seqs):
             self.step()

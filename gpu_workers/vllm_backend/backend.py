@@ -1,7 +1,7 @@
 """The engine interface (gpu_workers/backend.py) on vLLM's LLMEngine.
 
     backend = VllmBackend("models/my-model", tensor_parallel=2, options={"dtype": "bfloat16"})
-    backend.add("job-1", prompt="Hello", params={"max_tokens": 8})
+    backend.add(AddRequest("job-1", prompt="Hello", params={"max_tokens": 8}))
     while backend.has_unfinished():
         for out in backend.step(): ...
 
@@ -48,7 +48,7 @@ from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
 from broker_config.settings import Settings
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import AddRequest, RequestError, StepOutput
 from gpu_workers.engine.config import host_memory_bytes
 from gpu_workers.engine.detokenizer import Detokenizer
 from gpu_workers.engine.errors import ErrorCode
@@ -239,25 +239,14 @@ class VllmBackend:
 
     # -- requests -----------------------------------------------------------------
 
-    def add(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
-        params: SamplingParams | dict[str, Any] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        special_tokens: bool = False,
-        output_ids: list[list[int]] | None = None,
-    ) -> list[str]:
+    def add(self, req: AddRequest) -> list[str]:
         """See gpu_workers/backend.py. A request of n > 1 choices is n vLLM requests
         '<request id>/<choice>', choice i seeded as the native engine seeds it
         (SamplingParams.for_choice), which share the prompt's blocks through vLLM's prefix
         cache (vLLM's own `n` is the same fan-out, but refuses greedy sampling). Resumes
         (`output_ids`) only what vLLM continues exactly (params.resume_refusal) and
         refuses the rest with BAD_PROGRESS."""
+        request_id, params, output_ids = req.request_id, req.params, req.output_ids
         if request_id in self.reqs:
             raise RequestError(
                 ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
@@ -269,8 +258,8 @@ class VllmBackend:
             raise RequestError(
                 ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in the engine"
             )
-        check_options(priority, cache_salt, special_tokens)
-        ids = self.prompts.tokenize(prompt, token_ids, messages, special_tokens)
+        check_options(req.priority, req.cache_salt, req.special_tokens)
+        ids = self.prompts.tokenize(req.prompt, req.token_ids, req.messages, req.special_tokens)
         # a bad schema, regex or choice list is refused here with the native engine's reason
         # (vLLM's own check misses some, which then fail or stop the request inside vLLM)
         self.grammars.matcher(params)
@@ -280,13 +269,13 @@ class VllmBackend:
             detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens)
             text = "".join(detok.add(t) for t in given)
         request = TokensPrompt(prompt_token_ids=ids + given)
-        if cache_salt is not None:
-            request["cache_salt"] = cache_salt
+        if req.cache_salt is not None:
+            request["cache_salt"] = req.cache_salt
         added: list[str] = []
         try:
             for i, name in enumerate(names):
                 vllm_params = to_vllm(params.for_choice(i), len(given))
-                self.engine.add_request(name, dict(request), vllm_params, priority=priority)
+                self.engine.add_request(name, dict(request), vllm_params, priority=req.priority)
                 added.append(name)
         except (ValueError, TypeError, VLLMClientError) as e:  # beyond the shared checks
             if added:
@@ -301,7 +290,7 @@ class VllmBackend:
             outputs=[len(given)] + [0] * (params.n - 1),
             num_given=len(given),
             detok=detok,
-            priority=priority,
+            priority=req.priority,
         )
         self.choices.update((name, (request_id, i)) for i, name in enumerate(names))
         self.added += len(names)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import AddRequest, RequestError, StepOutput
 
 
 class Recorder:
@@ -33,10 +33,11 @@ class Recorder:
     def wake(self) -> None:
         pass
 
-    def add(self, request_id: str, priority: int, prompt: str | None = None, **_kw: object):
-        if prompt == "refuse me":
+    def add(self, req: AddRequest) -> list[str]:
+        if req.prompt == "refuse me":
             raise RequestError("invalid_params", "temperature must be in 0..100")
-        self.added.append((request_id, priority))
+        self.added.append((req.request_id, req.priority))
+        return [""]
 
     def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)

@@ -8,13 +8,14 @@ import random
 import redis
 
 from broker_config import keys
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.sampling_params import SamplingParams
 
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def run(engine, rid: str, prompt: list[int], salt: str | None) -> tuple[int, list[int]]:
-    engine.add(rid, token_ids=prompt, params=SP, cache_salt=salt)
+    engine.add(AddRequest(rid, token_ids=prompt, params=SP, cache_salt=salt))
     cached, out = 0, []
     while engine.has_unfinished():
         for o in engine.step():

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import time
 
-from broker_config.connection import connect
-from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
-from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
+from tests.helpers import driven_worker
 
 
 def test_cancel_running_and_expire_queued(redis_url, tiny_model):
@@ -20,8 +18,7 @@ def test_cancel_running_and_expire_queued(redis_url, tiny_model):
         EngineConfig(model=str(tiny_model), kv_cache_bytes=8 << 20, threads=1, dtype="fp32")
     )
     free = engine.blocks.num_free
-    worker = Worker(engine, connect(redis_url), Settings(redis_url=redis_url), worker_id="w1")
-    worker.start()
+    worker = driven_worker(redis_url, engine, "w1")
     client = Client(redis_url)
     try:
         expired = client.submit("too late", max_tokens=4, deadline=time.time() - 1)

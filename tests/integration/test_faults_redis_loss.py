@@ -7,13 +7,11 @@ import time
 
 import redis
 
-from broker_config.connection import connect
 from broker_config.embedded import EmbeddedRedis
-from broker_config.settings import Settings
-from gpu_workers.backend import StepOutput
-from gpu_workers.worker import Worker
+from gpu_workers.backend import AddRequest, StepOutput
 from producer.client import Client
 from results import records
+from tests.helpers import driven_worker
 
 from .faults import pending
 
@@ -31,8 +29,9 @@ class OneStepEngine:
         self.on_step = on_step
         self.ids: list[str] = []
 
-    def add(self, request_id: str, **_kw) -> None:
-        self.ids.append(request_id)
+    def add(self, req: AddRequest) -> list[str]:
+        self.ids.append(req.request_id)
+        return [""]
 
     def can_admit(self, *_a) -> bool:
         return True
@@ -77,8 +76,7 @@ def test_result_kept_across_redis_outage(tmp_path):
         redis.Redis.from_url(url).config_set("appendfsync", "always")
         job = Client(url).submit("hello", max_tokens=4)
         engine = OneStepEngine(on_step=lambda: server.proc.kill() or server.proc.wait())
-        worker = Worker(engine, connect(url), Settings(redis_url=url), worker_id="w1")
-        worker.start()
+        worker = driven_worker(url, engine, "w1")
         # Takes the job, starts it, steps: Redis dies before the result is stored. Whichever
         # call meets the dead connection keeps the result.
         for _ in range(3):

@@ -15,9 +15,9 @@ from broker_config.connection import connect
 from broker_config.settings import Settings
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
-from gpu_workers.worker import Worker
 from producer.client import Client
 from results import records
+from tests.helpers import driven_worker
 from tests.integration.test_resume import finish, resumed, run_until, stream_text, stream_types
 from tests.integration.test_resume import worker as make_worker
 from tests.integration.test_worker_intake import Recorder
@@ -108,9 +108,7 @@ def test_a_handed_over_entry_keeps_its_count_of_failures(redis_url):
     """An entry reclaimed from a dead worker (one failure) and then preempted keeps that
     failure: the worker that takes it next sees attempts 1, and the preemption adds none."""
     s = Settings(redis_url=redis_url, reclaim_idle_ms=100, reclaim_interval_s=0, fair_every=0)
-    a, b, c = (Worker(Recorder(), connect(redis_url), s, worker_id=n) for n in "abc")
-    for w in (a, b, c):
-        w.start()
+    a, b, c = (driven_worker(redis_url, Recorder(), n, settings=s) for n in "abc")
     with Client(redis_url) as client:
         job = client.submit("x", **BATCH)
         (taken,) = a.intake.take(False, True, count=1)  # a takes it, then dies

@@ -9,8 +9,8 @@ import time
 from broker_config import keys
 from broker_config.connection import connect
 from broker_config.settings import Settings
-from gpu_workers.worker import Worker
 from producer.client import Client
+from tests.helpers import driven_worker
 
 from .recorder import Recorder, Waiting
 
@@ -25,10 +25,8 @@ def test_a_busier_worker_leaves_a_new_entry_to_a_less_loaded_one(redis_url):
         redis_url=redis_url, balance_ms=5000, poll_ms=0, fair_every=0, top_lane_slowdown=0
     )
     busy, light = Recorder(), Recorder()
-    w1 = Worker(busy, connect(redis_url), settings, worker_id="w1")
-    w2 = Worker(light, connect(redis_url), settings, worker_id="w2")
-    w1.start()
-    w2.start()
+    w1 = driven_worker(redis_url, busy, "w1", settings=settings)
+    w2 = driven_worker(redis_url, light, "w2", settings=settings)
     w2.intake.turn_ms = 150  # due to read within 320 ms of its last read
 
     with Client(redis_url) as client:
@@ -74,8 +72,7 @@ def test_a_worker_records_the_length_of_its_turns_for_the_balance(redis_url):
     settings = Settings(redis_url=redis_url, fair_every=0, top_lane_slowdown=0)
     engine = Waiting()
     engine.WAIT_S = 0.05  # a step of 50 ms, unless an arrival wakes it
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     r = connect(redis_url)
     w.iterate()  # idle: nothing stepped
     assert w.intake.turn_ms == 0
@@ -99,8 +96,7 @@ def test_a_damaged_loads_record_is_dropped_and_the_entry_taken(redis_url):
     another worker for at most balance_ms."""
     settings = Settings(redis_url=redis_url, balance_ms=200, fair_every=0, top_lane_slowdown=0)
     engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     r = connect(redis_url)
     loads = keys.loads(w.model)
     with Client(redis_url) as client:

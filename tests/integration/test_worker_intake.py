@@ -10,10 +10,10 @@ from broker_config import keys, protocol
 from broker_config.connection import connect
 from broker_config.protocol import MAX_PRIORITY
 from broker_config.settings import Settings
-from gpu_workers.backend import StepOutput
-from gpu_workers.worker import Worker
+from gpu_workers.backend import AddRequest, StepOutput
 from producer.client import Client
 from results import records
+from tests.helpers import driven_worker
 
 from .recorder import Recorder, Waiting, token
 
@@ -23,8 +23,7 @@ def test_entries_enter_by_lane_then_priority_a_few_per_step(redis_url):
         redis_url=redis_url, takes_per_step=3, fair_every=0, top_lane_reserve=0, top_lane_slowdown=0
     )
     engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         batch = [client.submit("b", lane="batch", priority=-5).id for _ in range(4)]
         top = client.submit("i", lane="interactive", priority=7).id
@@ -46,9 +45,9 @@ class Prefilling(Recorder):
         self.prompt_backlog = 0
         self.step_tokens = step_tokens
 
-    def add(self, request_id: str, priority: int, prompt: str | None = None, **kw: object):
-        super().add(request_id, priority, prompt, **kw)
-        self.prompt_backlog += protocol.estimate_prompt_tokens({"prompt": prompt})
+    def add(self, req: AddRequest) -> list[str]:
+        self.prompt_backlog += protocol.estimate_prompt_tokens({"prompt": req.prompt})
+        return super().add(req)
 
 
 def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
@@ -58,10 +57,8 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0, top_lane_tpot_ms=50)
     engines = [Prefilling(step_tokens=100) for _ in range(3)]
     workers = [
-        Worker(e, connect(redis_url), settings, worker_id=f"w{i}") for i, e in enumerate(engines)
+        driven_worker(redis_url, e, f"w{i}", settings=settings) for i, e in enumerate(engines)
     ]
-    for w in workers:
-        w.start()
     with Client(redis_url) as client:
         ids = [client.submit("x" * 160, lane="standard").id for _ in range(5)]  # 40 tokens
         for w in workers:
@@ -71,8 +68,7 @@ def test_the_backlog_bound_splits_a_burst_between_workers(redis_url):
         assert got == [ids[:2], ids[2:4], [ids[4]]]  # 80 each; a third would pass 100
         big = client.submit("y" * 800, lane="standard").id  # 200: over the bound alone
         fresh = Prefilling(step_tokens=100)
-        w = Worker(fresh, connect(redis_url), settings, worker_id="w3")
-        w.start()
+        w = driven_worker(redis_url, fresh, "w3", settings=settings)
         w.taker.fill()
         assert [rid for rid, _ in fresh.added] == [big]  # a prompt alone always may
         assert client.job(big).status() == "running"
@@ -90,8 +86,7 @@ def test_under_an_objective_a_top_lane_entry_waits_only_behind_top_lane_prompts(
         top_lane_tpot_ms=50,
     )
     engine = Prefilling(step_tokens=100)
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         batch = [client.submit("x" * 320, lane="batch").id for _ in range(3)]  # 80 tokens
         w.taker.fill()
@@ -110,8 +105,7 @@ def test_an_entry_arriving_mid_step_is_taken_at_the_next_step(redis_url):
     once; neither the step's wait nor poll_ms (a minute here) is waited out."""
     settings = Settings(redis_url=redis_url, poll_ms=60_000)
     engine = Waiting()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     stop = threading.Event()
 
     def turns() -> None:
@@ -148,8 +142,7 @@ def test_the_defaults_hold_no_top_lane_request_the_engine_could_start(redis_url)
     another worker."""
     settings = Settings(redis_url=redis_url, takes_per_step=8)
     engine = Prefilling(step_tokens=512)
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     now = time.monotonic()
     w.admission.pace.tokens(0.01, 10, now - 2)  # unloaded: 1 ms a token
     w.admission.pace.tokens(0.5, 10, now)  # now: 50x slower
@@ -183,8 +176,7 @@ def test_lower_lanes_are_bounded_only_while_the_top_lane_runs(redis_url):
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
     for top_ran, taken in ((False, 3), (True, 1)):
         engine = Prefilling(step_tokens=512)
-        w = Worker(engine, connect(redis_url), settings, worker_id=f"w{top_ran}")
-        w.start()
+        w = driven_worker(redis_url, engine, f"w{top_ran}", settings=settings)
         if top_ran:
             w.admission.pace.seen(time.monotonic())
         with Client(redis_url) as client:
@@ -208,9 +200,9 @@ class Filling(Recorder):
     def can_admit(self, prompt: int, output: int, *_a: object) -> bool:
         return prompt + output <= self.free
 
-    def add(self, request_id: str, priority: int, prompt: str | None = None, **kw: object):
-        super().add(request_id, priority, prompt, **kw)
-        self.free -= protocol.estimate_prompt_tokens({"prompt": prompt}) + 16
+    def add(self, req: AddRequest) -> list[str]:
+        self.free -= protocol.estimate_prompt_tokens({"prompt": req.prompt}) + 16
+        return super().add(req)
 
 
 def test_with_no_bound_a_worker_reads_no_more_than_its_engine_can_start(redis_url):
@@ -219,8 +211,7 @@ def test_with_no_bound_a_worker_reads_no_more_than_its_engine_can_start(redis_ur
     could not start would wait in this worker while another one might start it."""
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
     engine = Filling(free=10_000)
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         first = client.submit("x" * 400, lane="standard", max_tokens=16).id  # 100 + 16
         w.taker.fill()
@@ -237,8 +228,7 @@ def test_with_no_bound_a_worker_reads_no_more_than_its_engine_can_start(redis_ur
 def test_default_takes_scale_with_the_engine(redis_url):
     engine = Recorder()
     engine.max_num_seqs = 128
-    w = Worker(engine, connect(redis_url), Settings(redis_url=redis_url), worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1")
     with Client(redis_url) as client:
         client.submit_many([{"prompt": "x", "lane": "interactive"} for _ in range(10)])
         w.taker.fill()
@@ -253,8 +243,7 @@ def test_several_entries_a_take_keep_the_fair_turns(redis_url):
     )
     engine = Recorder()
     engine.added.append(("busy", 0))  # a running engine: no blocking read
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         top = [client.submit("i", lane="interactive").id for _ in range(10)]
         low = [client.submit("b", lane="batch").id for _ in range(10)]
@@ -271,8 +260,7 @@ def test_one_batch_of_begins_answers_each_job(redis_url):
     r = connect(redis_url)
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0)
     engine = Recorder()
-    w = Worker(engine, r, settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         runs = client.submit("fine", lane="interactive")
         cancelled = client.submit("cancel me", lane="interactive")
@@ -304,8 +292,7 @@ def test_the_pace_counts_one_interval_for_a_jobs_outputs_of_one_step(redis_url):
     not several of no length, which would take its unloaded time to zero."""
     settings = Settings(redis_url=redis_url, top_lane_reserve=0)
     engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         job = client.submit("i", lane="interactive").id
         w.taker.fill()
@@ -324,8 +311,7 @@ def test_no_lower_lane_prompt_joins_a_top_lane_prompt_not_computed_yet(redis_url
     their first token."""
     settings = Settings(redis_url=redis_url, takes_per_step=8, fair_every=0, top_lane_reserve=0)
     engine = Recorder()
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         top = client.submit("i", lane="interactive").id
         low = [client.submit("b", lane="batch").id for _ in range(3)]
@@ -353,8 +339,7 @@ def test_a_top_lane_arrival_passes_lower_lane_entries_that_do_not_fit(redis_url)
     settings = Settings(redis_url=redis_url, takes_per_step=4, fair_every=0, preempt=True)
     engine = Full()
     engine.added.append(("busy", 0))  # the engine runs something
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         held = client.submit("b", lane="batch").id
         w.taker.fill()
@@ -389,8 +374,7 @@ def test_lower_lanes_leave_kv_for_the_top_lanes_reserve(redis_url):
     )
     engine = Sizes()
     engine.added.append(("busy", 0))  # the engine runs something: admissions are checked
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     with Client(redis_url) as client:
         client.submit("b", lane="batch", max_tokens=10)
         w.taker.fill()
@@ -410,8 +394,7 @@ def test_a_prompt_backlog_over_the_lower_lanes_bound_still_takes_the_top_lane(re
     same (no bound with the defaults), and the lower lanes' wait."""
     settings = Settings(redis_url=redis_url, fair_every=0)
     engine = Prefilling(step_tokens=512)
-    w = Worker(engine, connect(redis_url), settings, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=settings)
     w.admission.pace.seen(time.monotonic())  # the top lane ran here just now
     with Client(redis_url) as client:
         first = [client.submit("y" * 2400, lane="interactive").id for _ in range(2)]

@@ -13,6 +13,7 @@ from broker_config.settings import Settings
 from gpu_workers.backend import StepOutput
 from gpu_workers.worker import Worker
 from producer.client import Client
+from tests.helpers import driven_worker
 
 from .recorder import Recorder, token
 
@@ -22,8 +23,7 @@ def over_target(redis_url: str, client: Client, **settings: Any) -> tuple[Worker
     300 ms apart: over its target."""
     s = Settings(redis_url=redis_url, top_lane_reserve=0, top_lane_tpot_ms=100, **settings)
     engine = Recorder()
-    w = Worker(engine, connect(redis_url), s, worker_id="w1")
-    w.start()
+    w = driven_worker(redis_url, engine, "w1", settings=s)
     first = client.submit("i", lane="interactive").id
     w.taker.fill()
     w.publisher.step([token(first, 1)])

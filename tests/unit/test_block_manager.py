@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.block_manager import BlockManager
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import Sequence
@@ -167,10 +168,12 @@ def test_random_add_abort_step_never_leaks_blocks(prop_engine_factory, ops):
             ]
             rid = f"r{len(added)}"
             engine.add(
-                rid,
-                token_ids=tokens[:150],
-                priority=prio,
-                params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                AddRequest(
+                    rid,
+                    token_ids=tokens[:150],
+                    priority=prio,
+                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                ),
             )
             added.append(rid)
         elif op[0] == "abort" and added:

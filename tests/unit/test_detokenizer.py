@@ -8,6 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
 from gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import drain, greedy, prompt, tokens
@@ -67,7 +68,7 @@ def test_a_thousand_long_stop_strings(tiny_model, engine_factory):
     mid = len(text) // 2
     stops.append(text[mid : mid + 40])  # completes about half way
     sp = SamplingParams(max_tokens=60, ignore_eos=True, stop=stops)
-    engine.add("s", token_ids=p, params=sp)
+    engine.add(AddRequest("s", token_ids=p, params=sp))
     outs = drain(engine)["s"]
     n, expected = replay_stops(engine, p, full.token_ids, stops)
     assert outs[-1].finish_reason == "stop"
@@ -92,9 +93,11 @@ def test_stop_token_ids_are_a_set(tiny_model, engine_factory):
     full = engine.generate([p], greedy(20))[0]
     stop_ids = list(range(3000, 3000 + 5000)) + [full.token_ids[7]]
     engine.add(
-        "s",
-        token_ids=p,
-        params=SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=stop_ids),
+        AddRequest(
+            "s",
+            token_ids=p,
+            params=SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=stop_ids),
+        ),
     )
     seq = engine.seqs["s"]
     assert isinstance(seq.stop_ids, frozenset) and len(seq.stop_ids) == 5001

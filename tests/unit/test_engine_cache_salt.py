@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from kv_store.block_hash import EMPTY, chain_hashes, salt_root
 from tests.helpers import drain, greedy, prompt, tokens
@@ -45,7 +46,7 @@ def test_cache_salt_isolates_the_device_prefix_cache(tiny_model, engine_factory)
     p = prompt(50, 1)
 
     def run(rid: str, salt: str | None):
-        engine.add(rid, token_ids=p, params=greedy(), cache_salt=salt)
+        engine.add(AddRequest(rid, token_ids=p, params=greedy(), cache_salt=salt))
         outs = drain(engine)[rid]
         return outs[-1].num_cached_tokens, tokens(outs)
 
@@ -62,17 +63,17 @@ def test_cache_salt_isolates_the_host_tier(tiny_model, engine_factory):
     # 12 blocks: a second 100-token prompt evicts the first one's blocks to the host tier
     engine = engine_factory(tiny_model, num_kv_blocks=12)
     p = prompt(100, 2)
-    engine.add("a", token_ids=p, params=greedy(4), cache_salt="A")
+    engine.add(AddRequest("a", token_ids=p, params=greedy(4), cache_salt="A"))
     expected = tokens(drain(engine)["a"])
-    engine.add("evict", token_ids=prompt(100, 3), params=greedy(4))
+    engine.add(AddRequest("evict", token_ids=prompt(100, 3), params=greedy(4)))
     drain(engine)
     assert engine.stats()["kv_spilled"] > 0
-    engine.add("b", token_ids=p, params=greedy(4), cache_salt="B")
+    engine.add(AddRequest("b", token_ids=p, params=greedy(4), cache_salt="B"))
     b = drain(engine)["b"]
     assert b[-1].num_cached_tokens == 0 and engine.stats()["kv_host_hits"] == 0
-    engine.add("evict2", token_ids=prompt(100, 4), params=greedy(4))
+    engine.add(AddRequest("evict2", token_ids=prompt(100, 4), params=greedy(4)))
     drain(engine)
-    engine.add("a2", token_ids=p, params=greedy(4), cache_salt="A")
+    engine.add(AddRequest("a2", token_ids=p, params=greedy(4), cache_salt="A"))
     a2 = drain(engine)["a2"]
     assert a2[-1].num_cached_tokens == 96 and engine.stats()["kv_host_hits"] > 0
     assert tokens(b) == tokens(a2) == expected
@@ -81,6 +82,6 @@ def test_cache_salt_isolates_the_host_tier(tiny_model, engine_factory):
 @pytest.mark.parametrize("salt", ["", 5, b"A"])
 def test_a_bad_cache_salt_is_refused(tiny_engine, salt):
     with pytest.raises(RequestError) as e:
-        tiny_engine.add("x", token_ids=[20, 21], cache_salt=salt)
+        tiny_engine.add(AddRequest("x", token_ids=[20, 21], cache_salt=salt))
     assert e.value.code == ErrorCode.INVALID_PARAMS and "cache_salt" in e.value.message
     assert "x" not in tiny_engine.seqs

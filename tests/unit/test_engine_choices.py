@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import greedy, prompt
@@ -45,7 +46,7 @@ def test_the_prompt_is_computed_once(path, engine_factory, prefix_caching, batch
     )
     steps = computed_per_step(engine)
     p = prompt(50, 1)  # 3 full blocks and 2 tokens
-    engine.add("r", token_ids=p, params=seeded(n=3, max_tokens=4))
+    engine.add(AddRequest("r", token_ids=p, params=seeded(n=3, max_tokens=4)))
     lead, *others = engine.seqs["r"].choices
     shared: list[int] = []
     outs = []
@@ -68,7 +69,7 @@ def test_the_prompt_is_computed_once(path, engine_factory, prefix_caching, batch
 
 def test_a_choice_waits_for_its_leads_prompt(path, engine_factory):
     engine = engine_factory(path, max_num_batched_tokens=16)
-    engine.add("r", token_ids=prompt(50, 2), params=seeded(n=2, max_tokens=4))
+    engine.add(AddRequest("r", token_ids=prompt(50, 2), params=seeded(n=2, max_tokens=4)))
     lead, other = engine.seqs["r"].choices
     while lead.num_computed_tokens < 50:
         engine.step()
@@ -122,7 +123,7 @@ def test_bad_n_is_refused(path, engine_factory):
     engine = engine_factory(path)
     for n in (0, -1, "2", 1.0, True):
         with pytest.raises(RequestError) as e:
-            engine.add("bad", token_ids=[20, 21], params={"n": n})
+            engine.add(AddRequest("bad", token_ids=[20, 21], params={"n": n}))
         assert e.value.code == ErrorCode.INVALID_PARAMS and "n must" in e.value.message
     assert not engine.seqs and not engine.has_unfinished()
 
@@ -138,7 +139,7 @@ def test_more_choices_than_sequences_at_once(path, engine_factory, reference):
 def test_a_preempted_choice_reports_its_request(path, engine_factory):
     # 12 blocks: three choices that grow to 7 blocks each (2 shared) cannot all run
     engine = engine_factory(path, num_kv_blocks=12, max_num_batched_tokens=64)
-    engine.add("r", token_ids=prompt(40, 14), params=seeded(n=3, max_tokens=60))
+    engine.add(AddRequest("r", token_ids=prompt(40, 14), params=seeded(n=3, max_tokens=60)))
     preempted = []
     while engine.has_unfinished() and not preempted:
         engine.step()
@@ -150,9 +151,11 @@ def test_a_preempted_choice_reports_its_request(path, engine_factory):
 def test_abort_and_a_failure_end_every_choice(path, engine_factory):
     fault = 77
     engine = engine_factory(path, fault_token_id=fault)
-    engine.add("a", token_ids=prompt(30, 8), params=seeded(n=3, max_tokens=30))
-    engine.add("f", token_ids=[fault, *prompt(30, 9)], params=seeded(n=3, max_tokens=30))
-    engine.add("b", token_ids=prompt(20, 10), params=greedy(8))
+    engine.add(AddRequest("a", token_ids=prompt(30, 8), params=seeded(n=3, max_tokens=30)))
+    engine.add(
+        AddRequest("f", token_ids=[fault, *prompt(30, 9)], params=seeded(n=3, max_tokens=30))
+    )
+    engine.add(AddRequest("b", token_ids=prompt(20, 10), params=greedy(8)))
     outs = engine.step() + engine.step()
     assert engine.abort("a") is True
     outs = [o for o in outs if o.request_id != "a"]
@@ -167,7 +170,7 @@ def test_abort_and_a_failure_end_every_choice(path, engine_factory):
 
 def run(engine, rid: str, p: list[int], sp: SamplingParams, output_ids=None):
     """Per choice: the text add returned then every delta, the new tokens, the outputs."""
-    texts = engine.add(rid, token_ids=p, params=sp, output_ids=output_ids)
+    texts = engine.add(AddRequest(rid, token_ids=p, params=sp, output_ids=output_ids))
     toks: list[list[int]] = [[] for _ in texts]
     outs: list[list] = [[] for _ in texts]
     while engine.has_unfinished():
@@ -215,6 +218,6 @@ def test_a_resume_refuses_what_cannot_go_on(path, engine_factory):
         (sp, [[20, 21, 22, 23]]),
     ):
         with pytest.raises(RequestError) as e:
-            engine.add("r", token_ids=p, params=params, output_ids=given)
+            engine.add(AddRequest("r", token_ids=p, params=params, output_ids=given))
         assert e.value.code == ErrorCode.BAD_PROGRESS, given
         assert not engine.seqs and not engine.has_unfinished()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import drain, greedy, prompt, tokens
@@ -52,7 +53,7 @@ def test_bad_requests_get_codes_and_others_keep_running(path, engine_factory):
         0
     ]
 
-    engine.add("before", **good)
+    engine.add(AddRequest("before", **good))
     first = engine.step()  # "before" is running while the bad ones arrive
     bad = [
         (dict(prompt=""), ErrorCode.INVALID_PROMPT),
@@ -73,14 +74,16 @@ def test_bad_requests_get_codes_and_others_keep_running(path, engine_factory):
     for i, (kwargs, code) in enumerate(bad):
         rid = kwargs.pop("request_id", f"bad{i}")
         with pytest.raises(RequestError) as e:
-            engine.add(rid, **kwargs)
+            engine.add(AddRequest(rid, **kwargs))
         assert e.value.code == code, (kwargs, e.value)
         assert e.value.message
-    too_long = pytest.raises(RequestError, engine.add, "long", token_ids=[7] * 64).value
+    too_long = pytest.raises(RequestError, engine.add, AddRequest("long", token_ids=[7] * 64)).value
     assert "63" in too_long.message  # says how short the prompt must be
 
-    engine.add("edge", token_ids=[7] * 63, params=SamplingParams(max_tokens=5, ignore_eos=True))
-    engine.add("after", **good)
+    engine.add(
+        AddRequest("edge", token_ids=[7] * 63, params=SamplingParams(max_tokens=5, ignore_eos=True))
+    )
+    engine.add(AddRequest("after", **good))
     out: dict[str, list[int]] = {"before": first[0].new_token_ids, "after": [], "edge": []}
     reasons = {}
     while engine.has_unfinished():
@@ -97,10 +100,18 @@ def test_bad_requests_get_codes_and_others_keep_running(path, engine_factory):
 def test_abort_frees_blocks_at_once(path, engine_factory):
     engine = engine_factory(path, num_kv_blocks=64)
     engine.add(
-        "a", token_ids=list(range(20, 60)), params=SamplingParams(max_tokens=100, ignore_eos=True)
+        AddRequest(
+            "a",
+            token_ids=list(range(20, 60)),
+            params=SamplingParams(max_tokens=100, ignore_eos=True),
+        )
     )
     engine.add(
-        "b", token_ids=list(range(30, 50)), params=SamplingParams(max_tokens=10, ignore_eos=True)
+        AddRequest(
+            "b",
+            token_ids=list(range(30, 50)),
+            params=SamplingParams(max_tokens=10, ignore_eos=True),
+        )
     )
     for _ in range(3):
         engine.step()
@@ -117,14 +128,16 @@ def test_abort_frees_blocks_at_once(path, engine_factory):
 
 def test_abort_of_a_waiting_request(path, engine_factory):
     engine = engine_factory(path)
-    engine.add("w", token_ids=[9, 10, 11], params=SamplingParams(max_tokens=3))
+    engine.add(AddRequest("w", token_ids=[9, 10, 11], params=SamplingParams(max_tokens=3)))
     assert engine.abort("w") and not engine.has_unfinished()
 
 
 def test_capacity_query_reserves_what_running_requests_will_need(path, engine_factory):
     engine = engine_factory(path, num_kv_blocks=40, watermark=0.0, max_num_seqs=8)
     assert engine.max_model_len == 640  # lowered to what the cache holds
-    engine.add("r", token_ids=[11] * 40, params=SamplingParams(max_tokens=280, ignore_eos=True))
+    engine.add(
+        AddRequest("r", token_ids=[11] * 40, params=SamplingParams(max_tokens=280, ignore_eos=True))
+    )
     assert engine.prompt_backlog == 40  # not computed yet: what the worker bounds
     engine.step()
     assert engine.prompt_backlog == 0
@@ -135,20 +148,22 @@ def test_capacity_query_reserves_what_running_requests_will_need(path, engine_fa
     assert with_watermark.can_admit(100, 476)
     assert not with_watermark.can_admit(100, 477)
     few_slots = engine_factory(path, num_kv_blocks=40, max_num_seqs=1)
-    few_slots.add("x", token_ids=[3, 4], params=SamplingParams(max_tokens=2))
+    few_slots.add(AddRequest("x", token_ids=[3, 4], params=SamplingParams(max_tokens=2)))
     assert not few_slots.can_admit(2, 2)  # no sequence slot left
 
 
 def test_a_better_priority_request_may_take_what_worse_ones_hold(path, engine_factory):
     engine = engine_factory(path, num_kv_blocks=40, watermark=0.0, max_num_seqs=2)
     batch = SamplingParams(max_tokens=280, ignore_eos=True)
-    engine.add("low", token_ids=[11] * 40, params=batch, priority=5)
-    engine.add("low2", token_ids=[12] * 40, params=batch, priority=5)
+    engine.add(AddRequest("low", token_ids=[11] * 40, params=batch, priority=5))
+    engine.add(AddRequest("low2", token_ids=[12] * 40, params=batch, priority=5))
     engine.step()
     assert not engine.can_admit(20, 12)  # both slots taken, every block reserved
     assert not engine.can_admit(20, 12, priority=5)  # an equal one preempts nothing
     assert engine.can_admit(20, 12, priority=0)
-    engine.add("top", token_ids=[13] * 20, params=SamplingParams(max_tokens=12), priority=0)
+    engine.add(
+        AddRequest("top", token_ids=[13] * 20, params=SamplingParams(max_tokens=12), priority=0)
+    )
     outs = {o.request_id: o for o in engine.step()}
     assert "top" in outs and engine.scheduler.num_preemptions >= 1  # it ran at once
     done = {}
@@ -165,15 +180,15 @@ FAULT = 7  # below 16, so the random prompts never hold it
 
 
 def batch(engine, faulty: bool, with_seeded: bool = False) -> None:
-    engine.add("short", token_ids=prompt(5, 10), params=greedy(14))
-    engine.add("long", token_ids=prompt(70, 11), params=greedy(10))  # chunked prefill
+    engine.add(AddRequest("short", token_ids=prompt(5, 10), params=greedy(14)))
+    engine.add(AddRequest("long", token_ids=prompt(70, 11), params=greedy(10)))  # chunked prefill
     if faulty:
         p = prompt(40, 12)
-        engine.add("bad", token_ids=p[:20] + [FAULT] + p[20:], params=greedy(10))
-    engine.add("mid", token_ids=prompt(30, 13), params=greedy(12))
+        engine.add(AddRequest("bad", token_ids=p[:20] + [FAULT] + p[20:], params=greedy(10)))
+    engine.add(AddRequest("mid", token_ids=prompt(30, 13), params=greedy(12)))
     if with_seeded:
         sp = SamplingParams(max_tokens=12, temperature=0.8, seed=99, ignore_eos=True)
-        engine.add("seeded", token_ids=prompt(9, 14), params=sp)
+        engine.add(AddRequest("seeded", token_ids=prompt(9, 14), params=sp))
 
 
 def check_only_bad_failed(engine, outs: dict[str, list], reference: dict[str, list]) -> None:
@@ -280,7 +295,7 @@ def test_a_detokenizer_exception_fails_only_its_request(path, engine_factory):
 
 def test_a_failure_in_the_recovery_propagates(path, engine_factory):
     engine = engine_factory(path, fault_token_id=FAULT)
-    engine.add("bad", token_ids=[20, FAULT, 21], params=greedy(3))
+    engine.add(AddRequest("bad", token_ids=[20, FAULT, 21], params=greedy(3)))
 
     def broken(seq) -> None:
         raise AssertionError("block accounting is broken")
@@ -296,9 +311,9 @@ def test_a_fault_in_a_tensor_parallel_group(path, engine_factory):
     ref = engine_factory(path).generate(ps, greedy(8))
     engine = engine_factory(path, tensor_parallel=2, fault_token_id=FAULT)
     try:
-        engine.add("a", token_ids=ps[0], params=greedy(8))
-        engine.add("bad", token_ids=[30, FAULT, 31, 32], params=greedy(8))
-        engine.add("b", token_ids=ps[1], params=greedy(8))
+        engine.add(AddRequest("a", token_ids=ps[0], params=greedy(8)))
+        engine.add(AddRequest("bad", token_ids=[30, FAULT, 31, 32], params=greedy(8)))
+        engine.add(AddRequest("b", token_ids=ps[1], params=greedy(8)))
         outs = drain(engine)
         assert outs["bad"][-1].finish_reason == "error"
         assert [tokens(outs["a"]), tokens(outs["b"])] == [c.token_ids for c in ref]

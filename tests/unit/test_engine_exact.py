@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.kernels import cpu_isa
 from gpu_workers.layers.linear import Linear, can_pack
@@ -137,7 +138,7 @@ def test_text_prompt_and_chat_messages(model_factory, engine_factory, reference)
     ).input_ids
     assert engine.tokenize(messages=msgs) == ids
     assert engine.tokenize(prompt="Hello there") == tok("Hello there").input_ids
-    engine.add("chat", messages=msgs, params=greedy())
+    engine.add(AddRequest("chat", messages=msgs, params=greedy()))
     text_parts, tokens = [], []
     while engine.has_unfinished():
         for out in engine.step():

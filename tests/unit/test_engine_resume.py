@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import greedy, prompt
@@ -32,7 +33,7 @@ class Run:
 
 def run(engine, rid: str, p: list[int], sp: SamplingParams, output_ids=None) -> Run:
     given = None if output_ids is None else [output_ids]  # the one choice's
-    r = Run(engine.add(rid, token_ids=p, params=sp, output_ids=given)[0])
+    r = Run(engine.add(AddRequest(rid, token_ids=p, params=sp, output_ids=given))[0])
     while engine.has_unfinished():
         for o in engine.step():
             assert o.request_id == rid and len(o.new_token_ids) == 1
@@ -187,14 +188,16 @@ def test_bad_progress_is_refused_and_changes_nothing(short_engine):
     before = engine.stats()
     for name, (params, ids) in bad.items():
         with pytest.raises(RequestError) as e:
-            engine.add(name, token_ids=p, params=params, output_ids=[ids])
+            engine.add(AddRequest(name, token_ids=p, params=params, output_ids=[ids]))
         assert e.value.code == ErrorCode.BAD_PROGRESS == "bad_progress", name
         assert not engine.seqs and not engine.has_unfinished(), name
     assert engine.stats() == before
     # EOS is an ordinary token with ignore_eos; the engine still runs requests
     ok = SamplingParams(max_tokens=8, ignore_eos=True)
-    assert engine.add("eos-ok", token_ids=p, params=ok, output_ids=[[eos, 20]]) is not None
-    engine.add("fresh", token_ids=p, params=greedy(8))
+    assert (
+        engine.add(AddRequest("eos-ok", token_ids=p, params=ok, output_ids=[[eos, 20]])) is not None
+    )
+    engine.add(AddRequest("fresh", token_ids=p, params=greedy(8)))
     outs = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -204,8 +207,10 @@ def test_bad_progress_is_refused_and_changes_nothing(short_engine):
 
 
 def test_without_output_ids_add_returns_nothing(short_engine):
-    assert short_engine.add("none", token_ids=prompt(5, 4), params=greedy(2)) == [""]
-    empty = short_engine.add("empty", token_ids=prompt(5, 4), params=greedy(2), output_ids=[[]])
+    assert short_engine.add(AddRequest("none", token_ids=prompt(5, 4), params=greedy(2))) == [""]
+    empty = short_engine.add(
+        AddRequest("empty", token_ids=prompt(5, 4), params=greedy(2), output_ids=[[]])
+    )
     assert empty == [""]
     while short_engine.has_unfinished():
         short_engine.step()

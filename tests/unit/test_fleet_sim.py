@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.sim_backend import SimBackend, estimate_tokens
-from gpu_workers.backend import RequestError
+from gpu_workers.backend import AddRequest, RequestError
 
 
 def backend(**kw: int) -> tuple[SimBackend, list[float]]:
@@ -23,8 +23,8 @@ def backend(**kw: int) -> tuple[SimBackend, list[float]]:
 
 def test_runs_to_max_tokens_one_token_a_step() -> None:
     b, slept = backend()
-    b.add("a", prompt="x" * 16, params={"max_tokens": 3})
-    b.add("b", token_ids=[1, 2], params={"max_tokens": 1})
+    b.add(AddRequest("a", prompt="x" * 16, params={"max_tokens": 3}))
+    b.add(AddRequest("b", token_ids=[1, 2], params={"max_tokens": 1}))
     outs = b.step()
     assert slept == [pytest.approx(0.012)]  # base + 2 sequences
     assert [(o.request_id, o.finished, o.num_prompt_tokens) for o in outs] == [
@@ -41,9 +41,9 @@ def test_runs_to_max_tokens_one_token_a_step() -> None:
 def test_slots_and_kv_limit_admission() -> None:
     b, _ = backend(seqs=2, kv=40)
     assert b.can_admit(4, 16)
-    b.add("a", prompt="x" * 16, params={"max_tokens": 16})  # reserves 20 of 40
+    b.add(AddRequest("a", prompt="x" * 16, params={"max_tokens": 16}))  # reserves 20 of 40
     assert b.can_admit(4, 16) and not b.can_admit(4, 17)
-    b.add("b", messages=[{"role": "user", "content": "hi"}], params={"max_tokens": 8})
+    b.add(AddRequest("b", messages=[{"role": "user", "content": "hi"}], params={"max_tokens": 8}))
     assert not b.can_admit(1, 1)  # both slots taken
     assert b.abort("a") and not b.abort("a")
     assert b.num_waiting == 1 and b.can_admit(1, 1)
@@ -52,11 +52,11 @@ def test_slots_and_kv_limit_admission() -> None:
 def test_refusals() -> None:
     b, _ = backend()
     with pytest.raises(RequestError) as e:
-        b.add("a", token_ids=list(range(32)))
+        b.add(AddRequest("a", token_ids=list(range(32))))
     assert e.value.code == "prompt_too_long"
     with pytest.raises(RequestError):
-        b.add("a", prompt="hi", params={"max_tokens": 0})
-    b.add("a", prompt="hi")
+        b.add(AddRequest("a", prompt="hi", params={"max_tokens": 0}))
+    b.add(AddRequest("a", prompt="hi"))
     with pytest.raises(RequestError):
-        b.add("a", prompt="hi")
+        b.add(AddRequest("a", prompt="hi"))
     assert estimate_tokens(None, None, [{"content": "abcdefgh"}]) == 6

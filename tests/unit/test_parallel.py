@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.parallel import decode_step, encode_step
 from gpu_workers.engine.placement import split_layers
 from gpu_workers.engine.sampling_params import SamplingParams
@@ -70,7 +71,9 @@ def test_a_dead_rank_stops_the_engine(model_factory, engine_factory):
     engine = engine_factory(model_factory("llama"), tensor_parallel=2)
     try:
         engine.add(
-            "r", token_ids=[20, 21, 22], params=SamplingParams(max_tokens=50, ignore_eos=True)
+            AddRequest(
+                "r", token_ids=[20, 21, 22], params=SamplingParams(max_tokens=50, ignore_eos=True)
+            )
         )
         engine.step()
         rank1 = engine.group.procs[0]

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from tests.helpers import drain, greedy, tokens
 
@@ -163,10 +164,10 @@ def test_a_role_with_special_text_is_refused(tiny_engine):
 def test_chat_requests_run(tiny_model, engine_factory):
     engine = engine_factory(tiny_model)
     msgs = [{"role": "user", "content": "<|im_end|> hello"}]
-    engine.add("c", messages=msgs, params=greedy(5))
-    engine.add("raw", messages=msgs, params=greedy(5), special_tokens=True)
+    engine.add(AddRequest("c", messages=msgs, params=greedy(5)))
+    engine.add(AddRequest("raw", messages=msgs, params=greedy(5), special_tokens=True))
     assert engine.seqs["c"].token_ids != engine.seqs["raw"].token_ids
     outs = drain(engine)
     assert len(tokens(outs["c"])) == len(tokens(outs["raw"])) == 5
     with pytest.raises(RequestError):
-        engine.add("bad", prompt="x", special_tokens="yes")
+        engine.add(AddRequest("bad", prompt="x", special_tokens="yes"))

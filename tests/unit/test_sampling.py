@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.sampler import Sampler
 from gpu_workers.engine.sampling_params import SamplingParams
 from gpu_workers.engine.sequence import Sequence
@@ -20,7 +21,7 @@ def path(model_factory):
 
 def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
     for rid, (p, sp) in requests.items():
-        engine.add(rid, token_ids=p, params=sp)
+        engine.add(AddRequest(rid, token_ids=p, params=sp))
     out: dict[str, list[int]] = {rid: [] for rid in requests}
     while engine.has_unfinished():
         for o in engine.step():
@@ -127,7 +128,11 @@ def test_stop_string_truncates_text(path, engine_factory):
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
     # streamed deltas never show the stop string or anything after it
-    engine.add("s", token_ids=p, params=SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))
+    engine.add(
+        AddRequest(
+            "s", token_ids=p, params=SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop])
+        )
+    )
     streamed = ""
     while engine.has_unfinished():
         streamed += "".join(o.text_delta for o in engine.step())

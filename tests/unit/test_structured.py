@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpu_workers.backend import AddRequest
 from gpu_workers.engine.errors import ErrorCode, RequestError
 from gpu_workers.engine.grammar import check_limits, spec
 from gpu_workers.engine.sampling_params import SamplingParams
@@ -268,7 +269,7 @@ BAD = [
 @pytest.mark.parametrize(("fields", "reason"), BAD, ids=[b[1] for b in BAD])
 def test_bad_constraints_are_refused_before_any_block(engine, fields, reason) -> None:
     with pytest.raises(RequestError) as e:
-        engine.add("bad", prompt="hello", params=SamplingParams(**fields))
+        engine.add(AddRequest("bad", prompt="hello", params=SamplingParams(**fields)))
     assert e.value.code == ErrorCode.INVALID_PARAMS and reason in str(e.value)
     assert "bad" not in engine.seqs and engine.blocks.num_free == engine.blocks.num_blocks
 
@@ -349,7 +350,11 @@ def test_compiled_grammars_are_cached_by_spec(engine) -> None:
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
     for i in range(3):
         engine.add(
-            f"c{i}", prompt="x", params=SamplingParams(max_tokens=20, response_format=rf(schema))
+            AddRequest(
+                f"c{i}",
+                prompt="x",
+                params=SamplingParams(max_tokens=20, response_format=rf(schema)),
+            )
         )
     assert engine.grammars.compiled == before + 1
     while engine.has_unfinished():
@@ -357,8 +362,12 @@ def test_compiled_grammars_are_cached_by_spec(engine) -> None:
 
 
 def test_a_matcher_failing_mid_output_fails_only_its_request(engine) -> None:
-    engine.add("fine", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8))
-    engine.add("broken", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8, choice=["ab"]))
+    engine.add(AddRequest("fine", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8)))
+    engine.add(
+        AddRequest(
+            "broken", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8, choice=["ab"])
+        )
+    )
     engine.seqs["broken"].matcher.consume_token(0)  # not allowed: the matcher is now in error
     outs = {}
     while engine.has_unfinished():
@@ -382,7 +391,11 @@ REGEX_PARTS = st.sampled_from(
 def test_any_regex_is_served_or_refused_never_crashes(engine, parts) -> None:
     pattern = "".join(parts)
     try:
-        engine.add("fuzz", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=6, regex=pattern))
+        engine.add(
+            AddRequest(
+                "fuzz", token_ids=[5, 6, 7], params=SamplingParams(max_tokens=6, regex=pattern)
+            )
+        )
     except RequestError as e:
         assert e.code == ErrorCode.INVALID_PARAMS and "regex" in str(e)
         return

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import AddRequest, RequestError, StepOutput
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
 from tests.vllm.conftest import MAX_MODEL_LEN, MAX_SEQS, OPTIONS
@@ -25,7 +25,7 @@ def native(small_model: Path) -> Engine:
 
 def run(backend, requests: dict[str, dict]) -> dict[str, list[StepOutput]]:
     for rid, kw in requests.items():
-        backend.add(rid, **kw)
+        backend.add(AddRequest(rid, **kw))
     outs: dict[str, list[StepOutput]] = {rid: [] for rid in requests}
     while backend.has_unfinished():
         for o in backend.step():
@@ -67,17 +67,17 @@ BAD = {
 @pytest.mark.parametrize("kwargs", list(BAD.values()), ids=list(BAD))
 def test_refusals_match_the_native_engine(backend, native, kwargs: dict) -> None:
     with pytest.raises(RequestError) as want:
-        native.add("bad", **kwargs)
+        native.add(AddRequest("bad", **kwargs))
     with pytest.raises(RequestError) as got:
-        backend.add("bad", **kwargs)
+        backend.add(AddRequest("bad", **kwargs))
     assert (got.value.code, got.value.message) == (want.value.code, want.value.message)
     assert not backend.has_unfinished()
 
 
 def test_duplicate_id_refused(backend) -> None:
-    backend.add("dup", prompt="hello", params={"max_tokens": 2})
+    backend.add(AddRequest("dup", prompt="hello", params={"max_tokens": 2}))
     with pytest.raises(RequestError) as e:
-        backend.add("dup", prompt="hello")
+        backend.add(AddRequest("dup", prompt="hello"))
     assert e.value.code == "duplicate_request_id"
     outs = run(backend, {})["dup"]
     assert [o.finished for o in outs] == [False, True] and outs[-1].num_output_tokens == 2
@@ -120,9 +120,9 @@ def test_priority_picks_who_runs_first(backend) -> None:
     """More requests than sequence slots: the better priority (lower value) runs first."""
     params = {"max_tokens": 4, "ignore_eos": True}
     for i in range(MAX_SEQS):
-        backend.add(f"low{i}", prompt=f"low priority {i}", params=params, priority=10)
-    backend.add("high0", prompt="high priority 0", params=params, priority=0)
-    backend.add("high1", prompt="high priority 1", params=params, priority=0)
+        backend.add(AddRequest(f"low{i}", prompt=f"low priority {i}", params=params, priority=10))
+    backend.add(AddRequest("high0", prompt="high priority 0", params=params, priority=0))
+    backend.add(AddRequest("high1", prompt="high priority 1", params=params, priority=0))
     first = {o.request_id for o in backend.step()}
     assert {"high0", "high1"} <= first and len(first) == MAX_SEQS
     run(backend, {})
@@ -132,7 +132,9 @@ def test_abort_frees_blocks_and_capacity(backend) -> None:
     assert backend.can_admit(10, 10)
     for i in range(MAX_SEQS):
         backend.add(
-            f"long{i}", prompt=f"long one {i}", params={"max_tokens": 200, "ignore_eos": True}
+            AddRequest(
+                f"long{i}", prompt=f"long one {i}", params={"max_tokens": 200, "ignore_eos": True}
+            )
         )
     assert not backend.can_admit(10, 10)  # every sequence slot taken
     assert backend.prompt_backlog > 0  # prompts with no output yet: what the worker bounds

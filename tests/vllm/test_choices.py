@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.backend import RequestError, StepOutput
+from gpu_workers.backend import AddRequest, RequestError, StepOutput
 from gpu_workers.engine.errors import ErrorCode
 from tests.helpers import prompt
 
@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 
 def choices(backend, rid: str, params: dict) -> list[list[StepOutput]]:
     """Each choice's outputs, in order."""
-    texts = backend.add(rid, token_ids=prompt(24, 5), params=params)
+    texts = backend.add(AddRequest(rid, token_ids=prompt(24, 5), params=params))
     assert texts == [""] * params.get("n", 1)
     outs: list[list[StepOutput]] = [[] for _ in texts]
     while backend.has_unfinished():
@@ -52,13 +52,17 @@ def test_greedy_choices_are_equal(backend) -> None:
 def test_a_cut_off_request_of_two_choices_starts_over(backend) -> None:
     params = {"max_tokens": 8, "ignore_eos": True, "n": 2}
     with pytest.raises(RequestError) as e:
-        backend.add("cut", token_ids=prompt(24, 5), params=params, output_ids=[[20, 21], []])
+        backend.add(
+            AddRequest("cut", token_ids=prompt(24, 5), params=params, output_ids=[[20, 21], []])
+        )
     assert e.value.code == ErrorCode.BAD_PROGRESS and "n > 1" in e.value.message
     with pytest.raises(RequestError) as e:
-        backend.add("short", token_ids=prompt(24, 5), params=params, output_ids=[[20]])
+        backend.add(AddRequest("short", token_ids=prompt(24, 5), params=params, output_ids=[[20]]))
     assert e.value.code == ErrorCode.BAD_PROGRESS
     assert not backend.has_unfinished()
-    assert backend.add("fresh", token_ids=prompt(24, 5), params=params, output_ids=[[], []]) == [
+    assert backend.add(
+        AddRequest("fresh", token_ids=prompt(24, 5), params=params, output_ids=[[], []])
+    ) == [
         "",
         "",
     ]
@@ -66,7 +70,7 @@ def test_a_cut_off_request_of_two_choices_starts_over(backend) -> None:
 
 
 def test_an_abort_ends_every_choice(backend) -> None:
-    backend.add("gone", token_ids=prompt(24, 6), params={"max_tokens": 60, "n": 3})
+    backend.add(AddRequest("gone", token_ids=prompt(24, 6), params={"max_tokens": 60, "n": 3}))
     backend.step()
     assert backend.abort("gone")
     assert all(o.request_id != "gone" for o in backend.step())

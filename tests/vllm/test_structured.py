@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpu_workers.backend import RequestError
+from gpu_workers.backend import AddRequest, RequestError
 from gpu_workers.engine.sampling_params import SamplingParams
 from tests.vllm.test_backend import run
 
@@ -195,7 +195,7 @@ BAD = {
 def test_bad_constraint_refused_at_add(backend, params: dict, reason: str) -> None:
     """`reason`: a pattern the message matches from its start."""
     with pytest.raises(RequestError) as e:
-        backend.add("bad", prompt="hi", params={"max_tokens": 8, **params})
+        backend.add(AddRequest("bad", prompt="hi", params={"max_tokens": 8, **params}))
     assert e.value.code == "invalid_params"
     assert re.match(reason, e.value.message) and "\n" not in e.value.message, e.value.message
     assert not backend.has_unfinished() and backend.engine.get_num_unfinished_requests() == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.backend import RequestError
+from gpu_workers.backend import AddRequest, RequestError
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.engine import Engine
 from gpu_workers.engine.errors import ErrorCode
@@ -21,7 +21,11 @@ pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
 
 def run(backend, rid: str, params: dict, output_ids=None) -> dict:
     given = None if output_ids is None else [output_ids]  # the one choice's
-    got = {"text": backend.add(rid, token_ids=prompt(20, 1), params=params, output_ids=given)[0]}
+    got = {
+        "text": backend.add(
+            AddRequest(rid, token_ids=prompt(20, 1), params=params, output_ids=given)
+        )[0]
+    }
     got.update(tokens=[], counts=[], logprobs=[], reason=None)
     while backend.has_unfinished():
         for o in backend.step():
@@ -81,10 +85,12 @@ def test_a_stop_token_after_the_cut(backend) -> None:
 )
 def test_what_vllm_cannot_resume_exactly_is_refused(backend, params: dict) -> None:
     with pytest.raises(RequestError) as e:
-        backend.add("no", token_ids=prompt(20, 1), params=params, output_ids=[[20, 21]])
+        backend.add(AddRequest("no", token_ids=prompt(20, 1), params=params, output_ids=[[20, 21]]))
     assert e.value.code == ErrorCode.BAD_PROGRESS and "vLLM cannot resume" in e.value.message
     assert not backend.has_unfinished()
-    assert backend.add("fresh", token_ids=prompt(20, 1), params=params, output_ids=[[]]) == [""]
+    assert backend.add(
+        AddRequest("fresh", token_ids=prompt(20, 1), params=params, output_ids=[[]])
+    ) == [""]
     backend.abort("fresh")
 
 
@@ -109,9 +115,9 @@ def test_bad_progress_is_refused_as_the_native_engine_refuses_it(backend, native
     ]
     for params, ids in bad:
         with pytest.raises(RequestError) as want:
-            native.add("bad", token_ids=prompt(20, 1), params=params, output_ids=[ids])
+            native.add(AddRequest("bad", token_ids=prompt(20, 1), params=params, output_ids=[ids]))
         with pytest.raises(RequestError) as got:
-            backend.add("bad", token_ids=prompt(20, 1), params=params, output_ids=[ids])
+            backend.add(AddRequest("bad", token_ids=prompt(20, 1), params=params, output_ids=[ids]))
         assert got.value.code == want.value.code == ErrorCode.BAD_PROGRESS
         assert got.value.message == want.value.message
     assert not backend.has_unfinished()
