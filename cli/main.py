@@ -422,8 +422,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What `pip install plurai` (the client) leaves out: the extra each command needs, and for
+# the client's own commands, the extra that installs a module they may reach
+COMMAND_EXTRAS = {
+    "worker": "worker", "make-model": "worker", "quantize": "worker",
+    "gateway": "gateway", "dashboard": "gateway", "batch": "bulk",
+}  # fmt: skip
+MODULE_EXTRAS = {"celery": "bulk", "kombu": "bulk", "jsonschema": "bulk", "llguidance": "bulk"}
+CLIENT_MODULES = {"redis", "hiredis", "msgpack", "pydantic", "pydantic_settings", "rich"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run(argv)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        command = argv[0] if argv else ""
+        extra = COMMAND_EXTRAS.get(command) or MODULE_EXTRAS.get(top)
+        if not extra or top in CLIENT_MODULES:
+            raise
+        print(
+            f"plurai: `plurai {command}` needs {top}, which `pip install plurai` (the client) "
+            f"leaves out: pip install 'plurai[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def run(argv: list[str]) -> int:
     if argv and argv[0] == "worker":
         return cmd_worker(argv[1:])
     if argv and argv[0] == "gateway":

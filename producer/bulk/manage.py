@@ -8,15 +8,17 @@ import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker_config import keys
 from broker_config.settings import BulkSettings
 from broker_config.text import text, valid_text
 from producer.bulk import finalize, store
 from producer.bulk.inputs import URLS
-from producer.bulk.plan import Task
 from producer.client import Client
+
+if TYPE_CHECKING:  # (the plan needs the bulk extra; `plurai status` and the client do not)
+    from producer.bulk.plan import Task
 
 
 class UnknownBatch(KeyError):
