@@ -15,11 +15,11 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 install: $(VENV)/.installed
 
 # What the tests need from the system, as command:Debian-package: a C++ compiler (the fused
-# CPU kernels), Chromium (the dashboard's browser test, through playwright) and promtool
-# (deploy/prometheus/alerts.yml). As root, `make install` installs what is missing with
+# CPU kernels), Chromium (the dashboard's browser test, through playwright), promtool
+# (deploy/prometheus/alerts.yml), and node and curl (the README's first jobs). As root, `make install` installs what is missing with
 # apt-get; otherwise it stops and says how. `make install TOOLS=` leaves them out (their
 # tests then skip, and fail under CI=true: tests/conftest.py).
-TOOLS ?= c++:g++ chromium:chromium promtool:prometheus
+TOOLS ?= c++:g++ chromium:chromium promtool:prometheus node:nodejs curl:curl
 
 tools:
 	@missing=; cmds=; for t in $(TOOLS); do \

@@ -1,6 +1,7 @@
-"""The README as a test: its usage blocks run as written, in order, in a fresh folder.
+"""The README as a test: its usage blocks run as written, in order, in a fresh folder, and
+then docs/guide.md's (the README's next steps) in the same folder.
 
-Every ```sh and ```python block of README.md runs, unless the line before its fence is a
+Every ```sh, ```python and ```js block of README.md and docs/guide.md runs, unless the line before its fence is a
 marker `<!-- readme-test: skip: <why> -->` (the set-up itself, vLLM's environment, GPUs).
 A bare block whose lines start with `$ ` is a transcript: its commands run again and what
 they print must match what it shows, numbers aside. Nothing else is changed: only the
@@ -44,6 +45,7 @@ from broker_config.stats import serving_workers
 from .conftest import ROOT
 
 README = ROOT / "README.md"
+DOCS = (README, ROOT / "docs" / "guide.md")  # run in this order, in one folder
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip:\s*(.+?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 COMMAND_S = 120  # the most any one command may take (a batch to its end included)
@@ -53,15 +55,17 @@ SHELL_ONLY = {"|", ">", ">>", "<", ";", "&&", "||"}
 
 @dataclass
 class Block:
-    lang: str  # "sh", "python", or "" (text, or a transcript of `$ ` lines)
+    lang: str  # "sh", "python", "js", or "" (text, or a transcript of `$ ` lines)
     text: str
+    file: str  # README.md or docs/guide.md
     line: int  # of the opening fence, 1-based
     section: str  # the `##` heading above it
     skip: str | None  # why the README marks it as not run
 
 
-def blocks(markdown: str) -> list[Block]:
-    lines = markdown.splitlines()
+def blocks(path: Path) -> list[Block]:
+    lines = path.read_text().splitlines()
+    name = str(path.relative_to(ROOT))
     out, section, i = [], "", 0
     while i < len(lines):
         if lines[i].startswith("## "):
@@ -73,7 +77,8 @@ def blocks(markdown: str) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         marker = SKIP.search(lines[i - 1]) if i else None
         text = "\n".join(lines[i + 1 : end])
-        out.append(Block(fence.group(1), text, i + 1, section, marker and marker.group(1)))
+        skip = marker and marker.group(1)
+        out.append(Block(fence.group(1), text, name, i + 1, section, skip))
         i = end + 1
     return out
 
@@ -283,7 +288,7 @@ PYTHON_CHECKS: list[tuple[str, Callable[[str], None]]] = [
 
 def python_check(block: Block) -> Callable[[str], None]:
     found = [check for line, check in PYTHON_CHECKS if line in block.text]
-    assert len(found) == 1, f"README.md line {block.line}: {len(found)} PYTHON_CHECKS match"
+    assert len(found) == 1, f"{block.file} line {block.line}: {len(found)} PYTHON_CHECKS match"
     return found[0]
 
 
@@ -294,7 +299,7 @@ def run_sh(s: Session, block: Block) -> None:
     for line in commands(block.text):
         line = s.fill(line)
         argv = shlex.split(line, comments=True)
-        where = f"README.md line {block.line}: {line.strip()}"
+        where = f"{block.file} line {block.line}: {line.strip()}"
         assert not SHELL_ONLY & set(argv), f"{where}: needs a shell; the README test runs none"
         if argv[0] == "export":
             name, _, value = argv[1].partition("=")
@@ -403,7 +408,7 @@ def live_view(s: Session, argv: list[str], where: str) -> None:
 
 def run_python(s: Session, block: Block) -> None:
     code = s.fill(block.text)
-    where = f"README.md line {block.line} (python)"
+    where = f"{block.file} line {block.line} (python)"
     check = python_check(block)
     try:
         p = subprocess.run(
@@ -424,6 +429,26 @@ def run_python(s: Session, block: Block) -> None:
         raise AssertionError(f"{where}: {type(e).__name__}: {e}\n{out[-2000:]}") from e
 
 
+def run_js(s: Session, block: Block) -> None:
+    """A Node block (an ES module: top-level await); it must exit 0 and print something."""
+    where = f"{block.file} line {block.line} (js)"
+    try:
+        p = subprocess.run(
+            ["node", "--input-type=module", "-e", s.fill(block.text)],
+            cwd=s.root,
+            env=s.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{where}: still running after {COMMAND_S}s") from e
+    except FileNotFoundError as e:
+        raise AssertionError(f"{where}: no `node` on PATH (`make install` installs it)") from e
+    assert p.returncode == 0, f"{where}: exit {p.returncode}\n{p.stderr[-3000:]}"
+    assert p.stdout.strip(), f"{where}: printed nothing"
+
+
 def run_transcript(s: Session, block: Block) -> None:
     """`$ command` lines, each followed by what it prints: run each (`plurai` is the
     venv's), and its output must match the last lines shown, numbers and the width of
@@ -435,7 +460,7 @@ def run_transcript(s: Session, block: Block) -> None:
         elif line.strip():
             shown[-1][1].append(line)
     for command, expected in shown:
-        where = f"README.md line {block.line}: $ {command}"
+        where = f"{block.file} line {block.line}: $ {command}"
         run = run_one(s, shlex.split(s.fill(command)), where)
         got = [x for x in run.out.splitlines() if x.strip()]
         assert got and len(got) <= len(expected), f"{where}: printed {run.out!r}"
@@ -517,39 +542,42 @@ def session(tmp_path: Path, redis_url: str) -> Iterator[Session]:
 def test_every_placeholder_and_marker_is_known() -> None:
     """The README's blocks are what this test expects: each is run, or skipped with a
     reason; each sh line parses; every fenced block is closed."""
-    found = blocks(README.read_text())
+    found = [b for doc in DOCS for b in blocks(doc)]
     assert sum(b.lang == "sh" and b.skip is None for b in found) >= 3
     assert sum(b.lang == "python" and b.skip is None for b in found) >= 4
     assert any(b.lang == "" and b.text.startswith("$ ") for b in found)
     for b in found:
         if b.skip is not None:
-            assert len(b.skip) > 10, f"README.md line {b.line}: say why it is skipped"
+            assert len(b.skip) > 10, f"{b.file} line {b.line}: say why it is skipped"
         if b.lang == "python" and b.skip is None:
             python_check(b)
         if b.lang == "sh" and b.skip is None:
             for line in commands(b.text):
                 assert shlex.split(line, comments=True), line
-    text = README.read_text()
+    assert any(b.lang == "js" and b.skip is None for b in found)
+    text = "".join(doc.read_text() for doc in DOCS)
     for placeholder in PLACEHOLDERS:
-        assert placeholder in text, f"{placeholder!r} is no longer in the README: drop it here"
+        assert placeholder in text, f"{placeholder!r} is no longer in the docs: drop it here"
 
 
 def test_the_readme_runs_as_written(session: Session) -> None:
     section = None
-    for block in blocks(README.read_text()):
-        if block.section != section:
+    for block in [b for doc in DOCS for b in blocks(doc)]:
+        if (block.file, block.section) != section:
             session.stop_all()  # a section's workers, gateway and Celery end with it
-            section = block.section
+            section = (block.file, block.section)
         if block.skip is not None:
             continue
         if block.lang == "sh":
             run_sh(session, block)
         elif block.lang == "python":
             run_python(session, block)
+        elif block.lang == "js":
+            run_js(session, block)
         elif block.lang == "" and block.text.startswith("$ "):
             run_transcript(session, block)
         elif block.lang:
-            raise AssertionError(f"README.md line {block.line}: no runner for ```{block.lang}")
+            raise AssertionError(f"{block.file} line {block.line}: no runner for ```{block.lang}")
     # every batch the README submitted, the documents' included, completed without errors
     assert len(session.batches) >= 2
     for batch_id in session.batches:
