@@ -1,6 +1,7 @@
 """docker-compose.yml: it parses, every Plurai service runs a real entry point of the
-package, every PLURAI_* variable it sets is a real setting, every service restarts, and
-the bulk driver serves the workers' model."""
+package, every PLURAI_* variable it sets is a real setting, every service restarts, the
+default stack runs on a machine without a GPU while the `gpu` profile gives each worker a
+device of its own, and the bulk driver serves the workers' model."""
 
 from __future__ import annotations
 
@@ -43,10 +44,13 @@ def argv(service: dict) -> list[str]:
     return [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in [*entry, *command]]
 
 
+WORKERS = ("worker", "worker-gpu0", "worker-gpu1")
+
+
 def test_every_plurai_service_runs_a_real_entry_point():
     ours = {n: s for n, s in services().items() if s.get("image") == "plurai" or "build" in s}
-    assert set(ours) == {"worker", "gateway", "celery-worker", "celery-beat"}
-    flag = {"worker": "--model", "gateway": "--port"}
+    assert set(ours) == {*WORKERS, "gateway", "celery-worker", "celery-beat"}
+    flag = {**dict.fromkeys(WORKERS, "--model"), "gateway": "--port"}
     for name, service in ours.items():
         args = argv(service)
         if args[0] == "plurai":
@@ -87,7 +91,27 @@ def test_prometheus_scrapes_every_worker_on_its_metrics_port():
     scrape = yaml.safe_load(compose()["configs"][cfg["source"]]["content"])
     (job,) = scrape["scrape_configs"]
     (sd,) = job["dns_sd_configs"]
-    assert sd["names"] == ["worker"] and sd["port"] == port
+    assert sd["names"] == list(WORKERS) and sd["port"] == port
+    for name in WORKERS:
+        assert services()[name]["environment"] == worker["environment"], name
+
+
+def test_the_default_stack_needs_no_gpu_and_each_gpu_worker_has_its_own():
+    default = {n: s for n, s in services().items() if not s.get("profiles")}
+    assert "worker" in default
+    for name, service in default.items():
+        assert "deploy" not in service, f"{name} reserves a device without a profile"
+    cpu = services()["worker"]["build"]["args"]["TORCH_INDEX"]
+    assert cpu.endswith("/whl/cpu")  # torch's CPU build: no CUDA libraries in the image
+    devices = []
+    for name in WORKERS[1:]:
+        service = services()[name]
+        assert service["profiles"] == ["gpu"] and service["image"] != "plurai", name
+        assert service["build"]["args"]["TORCH_INDEX"] == "", name  # pip's own: CUDA
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and len(device["device_ids"]) == 1, name
+        devices += device["device_ids"]
+    assert len(set(devices)) == len(devices) == len(WORKERS) - 1
 
 
 def test_every_long_lived_service_restarts_unless_stopped():

@@ -45,3 +45,83 @@ def test_a_worker_pod_outlives_its_grace_period() -> None:
     port = int(env["PLURAI_METRICS_PORT"])
     assert [p["containerPort"] for p in container["ports"]] == [port]
     assert container["args"][0] == "worker"
+
+
+KINDS = {  # the API group of each kind deploy/ uses
+    "Deployment": "apps/v1",
+    "StatefulSet": "apps/v1",
+    "Service": "v1",
+    "ScaledObject": "keda.sh/v1alpha1",
+    "TriggerAuthentication": "keda.sh/v1alpha1",
+}
+
+
+def manifests() -> list[dict]:
+    return [d for f in sorted(DEPLOY.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
+
+
+def pods() -> list[dict]:
+    return [d for d in manifests() if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def test_every_manifest_is_a_known_kind_with_a_unique_name() -> None:
+    names = [(d["kind"], d["metadata"]["name"]) for d in manifests()]
+    assert {k for k, _ in names} == set(KINDS)
+    assert len(set(names)) == len(names)
+    for d in manifests():
+        assert d["apiVersion"] == KINDS[d["kind"]], d["metadata"]["name"]
+    for d in pods():  # a workload selects the pods its template makes
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_each_service_reaches_a_named_port_of_the_pods_it_selects() -> None:
+    services = [d for d in manifests() if d["kind"] == "Service"]
+    assert {s["metadata"]["name"] for s in services} == {"redis", "plurai-gateway"}
+    for service in services:
+        selected = [
+            p for p in pods()
+            if service["spec"]["selector"].items() <= p["spec"]["template"]["metadata"]["labels"].items()
+        ]  # fmt: skip
+        assert len(selected) == 1, service["metadata"]["name"]
+        ports = {
+            port["name"]: port["containerPort"]
+            for c in selected[0]["spec"]["template"]["spec"]["containers"]
+            for port in c["ports"]
+        }
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, service["metadata"]["name"]
+
+
+def test_the_gateway_listens_where_its_service_sends_and_is_probed_open() -> None:
+    gateway = docs("gateway.yaml")["Deployment"]["spec"]["template"]["spec"]
+    (container,) = gateway["containers"]
+    args = container["args"]
+    assert args[0] == "gateway" and args[args.index("--host") + 1] == "0.0.0.0"
+    assert int(args[args.index("--port") + 1]) == container["ports"][0]["containerPort"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # needs no API key
+
+
+def test_redis_is_the_address_keda_reads_and_keeps_what_the_queue_needs() -> None:
+    service = docs("redis.yaml")["Service"]
+    (port,) = service["spec"]["ports"]
+    addresses = {
+        t["metadata"]["address"] for t in docs("autoscale.yaml")["ScaledObject"]["spec"]["triggers"]
+    }
+    assert addresses == {f"{service['metadata']['name']}.plurai.svc:{port['port']}"}
+    (container,) = docs("redis.yaml")["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+
+
+def test_every_plurai_variable_is_a_setting_and_every_secret_is_the_one_made() -> None:
+    known = {f"PLURAI_{f.upper()}" for f in Settings.model_fields}
+    for d in pods():
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            for e in c.get("env", []):
+                if e["name"].startswith("PLURAI_"):
+                    assert e["name"] in known, e["name"]
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:  # the Secret worker.yaml's header creates: keys url and password
+                    assert ref["name"] == "plurai-redis" and ref["key"] in ("url", "password")
