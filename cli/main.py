@@ -132,6 +132,44 @@ def cmd_status(args: argparse.Namespace) -> int:
         r.close()
 
 
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    """`plurai dead-letters list|requeue|drop`: entries no worker could finish."""
+    from broker_config.connection import connect, resolve_url
+    from broker_config.settings import Settings
+    from producer import dead_letters as dead
+
+    r = connect(resolve_url(args.url))
+    try:
+        if args.action == "list":
+            found = dead.list_dead(r, args.count)
+            if args.json:
+                for d in found:
+                    print(json.dumps({**vars(d), "at_ms": d.at_ms}))
+                return 0
+            for d in found:
+                again = "requeueable" if d.requeueable else "not requeueable"
+                print(f"{d.id}  {d.lane}  job {d.job_id or '(none)'}  {again}  {d.error}")
+            print(f"{len(found)} dead letter(s)", file=sys.stderr)
+            return 0
+        ids = args.ids or ([d.id for d in dead.list_dead(r, dead.MAX_LIST)] if args.all else [])
+        if not ids:
+            raise ValueError("name dead letters by id (`plurai dead-letters list`), or --all")
+        if args.action == "drop":
+            print(f"dropped {dead.drop(r, ids)} dead letter(s)")
+            return 0
+        failed = 0
+        settings = Settings()
+        for dead_id in ids:
+            try:
+                print(f"{dead_id}  requeued job {dead.requeue(r, dead_id, settings)}")
+            except dead.DeadLetterError as e:
+                print(f"{dead_id}  {e.code}: {e.message}", file=sys.stderr)
+                failed += 1
+        return 1 if failed else 0
+    finally:
+        r.close()
+
+
 def _batch_client(args: argparse.Namespace) -> Any:
     from broker_config.celery_app import app, configure
     from broker_config.connection import resolve_url
@@ -389,7 +427,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.set_defaults(func=cmd_status)
 
-    for name in ("submit", "get", "watch", "status"):
+    d = sub.add_parser(
+        "dead-letters", help="entries no worker could finish: list, requeue or drop them"
+    )
+    d.add_argument("action", choices=["list", "requeue", "drop"])
+    d.add_argument("ids", nargs="*", help="dead letter ids (as `list` prints them)")
+    d.add_argument("--all", action="store_true", help="requeue or drop every dead letter")
+    d.add_argument("--count", type=int, default=100, help="list: how many, newest first")
+    d.add_argument("--json", action="store_true", help="list: one JSON object per line")
+    d.set_defaults(func=cmd_dead_letters)
+
+    for name in ("submit", "get", "watch", "status", "dead-letters"):
         sub.choices[name].add_argument(
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import deque
 from importlib import resources
@@ -40,6 +39,7 @@ from broker_config.connection import connect, redact
 from broker_config.settings import Settings
 from broker_config.text import text
 from gateway.auth import Guard, Unauthorized
+from producer import dead_letters as dead
 from producer.bulk.store import BATCH_ID
 
 log = logging.getLogger("plurai.gateway")
@@ -144,25 +144,13 @@ def dead_letters(r: redis.Redis, n: int = DEAD_SHOWN) -> dict[str, Any]:
                 "id": text(entry_id),
                 "at_ms": int(text(entry_id).split("-")[0]),
                 "lane": _str(f.get("lane"), 64),
-                "job_id": _dead_job_id(f),
+                "job_id": dead.job_id_of(fields),
                 "error": _str(f.get("error"), SHORT),
                 "worker": _str(f.get("worker")),
+                "requeueable": "entry" in f,  # `plurai dead-letters requeue <id>` can run it
             }
         )
     return {"count": int(length), "recent": recent}
-
-
-_ID_FIELD = re.compile(r'"id": "([A-Za-z0-9_-]{8,128})"')
-
-
-def _dead_job_id(f: dict[str, Any]) -> str | None:
-    """A dead letter's job id: its own field (a result that could not be stored), else the
-    one its entry's fields carried (JSON, cut at 64 KiB: read by pattern where cut)."""
-    job_id = _str(f.get("job_id"), 129)
-    if job_id is None:
-        m = _ID_FIELD.search(text(f.get("fields", b""))[:4096])
-        job_id = m[1] if m else None
-    return job_id if job_id is not None and protocol.valid_job_id(job_id) else None
 
 
 def batches(r: redis.Redis, n: int = BATCHES_SHOWN) -> list[dict[str, Any]]:

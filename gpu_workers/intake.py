@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis
 
 from broker_config import keys, protocol, tracing
@@ -444,8 +445,15 @@ class Intake:
     def _dead_letter_command(
         self, lane: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
     ) -> list[Any]:
+        """`fields` shown as JSON (a reader's view, cut at 64 KiB), and kept as they were
+        (msgpack, binary-safe) where their size is an entry's, so that `plurai dead-letters
+        requeue` can queue the job again (producer/dead_letters.py)."""
         shown = json.dumps({text(k): text(v) for k, v in fields.items()})[:65536]
-        return self.writer.dead_letter(lane, entry_id, error, worker=self.id, fields=shown)
+        more = {"worker": self.id, "fields": shown}
+        packed = msgpack.packb(fields)
+        if len(packed) <= self.settings.max_body_bytes + (64 << 10):
+            more["entry"] = packed
+        return self.writer.dead_letter(lane, entry_id, error, **more)
 
     def hand_back(self, entries: list[Entry], failed: str = "") -> None:
         """Give these jobs back to the queue: each entry keeps its place in its lane for

@@ -434,6 +434,37 @@ def requeue(
     return Call("REQUEUE", [stream], args)
 
 
+def revive(
+    *,
+    dead_id: str,
+    job_id: str,
+    lane: str,
+    model: str,
+    shard: int,
+    fields: Mapping[Any, Any],
+    priority: int,
+    metadata_json: str | None,
+    stream_maxlen: int,
+    queued_ttl_s: int,
+    max_queued: int,
+) -> Call:
+    """Queue a dead-lettered job again (its entry `fields` at the tail of shard `shard` of
+    `model`'s `lane`), its record, token stream and progress started over, and delete the
+    dead letter `dead_id`: 1, or 'GONE' / 'ACTIVE', or the error QUEUEFULL (REVIVE)."""
+    k = [
+        keys.DEAD_LETTER,
+        keys.job(job_id),
+        keys.output(job_id),
+        keys.progress(job_id),
+        keys.request_stream(lane, model, shard),
+    ]
+    now_ms = int(time.time() * 1000)
+    record = [queued_ttl_s, lane, priority, now_ms, metadata_json or "", model, now_ms * 1000, ""]
+    flat = [x for kv in fields.items() for x in kv]
+    args = [dead_id, *record, stream_maxlen, max_queued, keys.GROUP, keys.arrivals(model), *flat]
+    return Call("REVIVE", k, args, job_id=job_id, lane=lane)
+
+
 def hand_over(*, stream: str, consumer: str, entry_id: bytes | str, again: bool) -> Call:
     """Pass a preempted job's entry from `consumer` to keys.HANDED_OVER, where the next
     worker to take from its lane takes it (TAKE) before the newer entries, no attempt

@@ -500,6 +500,43 @@ redis.call('XDEL', stream, entry_id)
 return again == '1' and 1 or 0
 """
 
+# KEYS: dead-letter stream, job record, token stream, progress, request stream
+# ARGV: dead entry id, QUEUED's eight (record ttl, lane, priority, created_ms, metadata JSON
+#       or '', model, queued_us, ''), maxlen, max queued (0: no limit), group, arrivals
+#       channel, then the entry's field/value pairs.
+# An operator's requeue of a dead-lettered job (`plurai dead-letters requeue`): its entry
+# is added to its lane again and its record, token stream and progress start over, as a
+# new submit of the same job id would have them; the dead letter is deleted. One step, so
+# that a job is never left with a queued record and no entry, or an entry and a result.
+# Returns 1; 'GONE' when the dead letter is not there (requeued or dropped already),
+# 'ACTIVE' when the job has a record that is not final (it is queued or runs: nothing to
+# do), or the error QUEUEFULL as a submit.
+REVIVE = (
+    _LANE
+    + """
+local dead, record, out, progress, stream = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local dead_id = ARGV[1]
+local ttl, lane, priority, created_ms, metadata, model, queued_us = unpack(ARGV, 2, 8)
+local maxlen, max_queued, group, arrivals = unpack(ARGV, 10, 13)
+local ENTRY = 14  -- ARGV[14..]: the entry's field/value pairs
+if #redis.call('XRANGE', dead, dead_id, dead_id) == 0 then return 'GONE' end
+if redis.call('TYPE', record).ok == 'hash' and redis.call('HEXISTS', record, 'final') == 0 then
+  return 'ACTIVE'
+end
+local queued = queued_over(stream, tonumber(max_queued), group)
+if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
+redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
+redis.call('DEL', record, out, progress)
+redis.call('HSET', record, 'state', 'queued', 'lane', lane, 'priority', priority,
+           'created_ms', created_ms, 'model', model, 'queued_us', queued_us)
+if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
+redis.call('EXPIRE', record, ttl)
+redis.call('XDEL', dead, dead_id)
+redis.call('PUBLISH', arrivals, stream)
+return 1
+"""
+)
+
 # KEYS: request stream
 # ARGV: group, consumer, entry id, the hand-over consumer, re-add ('1' or '')
 # A preempted job's entry keeps its place: it moves from `consumer` to the hand-over

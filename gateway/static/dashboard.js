@@ -167,8 +167,9 @@ function drawTables(d) {
   10, "no job begun yet");
   document.getElementById("dead-count").textContent = `(${d.dead_letters.count})`;
   fill("dead", d.dead_letters.recent.map((x) => el("tr", {},
-    cell(when(x.at_ms)), cell(x.lane || "-"), cell(x.job_id || "-", "mono"), cell(x.worker || "-", "mono"),
-    cell(x.error || "", "wrap"))), 5, "none");
+    cell(when(x.at_ms)), cell(x.id, "mono"), cell(x.lane || "-"), cell(x.job_id || "-", "mono"),
+    cell(x.worker || "-", "mono"), cell(x.requeueable ? "yes" : "no"),
+    cell(x.error || "", "wrap"))), 7, "none");
   fill("batches", d.batches.map((b) => el("tr", {"data-batch": b.id},
     cell(b.id, "mono"), cell(b.status, "state-" + b.status),
     el("td", {}, ...bar((b.completed || 0) + (b.failed || 0), b.total || 0)),

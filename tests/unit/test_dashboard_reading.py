@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import fakeredis
+import msgpack
 import pytest
 
 from broker_config import keys
@@ -166,3 +167,11 @@ def test_heartbeat_figures_that_are_no_numbers_read_as_none_given(r) -> None:
     assert (w.running, w.tokens_per_s, w.kv_blocks_used, w.jobs_done) == (0, 0.0, 0, 12)
     assert w.beat_age_s == 0.0
     json.dumps(stats.Snapshot(1.0, [], [w], 0).to_dict(), allow_nan=False)
+
+
+def test_a_dead_letter_that_kept_its_entry_is_shown_requeueable(r) -> None:
+    entry = msgpack.packb({b"v": b"2", b"id": b"job-hhhhhhhh"})
+    r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": "x", "entry": entry, "fields": "{}"})
+    r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": "y", "fields": "{}"})
+    newer, older = dashboard.dead_letters(r)["recent"]
+    assert (newer["requeueable"], older["requeueable"]) == (False, True)

@@ -1,5 +1,5 @@
-"""Every error code a job, a submit or the engine can end with is in docs/protocol.md, "Error codes",
-and the page names no code that does not exist."""
+"""Every error code a job, a submit, the engine or `plurai dead-letters` can end with is in
+docs/protocol.md, "Error codes", and the page names no code that does not exist."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from broker_config.errors import Code, ErrorCode
+from producer.dead_letters import DeadCode
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -18,9 +19,10 @@ def section() -> str:
 
 
 def codes() -> set[str]:
-    """Code's, and the engine's own (ErrorCode: duplicate_request_id, of offline use)."""
+    """Code's, the engine's own (ErrorCode: duplicate_request_id, of offline use) and the
+    refusals of `plurai dead-letters` (DeadCode)."""
     return {
-        v for cls in (Code, ErrorCode) for k, v in vars(cls).items()
+        v for cls in (Code, ErrorCode, DeadCode) for k, v in vars(cls).items()
         if k.isupper() and isinstance(v, str)
     }  # fmt: skip
 

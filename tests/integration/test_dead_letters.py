@@ -1,0 +1,176 @@
+"""Dead letters as an operator handles them (`plurai dead-letters list|requeue|drop`): a job
+that failed PLURAI_MAX_DELIVERIES times is listed with its entry, queued again under its own
+id once the cause is mended, and then runs to exactly one result, token for token; a dead
+letter that cannot run again, or an id that names none, is refused with its code and
+changes nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import redis
+
+from broker_config import keys
+from broker_config.connection import connect
+from broker_config.settings import Settings
+from gpu_workers.backend import AddRequest
+from gpu_workers.engine.config import EngineConfig
+from gpu_workers.engine.engine import Engine
+from gpu_workers.engine.sampling_params import SamplingParams
+from producer import dead_letters as dead
+from producer.client import Client
+from results import records
+from tests.helpers import driven_worker, turn_until
+
+from .conftest import ROOT
+from .recorder import Recorder
+
+
+class Broken(Recorder):
+    """An engine with a bug: it raises on every job it is given."""
+
+    def add(self, req: AddRequest) -> list[str]:
+        raise RuntimeError("an engine bug")
+
+
+def dead_lettered(url: str, n: int = 1) -> list[str]:
+    """`n` jobs that a broken engine failed PLURAI_MAX_DELIVERIES (1) times: their ids."""
+    worker = driven_worker(url, Broken(), "broken", max_deliveries=1)
+    with Client(url) as client:
+        jobs = [client.submit(f"job {i}", max_tokens=5, temperature=0) for i in range(n)]
+        turn_until(worker, lambda: all(j.record().final for j in jobs))
+        for job in jobs:
+            r = job.record()
+            assert (r.state, r.error_code) == (records.FAILED, "too_many_deliveries")
+    worker.cancels.close()
+    return [j.id for j in jobs]
+
+
+@pytest.fixture
+def engine(tiny_model):
+    e = Engine(EngineConfig(model=str(tiny_model), kv_cache_bytes=8 << 20, threads=1, dtype="fp32"))
+    yield e
+    e.close()
+
+
+def test_a_requeued_job_runs_again_to_one_result(redis_url, engine) -> None:
+    (job_id,) = dead_lettered(redis_url)
+    r = connect(redis_url)
+    (letter,) = dead.list_dead(r)
+    assert letter.job_id == job_id and letter.requeueable and letter.lane == "standard"
+    assert "an engine bug" in letter.error  # why, as the worker said it
+
+    assert dead.requeue(r, letter.id) == job_id
+    assert dead.list_dead(r) == []
+    record = Client(redis_url).job(job_id).record()
+    assert record.state == records.QUEUED and not record.final and record.error_code is None
+    with pytest.raises(dead.DeadLetterError) as again:  # once only
+        dead.requeue(r, letter.id)
+    assert again.value.code == dead.DeadCode.UNKNOWN
+
+    # the cause mended: a working engine runs it, from its first token, to one result
+    worker = driven_worker(redis_url, engine, "mended")
+    job = Client(redis_url).job(job_id)
+    turn_until(worker, lambda: job.record().final)
+    worker.cancels.close()
+    done = job.record()
+    assert done.state == records.COMPLETED
+    (want,) = engine.generate(["job 0"], SamplingParams(max_tokens=5, temperature=0))
+    assert done.token_ids == want.token_ids and done.text == want.text
+
+
+def test_what_cannot_run_again_is_refused_and_left_as_it_was(redis_url) -> None:
+    r = connect(redis_url)
+    s = Settings(redis_url=redis_url)
+
+    def letter(**fields: object) -> str:
+        base = {"lane": "standard", "entry_id": "1-1", "error": "test", "worker": "w"}
+        return r.xadd(keys.DEAD_LETTER, {**base, **fields}).decode()  # type: ignore[union-attr]
+
+    def refused(dead_id: str) -> str:
+        with pytest.raises(dead.DeadLetterError) as e:
+            dead.requeue(r, dead_id, s)
+        assert e.value.message
+        return e.value.code
+
+    good = {b"v": b"2", b"id": b"job-aaaaaaaa", b"max_tokens": b"4", b"body": b'{"prompt":"x"}'}
+    cases = {
+        letter(fields="{}"): dead.DeadCode.NOT_REQUEUEABLE,  # no entry kept
+        letter(entry=b"\xc1 not msgpack"): dead.DeadCode.NOT_REQUEUEABLE,
+        letter(entry=msgpack.packb([1, 2])): dead.DeadCode.NOT_REQUEUEABLE,  # not a map
+        letter(entry=msgpack.packb({b"v": b"2"})): dead.DeadCode.NOT_REQUEUEABLE,  # no job id
+        letter(
+            entry=msgpack.packb({**good, b"max_tokens": b"many"})
+        ): dead.DeadCode.NOT_REQUEUEABLE,
+        letter(lane="nowhere", entry=msgpack.packb(good)): dead.DeadCode.NOT_REQUEUEABLE,
+    }
+    for dead_id, code in cases.items():
+        assert refused(dead_id) == code, dead_id
+    for bad in ("", "x", "1-x", "-1", "1" * 50, "0-0"):
+        assert refused(bad) == dead.DeadCode.UNKNOWN, bad
+    assert r.xlen(keys.DEAD_LETTER) == len(cases)  # nothing requeued, nothing deleted
+    assert not r.keys("plurai:{*}:req:*")  # no entry queued
+
+    # a job that is queued again already: nothing to do
+    active = letter(entry=msgpack.packb(good))
+    r.hset(keys.job("job-aaaaaaaa"), mapping={"state": "queued"})
+    assert refused(active) == dead.DeadCode.JOB_ACTIVE
+    # a full lane: refused as a submit would be
+    r.delete(keys.job("job-aaaaaaaa"))
+    full = Settings(redis_url=redis_url, max_queued_per_lane=1)
+    Client(redis_url).submit("fills the lane", lane="standard")
+    with pytest.raises(dead.DeadLetterError) as e:
+        dead.requeue(r, active, full)
+    assert e.value.code == "queue_full"
+    assert not r.exists(keys.job("job-aaaaaaaa"))
+
+    with pytest.raises(dead.DeadLetterError):
+        dead.drop(r, [active, "not an id"])  # refused before any is deleted
+    assert dead.drop(r, [active, "1-0"]) == 1
+    assert r.xlen(keys.DEAD_LETTER) == len(cases)
+
+
+def test_the_cli_lists_requeues_and_drops(redis_url) -> None:
+    ids = dead_lettered(redis_url, n=3)
+    r = connect(redis_url)
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cli", "dead-letters", *argv, "--url", redis_url],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    listed = cli("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    letters = [json.loads(x) for x in listed.stdout.splitlines()]
+    assert sorted(x["job_id"] for x in letters) == sorted(ids)
+    assert all(x["requeueable"] for x in letters)
+
+    one = cli("requeue", letters[0]["id"])
+    assert one.returncode == 0 and letters[0]["job_id"] in one.stdout, one.stderr
+    missing = cli("requeue", letters[0]["id"])  # requeued already
+    assert missing.returncode == 1 and "unknown_dead_letter" in missing.stderr
+    bad = cli("drop", "not-an-id")
+    assert bad.returncode == 2 and "unknown_dead_letter" in bad.stderr
+    nothing = cli("requeue")
+    assert nothing.returncode == 2 and "--all" in nothing.stderr
+    dropped = cli("drop", "--all")
+    assert dropped.returncode == 0 and "dropped 2" in dropped.stdout
+    assert r.xlen(keys.DEAD_LETTER) == 0
+    states = {Client(redis_url).job(i).record().state for i in ids}
+    assert states == {records.QUEUED, records.FAILED}  # the requeued one waits for a worker
+
+
+def test_a_cluster_is_refused_before_anything_is_read(cluster_url) -> None:
+    r = connect(cluster_url)
+    with pytest.raises(dead.DeadLetterError) as e:
+        dead.requeue(r, "1-0")
+    assert e.value.code == dead.DeadCode.CLUSTER
+    assert isinstance(r, redis.RedisCluster)
