@@ -27,6 +27,13 @@ MODELS = f"{PREFIX}:models"
 # dashboard's recent jobs; MAXLEN ~ PLURAI_RECENT_JOBS_MAXLEN)
 RECENT = f"{PREFIX}:recent"
 DEFAULT_MODEL = "default"  # the model of requests that name none, unless configured
+# set of "<model>:<lane>": the lanes workers take no new entries from (`plurai lane pause`)
+PAUSED = f"{PREFIX}:paused"
+
+
+def paused_member(model: str, lane: str) -> str:
+    """A lane's member of PAUSED (a model name holds no ':')."""
+    return f"{model}:{lane}"
 
 
 def queue_tag(model: str, shard: int = 0) -> str:

@@ -33,6 +33,7 @@ class Lane:
     pending: int = 0  # entries taken by a worker and not yet acknowledged
     oldest_waiting_age_s: float | None = None  # since the oldest waiting entry was added
     consumers: int = 0  # group consumers known to Redis (live or not yet forgotten)
+    paused: bool = False  # workers take no new entries from it (`plurai lane pause`)
 
 
 @dataclass
@@ -183,6 +184,15 @@ def _lanes_done(raw: str) -> dict[str, list[int]]:
     }
 
 
+def paused_lanes(r: redis.Redis) -> set[str]:
+    """The members of plurai:paused ("<model>:<lane>"); none when the key holds another
+    type (written by something else: then no lane is paused)."""
+    try:
+        return {_s(m)[:256] for m in r.smembers(keys.PAUSED)}
+    except redis.ResponseError:
+        return set()
+
+
 def serving_workers(r: redis.Redis) -> int:
     """How many workers are ready (state serving): a worker is listed from the start of its
     start, so a count of the workers set is not a count of the ready ones."""
@@ -221,8 +231,10 @@ def snapshot(r: redis.Redis, lanes: list[str], default_model: str = keys.DEFAULT
         for model, shards in models(r, default_model).items()
         for name in lanes
     ]
+    paused = paused_lanes(r)
     for q in queues:
         q.workers = serving.get(q.model, 0)
+        q.paused = keys.paused_member(q.model, q.name) in paused
     snap = Snapshot(
         time_s=time.time(),
         lanes=queues,

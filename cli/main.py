@@ -170,6 +170,34 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         r.close()
 
 
+def cmd_lane(args: argparse.Namespace) -> int:
+    """`plurai lane list|pause|resume|purge`: an operator's controls of a lane."""
+    from broker_config.connection import connect, resolve_url
+    from broker_config.settings import Settings
+    from producer import lanes
+
+    r = connect(resolve_url(args.url))
+    try:
+        if args.action == "list":
+            for model, lane in lanes.paused(r):
+                print(f"{model}  {lane}  paused")
+            return 0
+        if args.lane is None:
+            raise ValueError(f"`plurai lane {args.action}` needs a lane")
+        settings, model = Settings(), args.model
+        if args.action == "pause":
+            was = not lanes.pause(r, args.lane, model, settings)
+            print(f"{args.lane}: paused" + (" (already)" if was else ""))
+        elif args.action == "resume":
+            was = not lanes.resume(r, args.lane, model, settings)
+            print(f"{args.lane}: resumed" + (" (it was not paused)" if was else ""))
+        else:
+            print(f"{args.lane}: {lanes.purge(r, args.lane, model, settings)} job(s) cancelled")
+        return 0
+    finally:
+        r.close()
+
+
 def _batch_client(args: argparse.Namespace) -> Any:
     from broker_config.celery_app import app, configure
     from broker_config.connection import resolve_url
@@ -437,7 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="list: one JSON object per line")
     d.set_defaults(func=cmd_dead_letters)
 
-    for name in ("submit", "get", "watch", "status", "dead-letters"):
+    ln = sub.add_parser("lane", help="pause, resume or purge a lane (list: the paused lanes)")
+    ln.add_argument("action", choices=["list", "pause", "resume", "purge"])
+    ln.add_argument("lane", nargs="?", help="a lane (PLURAI_LANES)")
+    ln.add_argument("--model", help="the model whose lane it is (default: PLURAI_DEFAULT_MODEL)")
+    ln.set_defaults(func=cmd_lane)
+
+    for name in ("submit", "get", "watch", "status", "dead-letters", "lane"):
         sub.choices[name].add_argument(
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )

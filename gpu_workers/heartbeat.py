@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
+from broker_config import keys, stats
 from broker_config.connection import is_cluster
 from broker_config.routes import registry_value
 from broker_config.settings import Settings
@@ -105,6 +105,15 @@ class Heartbeat:
                 return
             log.error("heartbeat keys %s held another type; replaced", sorted(bad))
             self.r.delete(*bad)
+
+    def paused(self) -> set[str]:
+        """The served model's lanes an operator paused (keys.PAUSED)."""
+        model = self.settings.model
+        return {
+            lane
+            for m, _, lane in (x.partition(":") for x in stats.paused_lanes(self.r))
+            if m == model
+        }
 
     def renew(self, entries: list[Entry]) -> Iterator[Entry]:
         """Renew the lease on these entries, so only a dead (or stalled) worker's entries

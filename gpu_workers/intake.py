@@ -91,6 +91,8 @@ class Intake:
         self.metrics, self.writer, self.limits = metrics, writer, limits
         self.model_names = model_names
         self.lanes = list(settings.lanes)
+        # lanes an operator paused (`plurai lane pause`): read again at each heartbeat
+        self.paused: set[str] = set()
         self.model, self.shards = settings.model, settings.shards
         self._lane_of = {
             self.stream(lane, shard).encode(): lane
@@ -205,6 +207,10 @@ class Intake:
         hash tag. Each entry taken counts as a pull (lane_order). `wait_ms`: only from a
         stream whose oldest waiting entry waited that long (jobs.take)."""
         got: list[Raw] = []
+        if self.paused:
+            lanes = [lane for lane in lanes if lane not in self.paused]
+            if not lanes:
+                return got
         shards = self._shard_order()
         if self.shards == 1:
             groups = [[self.stream(lane) for lane in lanes]]
@@ -242,7 +248,7 @@ class Intake:
         if not got and block:
             # one shard's lanes share a hash tag, so one read can wait on all of them; with
             # several shards each wait is shorter, and the next goes to the next shard
-            streams = {self.stream(lane, shards[0]): ">" for lane in self.lanes}
+            streams = {self.stream(lane, shards[0]): ">" for lane in lanes}
             wait_ms = max(1, self.settings.block_ms // self.shards)
             reply = self.r.xreadgroup(keys.GROUP, self.id, streams, count=1, block=wait_ms)
             got = sorted(self._entries(reply), key=lambda e: self.lanes.index(e[0]))

@@ -293,6 +293,7 @@ class Worker:
                 self.publisher.end_now(run, records.CANCELLED, "abort")
             else:
                 self.publisher.end_now(run, records.FAILED, "", Code.BAD_RECORD, BAD_RECORD)
+        self.intake.paused = self.beat.paused()
         self.metrics.heartbeats.inc()
         self.metrics.last_heartbeat.set(time.time())
         self._next_beat = time.monotonic() + self.settings.heartbeat_interval_s

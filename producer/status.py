@@ -37,7 +37,7 @@ def render(snap: stats.Snapshot) -> Group:
     for lane in snap.lanes:
         lanes.add_row(
             lane.model,
-            lane.name,
+            f"{lane.name} (paused)" if lane.paused else lane.name,
             str(lane.workers),
             str(lane.waiting),
             str(lane.pending),

@@ -465,6 +465,12 @@ def revive(
     return Call("REVIVE", k, args, job_id=job_id, lane=lane)
 
 
+def unqueue(*, stream: str, entry_ids: Iterable[bytes | str]) -> Call:
+    """Delete those of `entry_ids` no worker has read yet (their jobs cancelled first: a
+    purge); returns how many."""
+    return Call("UNQUEUE", [stream], [keys.GROUP, *entry_ids])
+
+
 def hand_over(*, stream: str, consumer: str, entry_id: bytes | str, again: bool) -> Call:
     """Pass a preempted job's entry from `consumer` to keys.HANDED_OVER, where the next
     worker to take from its lane takes it (TAKE) before the newer entries, no attempt

@@ -538,6 +538,38 @@ return 1
 )
 
 # KEYS: request stream
+# ARGV: group, then entry ids
+# A purge's second step, once the entries' jobs are cancelled (`plurai lane purge`): deletes
+# those of the entries no consumer of the group has read yet (after its last-delivered id;
+# every one when there is no group yet), so the lane's depth drops at once. An entry read
+# meanwhile stays for its worker, which answers it (its job is cancelled), so no delivered
+# entry is ever deleted under a worker. Returns how many were deleted.
+UNQUEUE = """
+local stream, group = KEYS[1], ARGV[1]
+local FIRST = 2  -- ARGV[2..]: entry ids
+local groups = redis.pcall('XINFO', 'GROUPS', stream)
+if groups.err then return 0 end  -- no such stream any more
+local last = nil
+for _, g in ipairs(groups) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  if info['name'] == group then last = info['last-delivered-id'] end
+end
+local function after(id, base)  -- whether stream id `id` comes after `base`
+  local a, b = string.match(id, '^(%d+)-(%d+)$')
+  local c, d = string.match(base, '^(%d+)-(%d+)$')
+  if a == nil or c == nil then return false end
+  a, b, c, d = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+  return a > c or (a == c and b > d)
+end
+local n = 0
+for i = FIRST, #ARGV do
+  if last == nil or after(ARGV[i], last) then n = n + redis.call('XDEL', stream, ARGV[i]) end
+end
+return n
+"""
+
+# KEYS: request stream
 # ARGV: group, consumer, entry id, the hand-over consumer, re-add ('1' or '')
 # A preempted job's entry keeps its place: it moves from `consumer` to the hand-over
 # consumer, its delivery count set to the failed deliveries before this one (none for the

@@ -151,7 +151,8 @@ function drawTables(d) {
       .map(([k, v]) => el("span", {}, el("b", {text: String(v)}), " " + k)),
   );
   fill("lanes", snap.lanes.map((q) => el("tr", {"data-model": q.model, "data-lane": q.name},
-    cell(q.model), cell(q.name), cell(num(q.workers), "n"), cell(num(q.waiting), "n"),
+    cell(q.model), cell(q.paused ? `${q.name} (paused)` : q.name), cell(num(q.workers), "n"),
+    cell(num(q.waiting), "n"),
     cell(num(q.pending), "n"), cell(age(q.oldest_waiting_age_s), "n"))), 6, "no lanes");
   fill("workers", snap.workers.map((w) => el("tr", {"data-worker": w.id},
     cell(w.id, "mono"), cell(w.served_model),

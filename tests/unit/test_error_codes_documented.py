@@ -1,5 +1,6 @@
-"""Every error code a job, a submit, the engine or `plurai dead-letters` can end with is in
-docs/protocol.md, "Error codes", and the page names no code that does not exist."""
+"""Every error code a job, a submit, the engine, `plurai dead-letters` or `plurai lane` can
+end with is in docs/protocol.md, "Error codes", and the page names no code that does not
+exist."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from broker_config.errors import Code, ErrorCode
 from producer.dead_letters import DeadCode
+from producer.lanes import LaneCode
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -20,9 +22,9 @@ def section() -> str:
 
 def codes() -> set[str]:
     """Code's, the engine's own (ErrorCode: duplicate_request_id, of offline use) and the
-    refusals of `plurai dead-letters` (DeadCode)."""
+    refusals of `plurai dead-letters` and `plurai lane` (DeadCode, LaneCode)."""
     return {
-        v for cls in (Code, ErrorCode, DeadCode) for k, v in vars(cls).items()
+        v for cls in (Code, ErrorCode, DeadCode, LaneCode) for k, v in vars(cls).items()
         if k.isupper() and isinstance(v, str)
     }  # fmt: skip
 

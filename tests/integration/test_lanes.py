@@ -1,0 +1,125 @@
+"""Lane controls as an operator uses them (`plurai lane pause|resume|purge`): a paused lane
+keeps its jobs and gets new ones but no worker takes from it until it is resumed; a purge
+ends every waiting job of a lane cancelled, at once, and leaves running jobs alone; a lane
+or model that does not exist is refused with its code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from broker_config import stats
+from broker_config.connection import connect
+from broker_config.settings import Settings
+from gateway import dashboard
+from producer import lanes
+from producer.client import Client
+from results import records
+from tests.helpers import driven_worker, turn_until
+
+from .conftest import ROOT
+from .recorder import Recorder
+
+
+def test_a_paused_lane_is_not_taken_from_until_resumed(redis_url) -> None:
+    r = connect(redis_url)
+    engine = Recorder()
+    w = driven_worker(redis_url, engine, heartbeat_interval_s=0.05, fair_every=0)
+    assert lanes.pause(r, "standard") and not lanes.pause(r, "standard")
+    turn_until(w, lambda: w.intake.paused == {"standard"})  # read at its next heartbeat
+    with Client(redis_url) as client:
+        low = client.submit("waits", lane="standard")
+        other = client.submit("runs", lane="batch")  # a lane below it, not paused
+        turn_until(w, lambda: len(engine.added) == 1)
+        for _ in range(3):
+            w.taker.fill()
+        assert [job_id for job_id, _ in engine.added] == [other.id]
+        assert low.record().state == records.QUEUED
+        lane = {(q.model, q.name): q for q in stats.snapshot(r, Settings().lanes).lanes}
+        assert lane[("default", "standard")].paused and lane[("default", "standard")].waiting == 1
+        assert not lane[("default", "batch")].paused
+        assert lanes.paused(r) == [("default", "standard")]
+        _, page = dashboard.read(r, Settings())  # what the dashboard shows
+        shown = {q["name"]: q["paused"] for q in page["snapshot"]["lanes"]}
+        assert shown == {"interactive": False, "standard": True, "batch": False}
+
+        assert lanes.resume(r, "standard") and not lanes.resume(r, "standard")
+        turn_until(w, lambda: len(engine.added) == 2)  # (its next poll of the lane)
+        assert not w.intake.paused
+        assert [job_id for job_id, _ in engine.added] == [other.id, low.id]
+    w.cancels.close()
+
+
+def test_a_purge_cancels_what_waits_and_not_what_runs(redis_url) -> None:
+    r = connect(redis_url)
+    engine = Recorder()
+    w = driven_worker(redis_url, engine, fair_every=0)
+    with Client(redis_url) as client:
+        running = client.submit("taken first", lane="batch")
+        preempted = client.submit("handed back", lane="batch")
+        turn_until(w, lambda: len(engine.added) == 2)
+        # preempted: handed back with its place in the lane kept, so it waits again
+        assert w.intake.hand_over(w.running.pop(preempted.id).entry)
+        engine.added.remove((preempted.id, engine.added[1][1]))
+        assert preempted.record().state == records.QUEUED
+        waiting = [client.submit(f"waits {i}", lane="batch") for i in range(5)]
+        other = client.submit("another lane", lane="standard")
+
+        assert lanes.purge(r, "batch") == 6
+        for job in [preempted, *waiting]:
+            record = job.record()
+            assert (record.state, record.final, record.finish_reason) == (
+                records.CANCELLED,
+                True,
+                "abort",
+            )
+            with pytest.raises(Exception, match="cancelled"):
+                job.result(timeout=5)
+        assert running.record().state == records.RUNNING
+        assert other.record().state == records.QUEUED
+        assert lanes.purge(r, "batch") == 0  # nothing waits now
+        lane = {(q.model, q.name): q for q in stats.snapshot(r, Settings().lanes).lanes}
+        # the new entries are gone; the handed-back one is acked by the worker that takes it
+        assert lane[("default", "batch")].waiting == 1
+        assert lane[("default", "batch")].pending == 1  # the running job's
+        assert lane[("default", "standard")].waiting == 1
+
+        # the worker goes on with what is left and runs none of the purged jobs (the
+        # handed-back one it reads, begins not and answers: BEGIN finds it cancelled)
+        turn_until(w, lambda: stats.snapshot(r, Settings().lanes).totals["waiting"] == 0)
+        runs = [job_id for job_id, _ in engine.added if job_id not in engine.aborted]
+        assert runs == [running.id, other.id]
+        assert preempted.record().state == records.CANCELLED
+    w.cancels.close()
+
+
+def test_an_unknown_lane_or_model_is_refused(redis_url) -> None:
+    r = connect(redis_url)
+    for call in (lanes.pause, lanes.resume, lanes.purge):
+        with pytest.raises(lanes.LaneError) as e:
+            call(r, "nowhere")
+        assert e.value.code == lanes.LaneCode.UNKNOWN_LANE and "interactive" in e.value.message
+        with pytest.raises(lanes.LaneError) as e:
+            call(r, "batch", model="no spaces allowed")
+        assert e.value.code == lanes.LaneCode.BAD_MODEL
+    assert r.scard("plurai:paused") == 0
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cli", "lane", *argv, "--url", redis_url],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    refused = cli("purge", "nowhere")
+    assert refused.returncode == 2 and "unknown_lane" in refused.stderr
+    missing = cli("pause")
+    assert missing.returncode == 2 and "needs a lane" in missing.stderr
+    done = cli("pause", "batch")
+    assert done.returncode == 0 and "batch: paused" in done.stdout
+    listed = cli("list")
+    assert listed.stdout.split() == ["default", "batch", "paused"]
