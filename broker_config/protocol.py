@@ -163,6 +163,9 @@ class Envelope:
     deadline_ms: int | None = None
     idem: str | None = None
     attempts: int = 0  # processings of this job that failed (carried over by REQUEUE)
+    # failed processings after which the job runs no more (its own `max_retries` + 1,
+    # within the deployment's PLURAI_MAX_DELIVERIES); None: the deployment's
+    max_deliveries: int | None = None
     # the submit's trace context (W3C traceparent), read only while tracing is on; a field
     # that is not a valid one is ignored (broker_config/tracing.py)
     traceparent: str | None = None
@@ -232,6 +235,19 @@ def job_id_of(fields: dict[bytes, bytes]) -> str:
     return job_id
 
 
+MAX_RETRIES = 100  # the most `max_retries` a job may ask for
+
+
+def max_deliveries_of(fields: dict[bytes, bytes], deployment: int) -> int:
+    """The failed processings after which the job runs no more: its `max_retries` + 1,
+    never over the deployment's PLURAI_MAX_DELIVERIES; the deployment's where it asks
+    none or sends one that is not a count (parse_envelope refuses that job)."""
+    raw = fields.get(b"max_retries")
+    if raw is None or not raw.isdigit() or len(raw) > 3:
+        return deployment
+    return min(deployment, int(raw) + 1)
+
+
 def attempts_of(fields: dict[bytes, bytes]) -> int:
     """The entry's count of failed processings; 0 when absent or malformed (the entry is
     then refused by parse_envelope anyway)."""
@@ -275,6 +291,11 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
     attempts = _int(fields, "attempts") or 0
     if attempts < 0:
         raise WireError(Code.BAD_FIELD, "field 'attempts' must be >= 0")
+    retries = _int(fields, "max_retries")
+    if retries is not None and not 0 <= retries <= MAX_RETRIES:
+        raise WireError(
+            Code.BAD_FIELD, f"field 'max_retries' must be 0..{MAX_RETRIES}, got {retries}"
+        )
     content_type = _text(fields, "content_type")
     content_type = JSON if content_type is None else content_type
     if content_type not in CONTENT_TYPES:
@@ -303,6 +324,7 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
         deadline_ms=_int(fields, "deadline"),
         idem=idem[:512] if idem is not None else None,
         attempts=attempts,
+        max_deliveries=None if retries is None else retries + 1,
         traceparent=tracing.valid(fields.get(b"traceparent")) if tracing.ON else None,
     )
 

@@ -304,7 +304,7 @@ class Intake:
                 # Each delivery before this one ended without a result: a failure.
                 # (a handed-over entry forgiven its run comes with no delivery counted)
                 failures = protocol.attempts_of(fields) + max(0, times - 1)
-                if failures >= self.settings.max_deliveries:
+                if failures >= protocol.max_deliveries_of(fields, self.settings.max_deliveries):
                     self.too_many_failures(
                         lane,
                         stream,
@@ -410,8 +410,13 @@ class Intake:
         what: str,
         why: str,
     ) -> None:
-        """Dead-letter a job that failed max_deliveries times, with its error result."""
-        error = f"{what} (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); {why}"
+        """Dead-letter a job that failed max_deliveries times (its own max_retries + 1
+        where it asks fewer), with its error result."""
+        bound = protocol.max_deliveries_of(fields, self.settings.max_deliveries)
+        if bound < self.settings.max_deliveries:
+            error = f"{what} (its max_retries={bound - 1}); {why}"
+        else:
+            error = f"{what} (PLURAI_MAX_DELIVERIES={self.settings.max_deliveries}); {why}"
         try:
             job_id = protocol.job_id_of(fields)
         except protocol.NoJobId:
@@ -493,8 +498,11 @@ class Intake:
     def retry(self, entry: Entry, error: str) -> None:
         """A job whose processing failed: hand it back with one more failed attempt, or at
         max_deliveries attempts dead-letter it with too_many_deliveries."""
-        attempts = entry.req.envelope.attempts + 1
-        if attempts >= self.settings.max_deliveries:
+        env, attempts = entry.req.envelope, entry.req.envelope.attempts + 1
+        bound = min(
+            self.settings.max_deliveries, env.max_deliveries or self.settings.max_deliveries
+        )
+        if attempts >= bound:
             what = f"its processing failed {attempts} times"
             self.too_many_failures(
                 entry.lane, entry.stream, entry.entry_id, entry.fields, what, f"last error: {error}"
@@ -504,7 +512,7 @@ class Intake:
             "job failed on this worker (%s); handed back, attempt %d of %d",
             error,
             attempts,
-            self.settings.max_deliveries,
+            bound,
             extra={"job_id": entry.job_id, "lane": entry.lane},
         )
         self.requeue(entry, attempts)

@@ -24,6 +24,7 @@ SUBMIT_OPTIONS = frozenset(
         "metadata",
         "idempotency_key",
         "deadline",
+        "max_retries",
         "model",
         "stream",
         "content_type",
@@ -138,6 +139,7 @@ def check(
     metadata: dict[str, Any] | None = None,
     idempotency_key: str | None = None,
     deadline: float | None = None,
+    max_retries: int | None = None,
     model: str | None = None,
     stream: bool = True,
     content_type: str = protocol.MSGPACK,
@@ -151,7 +153,10 @@ def check(
     refuses a model no worker serves when the deployment says so (UnknownModel).
 
     `deadline` is an absolute unix time in seconds (e.g. time.time() + 60); the job fails
-    with deadline_exceeded if no worker starts it before then. Sampling parameters are
+    with deadline_exceeded if no worker starts it before then. `max_retries`: how many
+    times the job is run again after its processing failed (a worker died on it, the engine
+    raised) before it fails with too_many_deliveries; at most PLURAI_MAX_DELIVERIES - 1,
+    which is also the default. Sampling parameters are
     checked by the worker; only their names are checked here. `response_format` may be a
     pydantic model class (its JSON schema).
     """
@@ -178,6 +183,13 @@ def check(
         raise ValueError(
             "deadline must be a unix time in seconds (e.g. time.time() + 60), "
             f"got {_short(deadline)}"
+        )
+    if max_retries is not None and (
+        not _integer(max_retries) or not 0 <= max_retries <= protocol.MAX_RETRIES
+    ):
+        raise ValueError(
+            f"max_retries must be an integer from 0 to {protocol.MAX_RETRIES}, "
+            f"got {_short(max_retries)}"
         )
     if idempotency_key is not None and (
         not isinstance(idempotency_key, str) or not idempotency_key
@@ -242,6 +254,8 @@ def check(
     ]
     if deadline is not None:
         fields += ["deadline", int(deadline * 1000)]
+    if max_retries is not None:
+        fields += ["max_retries", max_retries]
     if idempotency_key is not None:
         fields += ["idem", idempotency_key]
     return Checked(

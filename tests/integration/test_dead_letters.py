@@ -174,3 +174,32 @@ def test_a_cluster_is_refused_before_anything_is_read(cluster_url) -> None:
         dead.requeue(r, "1-0")
     assert e.value.code == dead.DeadCode.CLUSTER
     assert isinstance(r, redis.RedisCluster)
+
+
+def test_a_job_asks_for_fewer_retries_than_the_deployment_allows(redis_url) -> None:
+    """max_retries: the failures after which a job runs no more, within the deployment's
+    PLURAI_MAX_DELIVERIES (5 here); a value that is no count is refused at submit, and a
+    raw entry that sends one fails with bad_field."""
+    worker = driven_worker(redis_url, Broken(), "broken")
+    r = connect(redis_url)
+    with Client(redis_url) as client:
+        once = client.submit("fails once", max_tokens=4, max_retries=0)
+        thrice = client.submit("fails three times", max_tokens=4, max_retries=2)
+        greedy = client.submit("asks more than allowed", max_tokens=4, max_retries=50)
+        turn_until(worker, lambda: all(j.record().final for j in (once, thrice, greedy)))
+        for job in (once, thrice, greedy):
+            assert job.record().error_code == "too_many_deliveries"
+        errors = {d.job_id: d.error for d in dead.list_dead(r)}
+        assert "failed 1 times (its max_retries=0)" in errors[once.id]
+        assert "failed 3 times (its max_retries=2)" in errors[thrice.id]
+        assert "failed 5 times (PLURAI_MAX_DELIVERIES=5)" in errors[greedy.id]
+
+        for bad in (-1, 101, 1.5, "2", True):
+            with pytest.raises(ValueError, match="max_retries"):
+                client.submit("x", max_retries=bad)
+    raw = {"v": "2", "id": "job-bbbbbbbb", "max_tokens": "4", "body": '{"prompt": "x"}'}
+    r.xadd("plurai:{default}:req:standard", {**raw, "max_retries": "many"})
+    job = Client(redis_url).job("job-bbbbbbbb")
+    turn_until(worker, lambda: job.record().final)
+    assert job.record().error_code == "bad_field" and "max_retries" in job.record().error_message
+    worker.cancels.close()
