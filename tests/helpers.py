@@ -5,6 +5,8 @@ gateway to call. Fixtures live in the conftest files."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +79,17 @@ def driven_worker(
     w = Worker(engine, connect(url), settings, worker_id=name)
     w.start()
     return w
+
+
+def plurai(url: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`plurai <argv> --url <url>` run as a user runs it (a process of its own), to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *argv, "--url", url],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def turn_until(

@@ -7,8 +7,6 @@ changes nothing."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import msgpack
 import pytest
@@ -24,9 +22,8 @@ from gpu_workers.engine.sampling_params import SamplingParams
 from producer import dead_letters as dead
 from producer.client import Client
 from results import records
-from tests.helpers import driven_worker, turn_until
+from tests.helpers import driven_worker, plurai, turn_until
 
-from .conftest import ROOT
 from .recorder import Recorder
 
 
@@ -138,30 +135,21 @@ def test_the_cli_lists_requeues_and_drops(redis_url) -> None:
     ids = dead_lettered(redis_url, n=3)
     r = connect(redis_url)
 
-    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cli", "dead-letters", *argv, "--url", redis_url],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    listed = cli("list", "--json")
+    listed = plurai(redis_url, "dead-letters", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     letters = [json.loads(x) for x in listed.stdout.splitlines()]
     assert sorted(x["job_id"] for x in letters) == sorted(ids)
     assert all(x["requeueable"] for x in letters)
 
-    one = cli("requeue", letters[0]["id"])
+    one = plurai(redis_url, "dead-letters", "requeue", letters[0]["id"])
     assert one.returncode == 0 and letters[0]["job_id"] in one.stdout, one.stderr
-    missing = cli("requeue", letters[0]["id"])  # requeued already
+    missing = plurai(redis_url, "dead-letters", "requeue", letters[0]["id"])  # requeued already
     assert missing.returncode == 1 and "unknown_dead_letter" in missing.stderr
-    bad = cli("drop", "not-an-id")
+    bad = plurai(redis_url, "dead-letters", "drop", "not-an-id")
     assert bad.returncode == 2 and "unknown_dead_letter" in bad.stderr
-    nothing = cli("requeue")
+    nothing = plurai(redis_url, "dead-letters", "requeue")
     assert nothing.returncode == 2 and "--all" in nothing.stderr
-    dropped = cli("drop", "--all")
+    dropped = plurai(redis_url, "dead-letters", "drop", "--all")
     assert dropped.returncode == 0 and "dropped 2" in dropped.stdout
     assert r.xlen(keys.DEAD_LETTER) == 0
     states = {Client(redis_url).job(i).record().state for i in ids}

@@ -5,9 +5,6 @@ or model that does not exist is refused with its code."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from broker_config import stats
@@ -17,9 +14,8 @@ from gateway import dashboard
 from producer import lanes
 from producer.client import Client
 from results import records
-from tests.helpers import driven_worker, turn_until
+from tests.helpers import driven_worker, plurai, turn_until
 
-from .conftest import ROOT
 from .recorder import Recorder
 
 
@@ -106,20 +102,11 @@ def test_an_unknown_lane_or_model_is_refused(redis_url) -> None:
         assert e.value.code == lanes.LaneCode.BAD_MODEL
     assert r.scard("plurai:paused") == 0
 
-    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cli", "lane", *argv, "--url", redis_url],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    refused = cli("purge", "nowhere")
+    refused = plurai(redis_url, "lane", "purge", "nowhere")
     assert refused.returncode == 2 and "unknown_lane" in refused.stderr
-    missing = cli("pause")
+    missing = plurai(redis_url, "lane", "pause")
     assert missing.returncode == 2 and "needs a lane" in missing.stderr
-    done = cli("pause", "batch")
+    done = plurai(redis_url, "lane", "pause", "batch")
     assert done.returncode == 0 and "batch: paused" in done.stdout
-    listed = cli("list")
+    listed = plurai(redis_url, "lane", "list")
     assert listed.stdout.split() == ["default", "batch", "paused"]
