@@ -46,6 +46,13 @@ def request_stream(lane: str, model: str = DEFAULT_MODEL, shard: int = 0) -> str
     return f"{PREFIX}:{queue_tag(model, shard)}:req:{lane}"
 
 
+def delayed(model: str = DEFAULT_MODEL, shard: int = 0) -> str:
+    """Sorted set of one shard of a model's queue: the entries of jobs not to run before a
+    time (their score, unix ms), each its lane and fields (msgpack), until a worker moves
+    them to their lanes (script DUE)."""
+    return f"{PREFIX}:{queue_tag(model, shard)}:delayed"
+
+
 def arrivals(model: str = DEFAULT_MODEL) -> str:
     """Pub/sub channel: the request stream of each entry submitted for the model, so that
     its busy workers read it at once instead of at their next poll."""

@@ -226,11 +226,13 @@ def snapshot(r: redis.Redis, lanes: list[str], default_model: str = keys.DEFAULT
     for w in ws:
         if w.state == "serving":
             serving[w.served_model] = serving.get(w.served_model, 0) + 1
+    served = models(r, default_model)
     queues = [
-        lane(r, name, now_ms, model, shards)
-        for model, shards in models(r, default_model).items()
-        for name in lanes
+        lane(r, name, now_ms, model, shards) for model, shards in served.items() for name in lanes
     ]
+    scheduled = sum(
+        _scheduled(r, model, shard) for model, n in served.items() for shard in range(n)
+    )
     paused = paused_lanes(r)
     for q in queues:
         q.workers = serving.get(q.model, 0)
@@ -251,5 +253,13 @@ def snapshot(r: redis.Redis, lanes: list[str], default_model: str = keys.DEFAULT
         "kv_blocks_used": sum(w.kv_blocks_used for w in ws),
         "tokens_per_s": round(sum(w.tokens_per_s for w in ws), 1),
         "jobs_done": sum(w.jobs_done for w in ws),
+        "scheduled": scheduled,  # delayed jobs whose time has not come (not_before)
     }
     return snap
+
+
+def _scheduled(r: redis.Redis, model: str, shard: int) -> int:
+    try:
+        return int(r.zcard(keys.delayed(model, shard)))
+    except redis.ResponseError:  # another type: nothing a worker would move
+        return 0

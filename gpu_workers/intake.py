@@ -33,6 +33,8 @@ from gpu_workers.metrics import Metrics
 from gpu_workers.writer import Writer, now_ms, passing
 from results import jobs, progress, tokens
 
+DUE_S = 1.0  # the longest between two moves of due delayed entries (a new one's lateness)
+DUE_MOST = 100  # delayed entries one move takes at most
 log = logging.getLogger("plurai.worker")
 
 BAD_RECORD = (
@@ -108,6 +110,7 @@ class Intake:
         self._next_scan = 0.0  # when the lanes may be read again after they were all empty
         self.arrivals: Arrivals | None = None  # listen() starts it
         self._next_reclaim = 0.0
+        self._next_due = 0.0  # when to move delayed entries whose time has come (DUE)
         self._pulls = 0  # entries taken from the lanes, for the fair_every turn
         self._turn = 0  # which shard goes first, in turn
         # the jobs this worker runs, for the balance between workers (Settings.balance_ms);
@@ -149,6 +152,7 @@ class Intake:
         While the engine is busy and the lanes were all empty, the lanes below the top one
         are read again when an entry arrives (arrivals.py), or after poll_ms, so an empty
         queue costs one round trip a step (the top lane's)."""
+        self._move_due()
         while True:
             got = self._reclaim()
             if not got:
@@ -168,6 +172,41 @@ class Intake:
             if valid:
                 return valid
             block = False  # invalid entries were handled: look again without waiting
+
+    def _move_due(self) -> None:
+        """Move the delayed entries whose time has come to their lanes (DUE): when the next
+        one is due, and at least every DUE_S (a delayed job submitted since). One that
+        cannot be moved is dead-lettered."""
+        now = time.monotonic()
+        if now < self._next_due:
+            return
+        wait_s = DUE_S
+        for shard in range(self.shards):
+            call = jobs.due(
+                model=self.model,
+                shard=shard,
+                lanes=self.lanes,
+                now_ms=now_ms(),
+                most=DUE_MOST,
+                maxlen=self.settings.stream_maxlen,
+            )
+            nxt, *bad = jobs.run(self.r, call)
+            if nxt:
+                wait_s = min(wait_s, max(0.0, (float(nxt) - now_ms()) / 1000))
+            for entry in bad:
+                self._dead_letter_delayed(shard, entry)
+        self._next_due = now + wait_s
+
+    def _dead_letter_delayed(self, shard: int, entry: bytes) -> None:
+        """A delayed entry DUE could not move (no lane of this worker's, or bytes that do not
+        decode): to the dead letters, kept as it was."""
+        log.warning("a delayed entry on shard %d could not be moved to a lane", shard)
+        self.metrics.dead_lettered.labels("bad_delayed_entry").inc()
+        shown = text(entry)[:65536]
+        error = "a delayed entry whose lane is not one of this worker's, or that does not decode"
+        self.writer.execute(
+            [self.writer.dead_letter("", "", error, worker=self.id, fields=shown, delayed=entry)]
+        )
 
     def _arrived(self) -> bool:
         return self.arrivals is not None and self.arrivals.take()

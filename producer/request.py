@@ -25,6 +25,7 @@ SUBMIT_OPTIONS = frozenset(
         "idempotency_key",
         "deadline",
         "max_retries",
+        "not_before",
         "model",
         "stream",
         "content_type",
@@ -33,7 +34,9 @@ SUBMIT_OPTIONS = frozenset(
     }
 )
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
-SCRIPTS = ("ENQUEUE", "QUEUED", "SUBMIT")  # a Submission's scripts (jobs.Submission)
+# a Submission's scripts (jobs.Submission)
+SCRIPTS = ("ENQUEUE", "QUEUED", "SUBMIT", "ENQUEUE_LATER", "DEFER")
+MAX_DELAY_S = 30 * 86400  # how far ahead `not_before` may be
 
 
 def response_format(model: type) -> dict[str, Any]:
@@ -77,6 +80,7 @@ class Checked:
     fields: list[Any]  # the entry's field/value pairs; the job id's place is empty
     metadata_json: str | None
     idempotency_key: str | None
+    not_before_ms: int = 0  # a delayed job's time (unix ms); 0: at once
 
     def submission(self) -> jobs.Submission:
         """A new job (its own id) of this request."""
@@ -104,6 +108,7 @@ class Checked:
             queued_ttl_s=s.queued_ttl_s,
             idempotency_ttl_s=s.idempotency_ttl_s,
             max_queued=s.max_queued_per_lane,
+            not_before_ms=self.not_before_ms,
         )
         sub.span = span
         return sub
@@ -140,6 +145,7 @@ def check(
     idempotency_key: str | None = None,
     deadline: float | None = None,
     max_retries: int | None = None,
+    not_before: float | None = None,
     model: str | None = None,
     stream: bool = True,
     content_type: str = protocol.MSGPACK,
@@ -156,7 +162,9 @@ def check(
     with deadline_exceeded if no worker starts it before then. `max_retries`: how many
     times the job is run again after its processing failed (a worker died on it, the engine
     raised) before it fails with too_many_deliveries; at most PLURAI_MAX_DELIVERIES - 1,
-    which is also the default. Sampling parameters are
+    which is also the default. `not_before` (unix time in seconds) delays the job: no
+    worker starts it before then (its record says when, `not_before_ms`); a time past
+    queues it at once. Sampling parameters are
     checked by the worker; only their names are checked here. `response_format` may be a
     pydantic model class (its JSON schema).
     """
@@ -184,6 +192,22 @@ def check(
             "deadline must be a unix time in seconds (e.g. time.time() + 60), "
             f"got {_short(deadline)}"
         )
+    not_before_ms = 0
+    if not_before is not None:
+        if (
+            not isinstance(not_before, (int, float))
+            or isinstance(not_before, bool)
+            or not math.isfinite(not_before)
+            or not 0 <= not_before * 1000 < protocol.INT64
+        ):
+            raise ValueError(
+                "not_before must be a unix time in seconds (e.g. time.time() + 60), "
+                f"got {_short(not_before)}"
+            )
+        if not_before - time.time() > MAX_DELAY_S:
+            raise ValueError(f"not_before is more than {MAX_DELAY_S // 86400} days ahead")
+        if not_before > time.time():
+            not_before_ms = int(not_before * 1000)
     if max_retries is not None and (
         not _integer(max_retries) or not 0 <= max_retries <= protocol.MAX_RETRIES
     ):
@@ -267,4 +291,5 @@ def check(
         fields,
         json.dumps(metadata, separators=(",", ":")) if metadata is not None else None,
         idempotency_key,
+        not_before_ms,
     )

@@ -67,7 +67,7 @@ def render(snap: stats.Snapshot) -> Group:
     t = snap.totals
     summary = (
         f"{t['workers']} worker(s), {t['running']} running, {t['waiting']} waiting, "
-        f"{t['pending']} pending, {t['tokens_per_s']:.1f} tok/s, "
+        f"{t['pending']} pending, {t['scheduled']} scheduled, {t['tokens_per_s']:.1f} tok/s, "
         f"dead letters {snap.dead_letters}"
     )
     if snap.stale_workers:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgpack
 import redis
 import redis.asyncio
 
@@ -191,6 +192,9 @@ class Submission:
     keys: list[str]  # the job record, the request stream[, the idempotency key]
     record_args: list[Any]  # QUEUED's ARGV
     queue_args: list[Any]  # SUBMIT's ARGV
+    # a job not to run before this unix ms: its entry goes to the shard's delayed set
+    # (keys[1]), by DEFER and ENQUEUE_LATER in place of SUBMIT and ENQUEUE; 0: at once
+    not_before_ms: int = 0
     # the submit's trace span while tracing is on (broker_config/tracing.py), ended once
     # the submit's reply is read (producer/submit.py)
     span: Any = field(default=None, compare=False)
@@ -206,21 +210,23 @@ class Submission:
 
     @property
     def queue(self) -> Call:
-        """The SUBMIT call."""
-        return Call("SUBMIT", self.keys[1:], self.queue_args, job_id=self.job_id, lane=self.lane)
+        """The SUBMIT call (DEFER for a delayed job)."""
+        script = "DEFER" if self.not_before_ms else "SUBMIT"
+        return Call(script, self.keys[1:], self.queue_args, job_id=self.job_id, lane=self.lane)
 
     @property
     def whole(self) -> Call:
-        """The ENQUEUE call: QUEUED and SUBMIT in one, where all their keys share a server."""
+        """The ENQUEUE call (ENQUEUE_LATER for a delayed job): QUEUED and SUBMIT in one,
+        where all their keys share a server."""
+        script = "ENQUEUE_LATER" if self.not_before_ms else "ENQUEUE"
         args = self.record_args + self.queue_args
-        return Call("ENQUEUE", self.keys, args, job_id=self.job_id, lane=self.lane)
+        return Call(script, self.keys, args, job_id=self.job_id, lane=self.lane)
 
     def commands(self, split: bool = False) -> list[list[Any]]:
         """ENQUEUE's command; with `split` (a Cluster), QUEUED's then SUBMIT's."""
         if split:
             return [self.record.command(), self.queue.command()]
-        k = self.keys
-        return [["EVALSHA", _digest("ENQUEUE"), len(k), *k, *self.record_args, *self.queue_args]]
+        return [self.whole.command()]
 
     def cleanup(self, record_reply: Any, queue_reply: Any) -> list[Any] | None:
         """After QUEUED and SUBMIT: the command that deletes a record written for nothing,
@@ -253,23 +259,51 @@ def submit(
     queued_ttl_s: int,
     idempotency_ttl_s: int,
     max_queued: int,
+    not_before_ms: int = 0,
 ) -> Submission:
     """Queue a job: write its record and add its request entry (`fields`: flat field/value
     pairs) to shard `shard` of `model`'s `lane` stream. With `idempotency_key` already
     used, the earlier job's id is returned and nothing is added. `max_queued` 0: no limit;
     else an error reply 'QUEUEFULL <queued>' when the lane holds that many waiting
     entries. The record keeps when this was called (`queued_us`, unix µs), for the queue
-    hop's figures (Submission.received)."""
-    k = [keys.job(job_id), keys.request_stream(lane, model, shard)]
+    hop's figures (Submission.received). With `not_before_ms` (unix ms) the entry waits in
+    the shard's delayed set until then (no lane limit applies there), and the record,
+    which says when (`not_before_ms`), lives that much longer."""
+    second = (
+        keys.delayed(model, shard) if not_before_ms else keys.request_stream(lane, model, shard)
+    )
+    k = [keys.job(job_id), second]
     if idempotency_key is not None:
         k.append(keys.idempotency(idempotency_key, model, shard))
     queued_us = time.time_ns() // 1000
-    record = [queued_ttl_s, lane, priority, created_ms, metadata_json or "", model, queued_us, ""]
+    ttl = queued_ttl_s + max(0, not_before_ms - created_ms) // 1000
+    record = [ttl, lane, priority, created_ms, metadata_json or "", model, queued_us, ""]
+    if not_before_ms:
+        # every value as bytes (as redis-py sends them), in msgpack Lua's cmsgpack reads
+        flat = [x if isinstance(x, bytes) else str(x).encode() for x in [lane, *fields]]
+        entry = msgpack.packb(flat, use_bin_type=False)
+        return Submission(
+            job_id=job_id,
+            lane=lane,
+            model=model,
+            keys=k,
+            record_args=[*record, not_before_ms],
+            queue_args=[idempotency_ttl_s, job_id, not_before_ms, entry],
+            not_before_ms=not_before_ms,
+        )
     channel = keys.arrivals(model)
     queue = [stream_maxlen, idempotency_ttl_s, job_id, max_queued, keys.GROUP, channel, *fields]
     return Submission(
         job_id=job_id, lane=lane, model=model, keys=k, record_args=record, queue_args=queue
     )
+
+
+def due(*, model: str, shard: int, lanes: list[str], now_ms: int, most: int, maxlen: int) -> Call:
+    """Move the delayed entries of one shard of `model` whose time has come (<= now_ms), at
+    most `most`, to the tail of their lanes; returns the next one's time (unix ms, '' when
+    none waits), then the entries it could not move (DUE)."""
+    k = [keys.delayed(model, shard), *(keys.request_stream(lane, model, shard) for lane in lanes)]
+    return Call("DUE", k, [now_ms, most, maxlen, keys.arrivals(model), *lanes])
 
 
 def take(

@@ -58,16 +58,18 @@ end
 
 # KEYS: job record
 # ARGV: record ttl, lane, priority, created_ms, metadata JSON or '', model, queued_us,
-#       received_us or ''
+#       received_us or ''[, not before (unix ms) of a delayed job]
 # Writes the queued job's record. Only what is missing is written: on a Cluster the two
 # calls may arrive in either order, and a worker that took the entry first has written
 # the record as running (its TTL too). Returns 1 when the record was new, else 0.
 QUEUED = """
 local record = KEYS[1]
 local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
+local not_before = ARGV[9]
 local fields = {'lane', lane, 'priority', priority, 'created_ms', created_ms, 'model', model,
                 'queued_us', queued_us}
 if metadata ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = metadata end
+if not_before then fields[#fields + 1] = 'not_before_ms'; fields[#fields + 1] = not_before end
 if received_us ~= '' then fields[#fields + 1] = 'received_us'; fields[#fields + 1] = received_us end
 if redis.call('EXISTS', record) == 0 then
   redis.call('HSET', record, 'state', 'queued', unpack(fields))
@@ -133,6 +135,85 @@ end
 return job_id
 """
 )
+
+# KEYS: the shard's delayed set[, idempotency key]
+# ARGV: idempotency ttl, job id, not before (unix ms), the entry (msgpack of its lane, then
+#       its field/value pairs)
+# A job not to run before a time (`not_before`): its entry waits in the delayed set, scored
+# by that time, until a worker moves it to the tail of its lane (DUE). Returns the job id,
+# or the earlier job's that holds the idempotency key (then nothing is added). The ZADD is
+# the first write: a Redis at maxmemory refuses it before anything is written.
+DEFER = """
+local delayed, idem = KEYS[1], KEYS[2]
+local idem_ttl, job_id, not_before, entry = unpack(ARGV, 1, 4)
+if idem then
+  local owner = redis.call('GET', idem)
+  if owner then return owner end
+end
+redis.call('ZADD', delayed, not_before, entry)
+if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
+return job_id
+"""
+
+# KEYS: job record, the shard's delayed set[, idempotency key]
+# ARGV: QUEUED's nine (not before included), then DEFER's four.
+# QUEUED and DEFER in one call, where the job's keys and the shard's are on one server (any
+# Redis but a Cluster), as ENQUEUE is QUEUED and SUBMIT.
+ENQUEUE_LATER = """
+local record, delayed, idem = KEYS[1], KEYS[2], KEYS[3]
+local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
+local not_before_ms = ARGV[9]
+local idem_ttl, job_id, not_before, entry = unpack(ARGV, 10, 13)
+if idem then
+  local owner = redis.call('GET', idem)
+  if owner then return owner end
+end
+redis.call('ZADD', delayed, not_before, entry)
+if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
+local rec = redis.pcall('HSET', record, 'state', 'queued', 'lane', lane, 'priority', priority,
+                        'created_ms', created_ms, 'model', model, 'queued_us', queued_us,
+                        'not_before_ms', not_before_ms)
+if type(rec) == 'number' then
+  if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
+  if received_us ~= '' then redis.call('HSET', record, 'received_us', received_us) end
+  redis.call('EXPIRE', record, ttl)
+end
+return job_id
+"""
+
+# KEYS: the shard's delayed set, then the shard's request streams, a lane each
+# ARGV: now (unix ms), the most to move, maxlen, arrivals channel, then the lanes' names in
+#       the order of KEYS[2..]
+# Moves the delayed entries whose time has come (score <= now), earliest first, to the tail
+# of their lanes, and tells the arrivals channel. Returns the time of the next one (unix
+# ms; '' when none waits), then the entries it could not move (a lane that is not one of
+# these, or bytes that do not decode), removed: the caller dead-letters them, so none is
+# lost in the set.
+DUE = """
+local delayed = KEYS[1]
+local now, most, maxlen, arrivals = unpack(ARGV, 1, 4)
+local LANES = 5  -- ARGV[5..]: the lanes of KEYS[2..]
+local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, most)
+local bad = {}
+for _, entry in ipairs(due) do
+  local ok, t = pcall(cmsgpack.unpack, entry)
+  local stream = nil
+  if ok and type(t) == 'table' and #t >= 3 and #t % 2 == 1 then
+    for i = LANES, #ARGV do
+      if ARGV[i] == t[1] then stream = KEYS[i - LANES + 2] end
+    end
+  end
+  if stream then
+    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(t, 2))
+    redis.call('PUBLISH', arrivals, stream)
+  else
+    bad[#bad + 1] = entry
+  end
+  redis.call('ZREM', delayed, entry)
+end
+local nxt = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
+return {nxt[2] or '', unpack(bad)}
+"""
 
 # KEYS: request streams of one shard (one hash tag), in the order to read them[, the
 #       shard's loads hash (keys.loads) when balancing]

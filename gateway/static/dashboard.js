@@ -147,7 +147,8 @@ function drawTables(d) {
   const snap = d.snapshot, t = snap.totals;
   document.getElementById("totals").replaceChildren(
     ...[["workers", t.workers], ["running", t.running], ["waiting", t.waiting],
-      ["pending", t.pending], ["tok/s", t.tokens_per_s], ["dead letters", snap.dead_letters]]
+      ["pending", t.pending], ["scheduled", t.scheduled], ["tok/s", t.tokens_per_s],
+      ["dead letters", snap.dead_letters]]
       .map(([k, v]) => el("span", {}, el("b", {text: String(v)}), " " + k)),
   );
   fill("lanes", snap.lanes.map((q) => el("tr", {"data-model": q.model, "data-lane": q.name},
