@@ -166,6 +166,8 @@ class Envelope:
     # failed processings after which the job runs no more (its own `max_retries` + 1,
     # within the deployment's PLURAI_MAX_DELIVERIES); None: the deployment's
     max_deliveries: int | None = None
+    # a failed job's wait before it runs again: this, doubled at each failure (retry_backoff)
+    retry_backoff_ms: int = 0
     # the submit's trace context (W3C traceparent), read only while tracing is on; a field
     # that is not a valid one is ignored (broker_config/tracing.py)
     traceparent: str | None = None
@@ -236,6 +238,7 @@ def job_id_of(fields: dict[bytes, bytes]) -> str:
 
 
 MAX_RETRIES = 100  # the most `max_retries` a job may ask for
+MAX_BACKOFF_MS = 3_600_000  # the longest a failed job waits to run again (and its base)
 
 
 def max_deliveries_of(fields: dict[bytes, bytes], deployment: int) -> int:
@@ -291,6 +294,11 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
     attempts = _int(fields, "attempts") or 0
     if attempts < 0:
         raise WireError(Code.BAD_FIELD, "field 'attempts' must be >= 0")
+    backoff = _int(fields, "retry_backoff_ms") or 0
+    if not 0 <= backoff <= MAX_BACKOFF_MS:
+        raise WireError(
+            Code.BAD_FIELD, f"field 'retry_backoff_ms' must be 0..{MAX_BACKOFF_MS}, got {backoff}"
+        )
     retries = _int(fields, "max_retries")
     if retries is not None and not 0 <= retries <= MAX_RETRIES:
         raise WireError(
@@ -325,6 +333,7 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
         idem=idem[:512] if idem is not None else None,
         attempts=attempts,
         max_deliveries=None if retries is None else retries + 1,
+        retry_backoff_ms=backoff,
         traceparent=tracing.valid(fields.get(b"traceparent")) if tracing.ON else None,
     )
 

@@ -563,12 +563,19 @@ class Intake:
         if attempts:
             fields[b"attempts"] = str(attempts).encode()
         again = jobs.run(self.r, jobs.release(job_id=entry.job_id)) == 1
+        later = None
+        backoff = entry.req.envelope.retry_backoff_ms
+        if attempts and backoff:  # its own backoff: base x 2^(failures - 1), at most an hour
+            wait_ms = min(protocol.MAX_BACKOFF_MS, backoff << min(attempts - 1, 30))
+            delayed = keys.delayed(self.model, self._shard_of[entry.stream])
+            later = (delayed, entry.lane, now_ms() + wait_ms)
         call = jobs.requeue(
             stream=entry.stream,
             entry_id=entry.entry_id,
             maxlen=self.settings.stream_maxlen,
             again=again,
             fields=fields,
+            later=later,
         )
         jobs.run(self.r, call)
 

@@ -26,6 +26,7 @@ SUBMIT_OPTIONS = frozenset(
         "deadline",
         "max_retries",
         "not_before",
+        "retry_backoff",
         "model",
         "stream",
         "content_type",
@@ -146,6 +147,7 @@ def check(
     deadline: float | None = None,
     max_retries: int | None = None,
     not_before: float | None = None,
+    retry_backoff: float | None = None,
     model: str | None = None,
     stream: bool = True,
     content_type: str = protocol.MSGPACK,
@@ -162,7 +164,9 @@ def check(
     with deadline_exceeded if no worker starts it before then. `max_retries`: how many
     times the job is run again after its processing failed (a worker died on it, the engine
     raised) before it fails with too_many_deliveries; at most PLURAI_MAX_DELIVERIES - 1,
-    which is also the default. `not_before` (unix time in seconds) delays the job: no
+    which is also the default; `retry_backoff` (seconds) makes each run again wait that
+    long, doubled at each failure (at most an hour), where it would run again at once.
+    `not_before` (unix time in seconds) delays the job: no
     worker starts it before then (its record says when, `not_before_ms`); a time past
     queues it at once. Sampling parameters are
     checked by the worker; only their names are checked here. `response_format` may be a
@@ -208,6 +212,16 @@ def check(
             raise ValueError(f"not_before is more than {MAX_DELAY_S // 86400} days ahead")
         if not_before > time.time():
             not_before_ms = int(not_before * 1000)
+    if retry_backoff is not None and (
+        not isinstance(retry_backoff, (int, float))
+        or isinstance(retry_backoff, bool)
+        or not math.isfinite(retry_backoff)
+        or not 0 <= retry_backoff * 1000 <= protocol.MAX_BACKOFF_MS
+    ):
+        raise ValueError(
+            f"retry_backoff must be seconds from 0 to {protocol.MAX_BACKOFF_MS // 1000}, "
+            f"got {_short(retry_backoff)}"
+        )
     if max_retries is not None and (
         not _integer(max_retries) or not 0 <= max_retries <= protocol.MAX_RETRIES
     ):
@@ -280,6 +294,8 @@ def check(
         fields += ["deadline", int(deadline * 1000)]
     if max_retries is not None:
         fields += ["max_retries", max_retries]
+    if retry_backoff:
+        fields += ["retry_backoff_ms", round(retry_backoff * 1000)]
     if idempotency_key is not None:
         fields += ["idem", idempotency_key]
     return Checked(

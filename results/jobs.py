@@ -459,13 +459,19 @@ def requeue(
     maxlen: int,
     again: bool,
     fields: Mapping[Any, Any],
+    later: tuple[str, str, int] | None = None,
 ) -> Call:
     """Re-add a job's entry (`fields`) at the tail of `stream` when `again` (RELEASE's
     answer), and ack and delete the old one `entry_id`; returns 1 when re-added. Safe to
-    send twice: a repeat finds the old entry acked and does nothing."""
+    send twice: a repeat finds the old entry acked and does nothing. `later`: (the shard's
+    delayed set, the lane, a unix ms): re-added to the delayed set, to run no sooner."""
     flat = [x for kv in fields.items() for x in kv]
-    args = [keys.GROUP, entry_id, maxlen, "1" if again else "", *flat]
-    return Call("REQUEUE", [stream], args)
+    k, lane, not_before = [stream], "", ""
+    if later is not None:
+        delayed, lane, ms = later
+        k, not_before = [stream, delayed], str(ms)
+    args = [keys.GROUP, entry_id, maxlen, "1" if again else "", lane, not_before, *flat]
+    return Call("REQUEUE", k, args)
 
 
 def revive(

@@ -560,20 +560,24 @@ redis.call('HDEL', record, 'worker', 'started_ms')
 return 1
 """
 
-# KEYS: request stream
-# ARGV: group, entry id, maxlen, re-add ('1' or ''), then the entry's field/value pairs
-# Re-adds the entry at the tail of its lane (when told to), then acks and deletes the old
-# one; only while the old one is pending: a second run of the same call (a client library
+# KEYS: request stream[, the shard's delayed set]
+# ARGV: group, entry id, maxlen, re-add ('1' or ''), lane, not before (unix ms, or '': at
+#       once), then the entry's field/value pairs
+# Re-adds the entry at the tail of its lane (when told to), or with a time (a job's retry
+# backoff) to the delayed set, to be moved to its lane then (DUE), then acks and deletes
+# the old one; only while the old one is pending: a second run of the same call (a client library
 # retrying after a reply it lost) finds it acked and adds nothing, so the job is queued
 # once. The XADD comes first so that a Redis at maxmemory, which refuses it, aborts the
 # script before the ack: the entry stays pending (reclaimed later), never lost.
 # Returns 1 when the entry was re-added, else 0.
 REQUEUE = """
-local stream = KEYS[1]
-local group, entry_id, maxlen, again = unpack(ARGV, 1, 4)
-local ENTRY = 5  -- ARGV[5..]: the entry's field/value pairs
+local stream, delayed = KEYS[1], KEYS[2]
+local group, entry_id, maxlen, again, lane, not_before = unpack(ARGV, 1, 6)
+local ENTRY = 7  -- ARGV[7..]: the entry's field/value pairs
 if #redis.call('XPENDING', stream, group, entry_id, entry_id, 1) == 0 then return 0 end
-if again == '1' then
+if again == '1' and not_before ~= '' then
+  redis.call('ZADD', delayed, not_before, cmsgpack.pack({lane, unpack(ARGV, ENTRY)}))
+elseif again == '1' then
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
 end
 redis.call('XACK', stream, group, entry_id)

@@ -7,6 +7,7 @@ changes nothing."""
 from __future__ import annotations
 
 import json
+import time
 
 import msgpack
 import pytest
@@ -190,4 +191,37 @@ def test_a_job_asks_for_fewer_retries_than_the_deployment_allows(redis_url) -> N
     job = Client(redis_url).job("job-bbbbbbbb")
     turn_until(worker, lambda: job.record().final)
     assert job.record().error_code == "bad_field" and "max_retries" in job.record().error_message
+    worker.cancels.close()
+
+
+class Timed(Broken):
+    """The broken engine, noting when each run of a job began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tries: list[float] = []
+
+    def add(self, req: AddRequest) -> list[str]:
+        self.tries.append(time.monotonic())
+        return super().add(req)
+
+
+def test_a_failed_job_waits_its_backoff_before_each_run_again(redis_url) -> None:
+    """retry_backoff: after each failure the job waits in its shard's delayed set, that
+    long and then twice as long, before a worker runs it again; never sooner."""
+    engine = Timed()
+    worker = driven_worker(redis_url, engine, "broken")
+    r = connect(redis_url)
+    with Client(redis_url) as client:
+        job = client.submit("backs off", max_tokens=4, max_retries=2, retry_backoff=0.3)
+        turn_until(worker, lambda: len(engine.tries) == 1)
+        turn_until(worker, lambda: r.zcard(keys.delayed()) == 1)  # waits out its backoff
+        assert job.record().state == records.QUEUED
+        turn_until(worker, lambda: job.record().final, timeout=30)
+        for bad in (-1, 3601, "1", float("nan"), True):
+            with pytest.raises(ValueError, match="retry_backoff"):
+                client.submit("x", retry_backoff=bad)
+    assert job.record().error_code == "too_many_deliveries"
+    first, second, third = engine.tries
+    assert second - first >= 0.3 and third - second >= 0.6  # 0.3 s, then doubled
     worker.cancels.close()
