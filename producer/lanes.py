@@ -3,9 +3,10 @@
 Pause: workers take no new entries from the lane (they read keys.PAUSED at each heartbeat,
 so it holds within PLURAI_HEARTBEAT_INTERVAL_S); jobs that run go on, and jobs keep being
 submitted to it. Resume undoes it. Purge cancels every job that waits in the lane (not yet
-taken, or handed back by a preempted or drained run): each gets its final `cancelled`
-result at once, as a cancel of a queued job does, and its entry is acknowledged by the next
-worker that reads it. A running job is not touched: cancel it by its id.
+taken, handed back by a preempted or drained run, or delayed by `not_before`): each gets
+its final `cancelled` result at once, as a cancel of a queued job does, and its entry is
+deleted where no worker has read it (else acknowledged by the worker that did). A running
+job is not touched: cancel it by its id.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import redis
 
 from broker_config import keys, protocol
@@ -84,20 +86,48 @@ def purge(
     routes = Routes(settings)
     routes.load(routes.read(r))
     cluster, cancelled = is_cluster(r), 0
+
+    def cancel(ids: list[str]) -> int:
+        # whether each had ended before, then its cancel: in order, on its job's node
+        calls: list[Any] = [["HEXISTS", keys.job(j), "final"] for j in ids]
+        calls += [cancel_call(settings, j) for j in ids]
+        replies = jobs.pipeline(r, calls, cluster) if ids else []
+        ended, answers = replies[: len(ids)], replies[len(ids) :]
+        return sum(
+            1 for e, a in zip(ended, answers, strict=True) if e == 0 and text(a) == "cancelled"
+        )
+
     for shard in range(routes.shards(name)):
         stream = keys.request_stream(lane, name, shard)
         for entries in _waiting(r, stream):
-            ids = [job_id for _, job_id in entries]
-            # whether each had ended before, then its cancel: in order, on its job's node
-            calls: list[Any] = [["HEXISTS", keys.job(j), "final"] for j in ids]
-            calls += [cancel_call(settings, j) for j in ids]
-            replies = jobs.pipeline(r, calls, cluster) if ids else []
-            ended, answers = replies[: len(ids)], replies[len(ids) :]
-            cancelled += sum(
-                1 for e, a in zip(ended, answers, strict=True) if e == 0 and text(a) == "cancelled"
-            )
+            cancelled += cancel([job_id for _, job_id in entries])
             jobs.run(r, jobs.unqueue(stream=stream, entry_ids=[i for i, _ in entries]))
+        delayed = keys.delayed(name, shard)
+        for members in _delayed(r, delayed, lane):
+            cancelled += cancel([job_id for _, job_id in members])
+            r.zrem(delayed, *[m for m, _ in members])
     return cancelled
+
+
+def _delayed(r: redis.Redis, delayed: str, lane: str) -> Iterator[list[tuple[bytes, str]]]:
+    """Pages of (member, job id) of the delayed jobs of `lane` in a shard's delayed set."""
+    page: list[tuple[bytes, str]] = []
+    for member, _ in r.zscan_iter(delayed, count=PAGE):
+        try:
+            entry = msgpack.unpackb(member, raw=True)
+        except (ValueError, msgpack.UnpackException):
+            continue  # not an entry: the worker that meets it dead-letters it
+        if not isinstance(entry, list) or len(entry) < 3 or entry[0] != lane.encode():
+            continue
+        fields = dict(zip(entry[1::2], entry[2::2], strict=False))
+        job_id = _job_id(fields)
+        if job_id:
+            page.append((member, job_id))
+        if len(page) >= PAGE:
+            yield page
+            page = []
+    if page:
+        yield page
 
 
 def _waiting(r: redis.Redis, stream: str) -> Iterator[list[tuple[bytes, str]]]:

@@ -5,9 +5,11 @@ or model that does not exist is refused with its code."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from broker_config import stats
+from broker_config import keys, stats
 from broker_config.connection import connect
 from broker_config.settings import Settings
 from gateway import dashboard
@@ -60,10 +62,14 @@ def test_a_purge_cancels_what_waits_and_not_what_runs(redis_url) -> None:
         assert w.intake.hand_over(w.running.pop(preempted.id).entry)
         engine.added.remove((preempted.id, engine.added[1][1]))
         assert preempted.record().state == records.QUEUED
-        waiting = [client.submit(f"waits {i}", lane="batch") for i in range(5)]
+        waiting = [client.submit(f"waits {i}", lane="batch") for i in range(4)]
+        waiting.append(client.submit("later", lane="batch", not_before=time.time() + 60))
         other = client.submit("another lane", lane="standard")
+        later = client.submit("later, elsewhere", lane="standard", not_before=time.time() + 60)
 
         assert lanes.purge(r, "batch") == 6
+        assert r.zcard(keys.delayed()) == 1  # the standard lane's delayed job is left
+        assert later.record().state == records.QUEUED
         for job in [preempted, *waiting]:
             record = job.record()
             assert (record.state, record.final, record.finish_reason) == (
