@@ -68,8 +68,8 @@ _ID_FIELD = re.compile(rb'"id": "([A-Za-z0-9_-]{8,128})"')
 
 def job_id_of(f: dict[bytes, bytes]) -> str | None:
     """A dead letter's job id: its own field (a result that could not be stored), else the
-    one its entry carried (the kept entry, or its fields shown as JSON, cut at 64 KiB: read
-    by pattern); None when there is no valid one."""
+    one its entry's fields carried (shown as JSON, cut at 64 KiB: read by pattern); None
+    when there is no valid one."""
     found = f.get(b"job_id")
     if found is None:
         m = _ID_FIELD.search(f.get(b"fields", b"")[:4096])
