@@ -132,6 +132,19 @@ class Checked:
 _ID = 3  # the job id's place in Checked.fields
 
 
+def _check_unix_time(name: str, t: Any) -> None:
+    """A time option (`deadline`, `not_before`): None, or unix seconds the wire can carry."""
+    if t is not None and (
+        not isinstance(t, (int, float))
+        or isinstance(t, bool)
+        or not math.isfinite(t)
+        or not 0 <= t * 1000 < protocol.INT64
+    ):
+        raise ValueError(
+            f"{name} must be a unix time in seconds (e.g. time.time() + 60), got {_short(t)}"
+        )
+
+
 def check(
     settings: Settings,
     routes: Routes | None = None,
@@ -186,28 +199,10 @@ def check(
     # integer is refused here, before anything is queued
     if not _integer(max_tokens) or not 1 <= max_tokens < protocol.INT64:
         raise ValueError(f"max_tokens must be a positive integer, got {_short(max_tokens)}")
-    if deadline is not None and (
-        not isinstance(deadline, (int, float))
-        or isinstance(deadline, bool)
-        or not math.isfinite(deadline)
-        or not 0 <= deadline * 1000 < protocol.INT64
-    ):
-        raise ValueError(
-            "deadline must be a unix time in seconds (e.g. time.time() + 60), "
-            f"got {_short(deadline)}"
-        )
+    _check_unix_time("deadline", deadline)
     not_before_ms = 0
     if not_before is not None:
-        if (
-            not isinstance(not_before, (int, float))
-            or isinstance(not_before, bool)
-            or not math.isfinite(not_before)
-            or not 0 <= not_before * 1000 < protocol.INT64
-        ):
-            raise ValueError(
-                "not_before must be a unix time in seconds (e.g. time.time() + 60), "
-                f"got {_short(not_before)}"
-            )
+        _check_unix_time("not_before", not_before)
         if not_before - time.time() > MAX_DELAY_S:
             raise ValueError(f"not_before is more than {MAX_DELAY_S // 86400} days ahead")
         if not_before > time.time():

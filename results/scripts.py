@@ -34,6 +34,7 @@ end
 # Prepended to the submit scripts: `queued_over(stream, limit, group)` is how many entries
 # wait in the lane when that is `limit` or more (0: no limit), else nil. Workers delete an
 # entry once it is acknowledged, so XLEN minus the group's pending count is what waits.
+# `refused` and `queued_record` are the checks and the record write every submit shares.
 _LANE = """
 local function queued_over(stream, limit, group)
   local queued = redis.call('XLEN', stream)
@@ -53,6 +54,15 @@ local function refused(stream, idem, max_queued, group)
   local queued = queued_over(stream, tonumber(max_queued), group)
   if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
   return nil
+end
+-- a new job's record as queued (`fields`: state and the rest), with its metadata and the
+-- time a front received it where given; a key of another type is left as it is (pcall):
+-- the job runs all the same and its worker reports bad_record
+local function queued_record(record, ttl, fields, metadata, received_us)
+  if type(redis.pcall('HSET', record, unpack(fields))) ~= 'number' then return end
+  if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
+  if received_us ~= '' then redis.call('HSET', record, 'received_us', received_us) end
+  redis.call('EXPIRE', record, ttl)
 end
 """
 
@@ -125,13 +135,9 @@ if answer then return answer end
 redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, ENTRY))
 redis.call('PUBLISH', arrivals, stream)
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
-local rec = redis.pcall('HSET', record, 'state', 'queued', 'lane', lane, 'priority', priority,
-                        'created_ms', created_ms, 'model', model, 'queued_us', queued_us)
-if type(rec) == 'number' then
-  if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
-  if received_us ~= '' then redis.call('HSET', record, 'received_us', received_us) end
-  redis.call('EXPIRE', record, ttl)
-end
+queued_record(record, ttl, {'state', 'queued', 'lane', lane, 'priority', priority,
+                            'created_ms', created_ms, 'model', model, 'queued_us', queued_us},
+              metadata, received_us)
 return job_id
 """
 )
@@ -159,7 +165,9 @@ return job_id
 # ARGV: QUEUED's nine (not before included), then DEFER's four.
 # QUEUED and DEFER in one call, where the job's keys and the shard's are on one server (any
 # Redis but a Cluster), as ENQUEUE is QUEUED and SUBMIT.
-ENQUEUE_LATER = """
+ENQUEUE_LATER = (
+    _LANE
+    + """
 local record, delayed, idem = KEYS[1], KEYS[2], KEYS[3]
 local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
 local not_before_ms = ARGV[9]
@@ -170,16 +178,13 @@ if idem then
 end
 redis.call('ZADD', delayed, not_before, entry)
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
-local rec = redis.pcall('HSET', record, 'state', 'queued', 'lane', lane, 'priority', priority,
-                        'created_ms', created_ms, 'model', model, 'queued_us', queued_us,
-                        'not_before_ms', not_before_ms)
-if type(rec) == 'number' then
-  if metadata ~= '' then redis.call('HSET', record, 'metadata', metadata) end
-  if received_us ~= '' then redis.call('HSET', record, 'received_us', received_us) end
-  redis.call('EXPIRE', record, ttl)
-end
+queued_record(record, ttl, {'state', 'queued', 'lane', lane, 'priority', priority,
+                            'created_ms', created_ms, 'model', model, 'queued_us', queued_us,
+                            'not_before_ms', not_before_ms},
+              metadata, received_us)
 return job_id
 """
+)
 
 # KEYS: the shard's delayed set, then the shard's request streams, a lane each
 # ARGV: now (unix ms), the most to move, maxlen, arrivals channel, then the lanes' names in
