@@ -29,6 +29,13 @@ RECENT = f"{PREFIX}:recent"
 DEFAULT_MODEL = "default"  # the model of requests that name none, unless configured
 # set of "<model>:<lane>": the lanes workers take no new entries from (`plurai lane pause`)
 PAUSED = f"{PREFIX}:paused"
+# Completion webhooks (results/webhooks.py), one hash tag: hash job id -> JSON {"url",
+# "since_ms", "attempts"} of each job whose end is still to be told; sorted set of the same
+# job ids scored by when `plurai webhooks` next looks at each (unix ms); hash of counts
+# (delivered, failed, dropped)
+WEBHOOKS = f"{PREFIX}:{{webhooks}}:jobs"
+WEBHOOKS_DUE = f"{PREFIX}:{{webhooks}}:due"
+WEBHOOKS_COUNTS = f"{PREFIX}:{{webhooks}}:counts"
 
 
 def paused_member(model: str, lane: str) -> str:

@@ -352,6 +352,36 @@ class Settings(_Sourced):
     """How often the dashboard takes a sample for its charts."""
     dashboard_refresh_s: float = Field(default=2.0, ge=0.5, le=60.0)
     """How often an open dashboard page reads the queue."""
+    # Completion webhooks (results/webhooks.py, `plurai webhooks`).
+    webhook_hosts: list[str] = Field(default_factory=list)
+    """The hosts a job's webhook may name: exact names or IP addresses, `*.example.com` for
+    every subdomain of example.com, or `*` for any host. Empty (the default): a submit with
+    a webhook is refused, so no client can make the deployment call an address the operator
+    did not allow."""
+    webhook_secret: SecretStr | None = None
+    """The HMAC-SHA256 key that signs every webhook (its Plurai-Signature header: receivers
+    check it with results.webhooks.verify); `plurai webhooks` does not start without one."""
+    webhook_private: bool = False
+    """Webhooks to hosts that resolve to private, loopback, link-local or reserved addresses
+    (a receiver inside your network). False: such an address is refused at delivery whatever
+    the allow-list says, so a name in it cannot be pointed at internal services."""
+    webhook_attempts: int = Field(default=6, ge=1, le=20)
+    """Deliveries of one webhook before it is given up: a network error, a timeout, HTTP 408,
+    425, 429 or 5xx is tried again; another answer (a 3xx or a 4xx) is final."""
+    webhook_retry_s: float = Field(default=10.0, gt=0, le=3600)
+    """The wait before a webhook's second try; each further try waits four times longer
+    (10 s, 40 s, 160 s, ... at most an hour between two)."""
+    webhook_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    """A receiver must connect and answer within this, else the try failed."""
+    webhook_max_bytes: int = Field(default=256 << 10, ge=1024, le=16 << 20)
+    """Largest webhook body: a job whose result is larger is told without its text and
+    token ids (`"truncated": true`); the receiver reads the rest from Redis or the API."""
+    webhook_concurrency: int = Field(default=8, ge=1, le=256)
+    """Webhooks one `plurai webhooks` process sends at once."""
+    webhook_poll_s: float = Field(default=5.0, gt=0, le=600)
+    """How often `plurai webhooks` looks at an unfinished job it heard nothing of (it learns
+    of most ends at once, from the jobs' done channels); a job that has waited long is
+    looked at less often, at most every minute."""
     log_level: str = "INFO"
     """DEBUG, INFO, WARNING or ERROR."""
     log_format: Literal["text", "json"] = "text"

@@ -38,6 +38,9 @@ READ_BY: dict[str, str] = {
     "vllm_kv_share vllm_engine_process worker_id metrics_port metrics_host",
     "workers and Celery's maintenance": "reclaim_idle_ms",
     "workers, the bulk Celery worker and `plurai batch`": "model_dir",
+    "clients and `plurai webhooks`": "webhook_hosts",
+    "`plurai webhooks`": "webhook_secret webhook_private webhook_attempts webhook_retry_s "
+    "webhook_timeout_s webhook_max_bytes webhook_concurrency webhook_poll_s",
     "the gateway": "gateway_host gateway_port gateway_max_request_bytes "
     "gateway_default_max_tokens gateway_max_connections gateway_header_timeout_s "
     "gateway_body_timeout_s gateway_keepalive_s gateway_max_header_bytes "

@@ -254,8 +254,23 @@ def snapshot(r: redis.Redis, lanes: list[str], default_model: str = keys.DEFAULT
         "tokens_per_s": round(sum(w.tokens_per_s for w in ws), 1),
         "jobs_done": sum(w.jobs_done for w in ws),
         "scheduled": scheduled,  # delayed jobs whose time has not come (not_before)
+        **{f"webhooks_{k}": v for k, v in webhook_counts(r).items()},
     }
     return snap
+
+
+def webhook_counts(r: redis.Redis) -> dict[str, int]:
+    """Webhooks waiting (their job not ended, or a try due) and those delivered, failed and
+    dropped (no record) since the deployment began (results/webhooks.py)."""
+    out = dict.fromkeys(("waiting", "delivered", "failed", "dropped"), 0)
+    try:
+        out["waiting"] = int(r.zcard(keys.WEBHOOKS_DUE))
+        for k, v in r.hgetall(keys.WEBHOOKS_COUNTS).items():
+            if _s(k) in out:
+                out[_s(k)] = int(v)
+    except (redis.ResponseError, ValueError):  # another type, or not counts: written by hand
+        pass
+    return out
 
 
 def _scheduled(r: redis.Redis, model: str, shard: int) -> int:

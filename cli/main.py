@@ -5,6 +5,7 @@ plurai submit "Summarize: ..." --stream      queue a job; print its id, or strea
 plurai get JOB_ID [--wait 30]                print a job record as JSON
 plurai watch JOB_ID                          stream a job's text as it is generated
 plurai status [--json]                       lanes, workers, KV use and throughput (live)
+plurai webhooks                              send the webhooks of ended jobs
 plurai make-model models/tiny-llama          write a random-weight test model
 plurai quantize SRC DST --scheme w4a16       write a quantized copy of a float model
 plurai batch submit FILE|DIR [--task ...]    run an OpenAI Batch JSONL, or documents, in bulk
@@ -50,6 +51,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "lane": args.lane,
         "idempotency_key": args.idempotency_key,
         "model": args.model,
+        "webhook": args.webhook,
     }
     if args.messages:
         options["messages"] = _json("--messages", prompt)
@@ -196,6 +198,29 @@ def cmd_lane(args: argparse.Namespace) -> int:
         return 0
     finally:
         r.close()
+
+
+def cmd_webhooks(args: argparse.Namespace) -> int:
+    """`plurai webhooks`: send the webhooks of ended jobs until SIGTERM or Ctrl-C."""
+    import signal
+    import threading
+
+    from broker_config import logs
+    from broker_config.connection import connect, redact, resolve_url
+    from broker_config.settings import Settings
+    from results.webhooks import Notifier
+
+    settings = Settings()
+    logs.setup(settings.log_level, settings.log_format)
+    url = resolve_url(args.url, settings)
+    notifier = Notifier(connect(url), settings)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    hosts = ", ".join(settings.webhook_hosts) or "none (PLURAI_WEBHOOK_HOSTS)"
+    print(f"plurai webhooks: {redact(url)}; allowed hosts: {hosts}", file=sys.stderr)
+    notifier.run(stop)
+    return 0
 
 
 def _batch_client(args: argparse.Namespace) -> Any:
@@ -431,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model")
     s.add_argument("--metadata", help="a JSON object stored with the job")
     s.add_argument("--idempotency-key")
+    s.add_argument("--webhook", metavar="URL", help="POSTed the job, signed, once it ends")
     s.add_argument(
         "--param", action="append", metavar="NAME=JSON", help="any sampling field, e.g. top_k=20"
     )
@@ -471,7 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--model", help="the model whose lane it is (default: PLURAI_DEFAULT_MODEL)")
     ln.set_defaults(func=cmd_lane)
 
-    for name in ("submit", "get", "watch", "status", "dead-letters", "lane"):
+    wh = sub.add_parser(
+        "webhooks", help="send the webhooks of ended jobs (PLURAI_WEBHOOK_*), until stopped"
+    )
+    wh.set_defaults(func=cmd_webhooks)
+
+    for name in ("submit", "get", "watch", "status", "dead-letters", "lane", "webhooks"):
         sub.choices[name].add_argument(
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )

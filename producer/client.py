@@ -54,8 +54,8 @@ class Client:
     ) -> Job:
         """Queue one job; options as in producer.request.prepare (max_tokens, temperature,
         ..., priority, lane, model, metadata, idempotency_key, deadline, not_before,
-        max_retries). With an idempotency key already used, returns the earlier job and
-        queues nothing.
+        max_retries, retry_backoff, webhook). With an idempotency key already used, returns
+        the earlier job and queues nothing.
 
         When the lane is full, raises QueueFull at once, or with `queue_timeout` > 0 keeps
         trying until there is room or that many seconds have passed; when Redis is out of

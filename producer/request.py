@@ -12,7 +12,7 @@ from broker_config import keys, protocol, tracing
 from broker_config.routes import Routes
 from broker_config.settings import Settings
 from producer.errors import UnknownModel
-from results import jobs
+from results import jobs, webhook_http
 
 SUBMIT_OPTIONS = frozenset(
     {
@@ -32,6 +32,7 @@ SUBMIT_OPTIONS = frozenset(
         "content_type",
         "cache_salt",
         "special_tokens",
+        "webhook",
     }
 )
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
@@ -82,6 +83,7 @@ class Checked:
     metadata_json: str | None
     idempotency_key: str | None
     not_before_ms: int = 0  # a delayed job's time (unix ms); 0: at once
+    webhook: str = ""  # the URL told of the job's end (results/webhooks.py); "": none
 
     def submission(self) -> jobs.Submission:
         """A new job (its own id) of this request."""
@@ -111,7 +113,7 @@ class Checked:
             max_queued=s.max_queued_per_lane,
             not_before_ms=self.not_before_ms,
         )
-        sub.span = span
+        sub.span, sub.webhook = span, self.webhook
         return sub
 
     def _span(self, job_id: str, shard: int) -> Any:
@@ -166,6 +168,7 @@ def check(
     content_type: str = protocol.MSGPACK,
     cache_salt: str | None = None,
     special_tokens: bool = False,
+    webhook: str | None = None,
     **sampling: Any,
 ) -> Checked:
     """Check a request and encode its entry (see Checked); raises for what cannot be
@@ -181,7 +184,9 @@ def check(
     long, doubled at each failure (at most an hour), where it would run again at once.
     `not_before` (unix time in seconds) delays the job: no
     worker starts it before then (its record says when, `not_before_ms`); a time past
-    queues it at once. Sampling parameters are
+    queues it at once. `webhook` (an http(s) URL on the deployment's PLURAI_WEBHOOK_HOSTS)
+    is POSTed the job, signed, once it ends (`plurai webhooks` sends it: results/webhooks.py).
+    Sampling parameters are
     checked by the worker; only their names are checked here. `response_format` may be a
     pydantic model class (its JSON schema).
     """
@@ -238,6 +243,8 @@ def check(
             raise ValueError(f"{name} must be True or False, got {_short(flag)}")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError(f"cache_salt must be a non-empty string, got {_short(cache_salt)}")
+    if webhook is not None:
+        webhook_http.check_url(webhook, settings.webhook_hosts)
     if content_type not in protocol.CONTENT_TYPES:
         raise ValueError(
             f"content_type must be one of {list(protocol.CONTENT_TYPES)}, got {_short(content_type)}"
@@ -303,4 +310,5 @@ def check(
         json.dumps(metadata, separators=(",", ":")) if metadata is not None else None,
         idempotency_key,
         not_before_ms,
+        webhook or "",
     )

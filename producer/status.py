@@ -70,6 +70,11 @@ def render(snap: stats.Snapshot) -> Group:
         f"{t['pending']} pending, {t['scheduled']} scheduled, {t['tokens_per_s']:.1f} tok/s, "
         f"dead letters {snap.dead_letters}"
     )
+    if t.get("webhooks_waiting") or t.get("webhooks_delivered") or t.get("webhooks_failed"):
+        summary += (
+            f", webhooks {t['webhooks_waiting']} waiting, {t['webhooks_delivered']} delivered, "
+            f"{t['webhooks_failed']} failed"
+        )
     if snap.stale_workers:
         summary += f", {snap.stale_workers} worker id(s) without a heartbeat"
     return Group(lanes, workers, summary)

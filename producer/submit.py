@@ -14,6 +14,7 @@ A client runs a Plan so (each `run` one round trip, as the client does it):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -26,7 +27,7 @@ from broker_config.settings import Settings
 from broker_config.text import text
 from producer.errors import check_replicas, queue_full, submitted
 from producer.request import Checked
-from results import jobs
+from results import jobs, records, webhooks
 
 
 class _Job(Protocol):
@@ -85,8 +86,21 @@ class Plan(Generic[J]):
                 self.subs.append(sub)
                 yield from sub.commands(self.split)
         s = self.settings
+        yield from self.watches
         if s.submit_replicas and self.wait:
             yield ["WAIT", s.submit_replicas, s.submit_replicas_timeout_ms]
+
+    @functools.cached_property
+    def watches(self) -> list[list[Any]]:
+        """The commands that watch the webhooks of the jobs that have one (after their
+        submits: a refused job's watch is dropped by `plurai webhooks`, finding no record)."""
+        hooked = [sub for sub in self.subs if sub.webhook]
+        return webhooks.watch(
+            [sub.job_id for sub in hooked],
+            [sub.webhook for sub in hooked],
+            records.now_ms(),
+            self.settings.webhook_poll_s,
+        )
 
     def lost(self, replies: list[Any]) -> list[list[Any]]:
         """Take the first round trip's replies; returns the commands to send again once the
@@ -111,7 +125,7 @@ class Plan(Generic[J]):
         s, replies = self.settings, self.replies
         if s.submit_replicas and self.wait:
             self.acked = replies.pop()
-        replies = replies[len(self.listed) :]
+        replies = replies[len(self.listed) : len(replies) - len(self.watches)]
         self.ids, cleanup, self.error = submitted(
             self.subs, replies, s.queue_full_retry_s, self.before, self.job, self.split
         )

@@ -195,6 +195,8 @@ class Submission:
     # a job not to run before this unix ms: its entry goes to the shard's delayed set
     # (keys[1]), by DEFER and ENQUEUE_LATER in place of SUBMIT and ENQUEUE; 0: at once
     not_before_ms: int = 0
+    # the URL told of the job's end: the submit also watches it (results/webhooks.py)
+    webhook: str = ""
     # the submit's trace span while tracing is on (broker_config/tracing.py), ended once
     # the submit's reply is read (producer/submit.py)
     span: Any = field(default=None, compare=False)

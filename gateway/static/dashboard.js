@@ -148,7 +148,8 @@ function drawTables(d) {
   document.getElementById("totals").replaceChildren(
     ...[["workers", t.workers], ["running", t.running], ["waiting", t.waiting],
       ["pending", t.pending], ["scheduled", t.scheduled], ["tok/s", t.tokens_per_s],
-      ["dead letters", snap.dead_letters]]
+      ["dead letters", snap.dead_letters], ["webhooks waiting", t.webhooks_waiting],
+      ["webhooks failed", t.webhooks_failed]]
       .map(([k, v]) => el("span", {}, el("b", {text: String(v)}), " " + k)),
   );
   fill("lanes", snap.lanes.map((q) => el("tr", {"data-model": q.model, "data-lane": q.name},

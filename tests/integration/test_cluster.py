@@ -7,6 +7,7 @@ masters by their hash."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
@@ -98,3 +99,30 @@ def test_kv_tier_blocks_spread_over_the_masters(cluster_url):
     with pytest.raises(redis.RedisClusterException, match="same key slot"):
         r.eval(script, 2, "{x}:a", "{y}:b", "v")
     r.flushall(target_nodes=r.ALL_NODES)
+
+
+def test_webhooks_on_the_cluster(cluster_url, cluster_workers):
+    """The watch keys share one slot, the records are elsewhere, the done channels reach the
+    notifier from any master: each job's webhook is POSTed once."""
+    from broker_config.settings import Settings
+
+    from .test_webhooks import Receiver, Running, _settings, _until
+
+    cluster_workers.start(1, env={**FAST, "PLURAI_SHARDS": str(SHARDS)})
+    rx = Receiver()
+    settings: Settings = _settings(cluster_url, webhook_poll_s=300.0)  # ends heard, not polled
+    notifier = Running(cluster_url, settings)
+    try:
+        client = Client(cluster_url, settings=settings)
+        jobs = [client.submit(f"hook {i}", max_tokens=4, webhook=rx.url) for i in range(6)]
+        cancelled = client.submit("cancelled", webhook=rx.url, not_before=time.time() + 60)
+        cancelled.cancel()
+        _until(lambda: len(rx.posts) == 7, timeout=120)
+        told = {j["id"]: j["state"] for j in rx.jobs()}
+        assert told == {**{j.id: "completed" for j in jobs}, cancelled.id: "cancelled"}
+        r = connect(cluster_url)
+        _until(lambda: r.zcard(keys.WEBHOOKS_DUE) == 0)
+        assert all(j.record().raw["webhook_state"] == "delivered" for j in jobs)
+    finally:
+        notifier.close()
+        rx.server.shutdown()

@@ -82,6 +82,9 @@ def test_browser_shows_the_live_queue(redis_url, tmp_path, workers) -> None:
         )
         bold = "<b id=injected>too many deliveries</b>"
         r.xadd(keys.DEAD_LETTER, {"lane": "batch", "error": bold, "job_id": "job-deadbeef"})
+        # a webhook that waits for its job, and one given up (results/webhooks.py)
+        r.zadd(keys.WEBHOOKS_DUE, {jobs[0].id: now_ms + 3_600_000})
+        r.hset(keys.WEBHOOKS_COUNTS, "failed", 2)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1600})
@@ -103,6 +106,8 @@ def test_browser_shows_the_live_queue(redis_url, tmp_path, workers) -> None:
             dead = page.locator("#dead tbody td").all_inner_texts()
             assert bold in dead and "job-deadbeef" in dead, dead
             assert page.locator("#injected").count() == 0  # text, never markup
+            totals = page.locator("#totals").inner_text()
+            assert "1 webhooks waiting" in totals and "2 webhooks failed" in totals, totals
 
             (proc,) = workers.start(1, "--engine", "max_num_seqs=4", env=FAST)
             # the worker's row, serving, with KV in use at some point

@@ -49,8 +49,8 @@ WORKERS = ("worker", "worker-gpu0", "worker-gpu1")
 
 def test_every_plurai_service_runs_a_real_entry_point():
     ours = {n: s for n, s in services().items() if s.get("image") == "plurai" or "build" in s}
-    assert set(ours) == {*WORKERS, "gateway", "celery-worker", "celery-beat"}
-    flag = {**dict.fromkeys(WORKERS, "--model"), "gateway": "--port"}
+    assert set(ours) == {*WORKERS, "gateway", "celery-worker", "celery-beat", "webhooks"}
+    flag = {**dict.fromkeys(WORKERS, "--model"), "gateway": "--port", "webhooks": "--url"}
     for name, service in ours.items():
         args = argv(service)
         if args[0] == "plurai":
