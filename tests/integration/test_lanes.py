@@ -116,3 +116,34 @@ def test_an_unknown_lane_or_model_is_refused(redis_url) -> None:
     assert done.returncode == 0 and "batch: paused" in done.stdout
     listed = plurai(redis_url, "lane", "list")
     assert listed.stdout.split() == ["default", "batch", "paused"]
+
+
+def test_a_hostile_paused_key_pauses_nothing_it_does_not_name(redis_url) -> None:
+    """plurai:paused written by something else: members that name no lane of the model
+    (bytes that are not text, no model, another model, a huge one) pause nothing; a key of
+    another type pauses nothing either, and a pause then says what is wrong."""
+    r = connect(redis_url)
+    engine = Recorder()
+    w = driven_worker(redis_url, engine, heartbeat_interval_s=0.05, fair_every=0)
+    junk = [b"\xff\xfe:standard", "standard", "x" * 100_000, "default:", "other:standard"]
+    r.sadd(keys.PAUSED, *junk)
+    with Client(redis_url) as client:
+        first = client.submit("runs", lane="standard")
+        turn_until(w, lambda: [j for j, _ in engine.added] == [first.id])
+        assert not w.intake.paused & set(Settings().lanes)
+        listed = plurai(redis_url, "lane", "list")
+        assert listed.returncode == 0 and "other  standard  paused" in listed.stdout
+        assert len(max(listed.stdout.splitlines(), key=len)) < 400  # the huge one cut short
+        assert stats.snapshot(r, Settings().lanes).lanes  # status reads on
+        dashboard.read(r, Settings())
+
+        r.delete(keys.PAUSED)
+        r.set(keys.PAUSED, "not a set")
+        turn_until(w, lambda: not w.intake.paused)
+        second = client.submit("runs too", lane="standard")
+        turn_until(w, lambda: len(engine.added) == 2)
+        assert engine.added[1][0] == second.id
+        out = plurai(redis_url, "lane", "pause", "standard")
+        assert out.returncode == 1 and "WRONGTYPE" in out.stderr, out.stderr
+        assert lanes.paused(r) == []
+    w.cancels.close()
