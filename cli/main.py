@@ -21,9 +21,11 @@ into its package.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -108,6 +110,23 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_redis(handler: Callable[[argparse.Namespace, Any], int]) -> Callable[..., int]:
+    """A command handler given a connection to the Redis of `--url` (else PLURAI_REDIS_URL,
+    else the embedded one), closed after it."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        from broker_config.connection import connect, resolve_url
+
+        r = connect(resolve_url(args.url))
+        try:
+            return handler(args, r)
+        finally:
+            r.close()
+
+    return run
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import redis
 
@@ -134,70 +153,63 @@ def cmd_status(args: argparse.Namespace) -> int:
         r.close()
 
 
-def cmd_dead_letters(args: argparse.Namespace) -> int:
+@_with_redis
+def cmd_dead_letters(args: argparse.Namespace, r: Any) -> int:
     """`plurai dead-letters list|requeue|drop`: entries no worker could finish."""
-    from broker_config.connection import connect, resolve_url
     from broker_config.settings import Settings
     from producer import dead_letters as dead
 
-    r = connect(resolve_url(args.url))
-    try:
-        if args.action == "list":
-            found = dead.list_dead(r, args.count)
-            if args.json:
-                for d in found:
-                    print(json.dumps({**vars(d), "at_ms": d.at_ms}))
-                return 0
+    if args.action == "list":
+        found = dead.list_dead(r, args.count)
+        if args.json:
             for d in found:
-                again = "requeueable" if d.requeueable else "not requeueable"
-                print(f"{d.id}  {d.lane}  job {d.job_id or '(none)'}  {again}  {d.error}")
-            print(f"{len(found)} dead letter(s)", file=sys.stderr)
+                print(json.dumps({**vars(d), "at_ms": d.at_ms}))
             return 0
-        ids = args.ids or ([d.id for d in dead.list_dead(r, dead.MAX_LIST)] if args.all else [])
-        if not ids:
-            raise ValueError("name dead letters by id (`plurai dead-letters list`), or --all")
-        if args.action == "drop":
-            print(f"dropped {dead.drop(r, ids)} dead letter(s)")
-            return 0
-        failed = 0
-        settings = Settings()
-        for dead_id in ids:
-            try:
-                print(f"{dead_id}  requeued job {dead.requeue(r, dead_id, settings)}")
-            except dead.DeadLetterError as e:
-                print(f"{dead_id}  {e.code}: {e.message}", file=sys.stderr)
-                failed += 1
-        return 1 if failed else 0
-    finally:
-        r.close()
+        for d in found:
+            again = "requeueable" if d.requeueable else "not requeueable"
+            print(f"{d.id}  {d.lane}  job {d.job_id or '(none)'}  {again}  {d.error}")
+        print(f"{len(found)} dead letter(s)", file=sys.stderr)
+        return 0
+    ids = args.ids or ([d.id for d in dead.list_dead(r, dead.MAX_LIST)] if args.all else [])
+    if not ids:
+        raise ValueError("name dead letters by id (`plurai dead-letters list`), or --all")
+    if args.action == "drop":
+        print(f"dropped {dead.drop(r, ids)} dead letter(s)")
+        return 0
+    failed = 0
+    settings = Settings()
+    routes = dead.read_routes(r, settings)
+    for dead_id in ids:
+        try:
+            print(f"{dead_id}  requeued job {dead.requeue(r, dead_id, settings, routes)}")
+        except dead.DeadLetterError as e:
+            print(f"{dead_id}  {e.code}: {e.message}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
 
 
-def cmd_lane(args: argparse.Namespace) -> int:
+@_with_redis
+def cmd_lane(args: argparse.Namespace, r: Any) -> int:
     """`plurai lane list|pause|resume|purge`: an operator's controls of a lane."""
-    from broker_config.connection import connect, resolve_url
     from broker_config.settings import Settings
     from producer import lanes
 
-    r = connect(resolve_url(args.url))
-    try:
-        if args.action == "list":
-            for model, lane in lanes.paused(r):
-                print(f"{model}  {lane}  paused")
-            return 0
-        if args.lane is None:
-            raise ValueError(f"`plurai lane {args.action}` needs a lane")
-        settings, model = Settings(), args.model
-        if args.action == "pause":
-            was = not lanes.pause(r, args.lane, model, settings)
-            print(f"{args.lane}: paused" + (" (already)" if was else ""))
-        elif args.action == "resume":
-            was = not lanes.resume(r, args.lane, model, settings)
-            print(f"{args.lane}: resumed" + (" (it was not paused)" if was else ""))
-        else:
-            print(f"{args.lane}: {lanes.purge(r, args.lane, model, settings)} job(s) cancelled")
+    if args.action == "list":
+        for model, lane in lanes.paused(r):
+            print(f"{model}  {lane}  paused")
         return 0
-    finally:
-        r.close()
+    if args.lane is None:
+        raise ValueError(f"`plurai lane {args.action}` needs a lane")
+    settings, model = Settings(), args.model
+    if args.action == "pause":
+        was = not lanes.pause(r, args.lane, model, settings)
+        print(f"{args.lane}: paused" + (" (already)" if was else ""))
+    elif args.action == "resume":
+        was = not lanes.resume(r, args.lane, model, settings)
+        print(f"{args.lane}: resumed" + (" (it was not paused)" if was else ""))
+    else:
+        print(f"{args.lane}: {lanes.purge(r, args.lane, model, settings)} job(s) cancelled")
+    return 0
 
 
 def cmd_webhooks(args: argparse.Namespace) -> int:

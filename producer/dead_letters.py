@@ -147,10 +147,20 @@ def drop(r: redis.Redis, dead_ids: list[str]) -> int:
     return int(r.xdel(keys.DEAD_LETTER, *dead_ids)) if dead_ids else 0
 
 
-def requeue(r: redis.Redis, dead_id: str, settings: Settings | None = None) -> str:
+def read_routes(r: redis.Redis, settings: Settings) -> Routes:
+    """The models' routes and shard counts, as workers last wrote them."""
+    routes = Routes(settings)
+    routes.load(routes.read(r))
+    return routes
+
+
+def requeue(
+    r: redis.Redis, dead_id: str, settings: Settings | None = None, routes: Routes | None = None
+) -> str:
     """Queue the job of dead letter `dead_id` again, as a worker would take it (the entry
     checked first: one that would fail again is refused), its failures forgotten; the dead
-    letter is deleted. Returns the job id. Raises DeadLetterError."""
+    letter is deleted. Returns the job id. Raises DeadLetterError. `routes`: the models'
+    shards as read from Redis (`read_routes`), once for many requeues; else read here."""
     settings = settings or Settings()
     if is_cluster(r):
         raise DeadLetterError(
@@ -180,8 +190,7 @@ def requeue(r: redis.Redis, dead_id: str, settings: Settings | None = None) -> s
             DeadCode.NOT_REQUEUEABLE, f"its entry is refused ({e.code}): {e.message}"
         ) from e
     env = request.envelope
-    routes = Routes(settings)
-    routes.load(routes.read(r))
+    routes = routes or read_routes(r, settings)
     name = request.model or settings.default_model
     model = routes.route(name) or name
     fields = {k: v for k, v in entry.items() if k != b"attempts"}  # its failures forgotten

@@ -34,7 +34,8 @@ end
 # Prepended to the submit scripts: `queued_over(stream, limit, group)` is how many entries
 # wait in the lane when that is `limit` or more (0: no limit), else nil. Workers delete an
 # entry once it is acknowledged, so XLEN minus the group's pending count is what waits.
-# `refused` and `queued_record` are the checks and the record write every submit shares.
+# `holder`, `refused` and `queued_record` are the checks and the record write every submit
+# shares.
 _LANE = """
 local function queued_over(stream, limit, group)
   local queued = redis.call('XLEN', stream)
@@ -44,13 +45,16 @@ local function queued_over(stream, limit, group)
   if queued >= limit then return queued end
   return nil
 end
--- why a submit adds nothing: the earlier job that holds the idempotency key (its id is the
--- reply), or the lane holding max_queued entries not yet taken (QUEUEFULL); else nil
+-- the earlier job that holds the idempotency key (its id is a repeat's reply), or nil
+local function holder(idem)
+  if idem then return redis.call('GET', idem) or nil end
+  return nil
+end
+-- why a submit adds nothing: the earlier job that holds the idempotency key (`holder`), or
+-- the lane holding max_queued entries not yet taken (QUEUEFULL); else nil
 local function refused(stream, idem, max_queued, group)
-  if idem then
-    local owner = redis.call('GET', idem)
-    if owner then return owner end
-  end
+  local owner = holder(idem)
+  if owner then return owner end
   local queued = queued_over(stream, tonumber(max_queued), group)
   if queued then return redis.error_reply('QUEUEFULL ' .. queued) end
   return nil
@@ -149,17 +153,18 @@ return job_id
 # by that time, until a worker moves it to the tail of its lane (DUE). Returns the job id,
 # or the earlier job's that holds the idempotency key (then nothing is added). The ZADD is
 # the first write: a Redis at maxmemory refuses it before anything is written.
-DEFER = """
+DEFER = (
+    _LANE
+    + """
 local delayed, idem = KEYS[1], KEYS[2]
 local idem_ttl, job_id, not_before, entry = unpack(ARGV, 1, 4)
-if idem then
-  local owner = redis.call('GET', idem)
-  if owner then return owner end
-end
+local owner = holder(idem)
+if owner then return owner end
 redis.call('ZADD', delayed, not_before, entry)
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
 return job_id
 """
+)
 
 # KEYS: job record, the shard's delayed set[, idempotency key]
 # ARGV: QUEUED's nine (not before included), then DEFER's four.
@@ -172,10 +177,8 @@ local record, delayed, idem = KEYS[1], KEYS[2], KEYS[3]
 local ttl, lane, priority, created_ms, metadata, model, queued_us, received_us = unpack(ARGV, 1, 8)
 local not_before_ms = ARGV[9]
 local idem_ttl, job_id, not_before, entry = unpack(ARGV, 10, 13)
-if idem then
-  local owner = redis.call('GET', idem)
-  if owner then return owner end
-end
+local owner = holder(idem)
+if owner then return owner end
 redis.call('ZADD', delayed, not_before, entry)
 if idem then redis.call('SET', idem, job_id, 'EX', idem_ttl) end
 queued_record(record, ttl, {'state', 'queued', 'lane', lane, 'priority', priority,
