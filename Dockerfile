@@ -17,5 +17,5 @@ COPY gateway gateway
 COPY gpu_workers gpu_workers
 COPY kv_store kv_store
 COPY results results
-RUN pip install --no-cache-dir '.[all]' && python -m gpu_workers.kernels
+RUN pip install --no-cache-dir '.[all]' && python -m plurai.gpu_workers.kernels
 ENTRYPOINT ["plurai"]

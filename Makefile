@@ -47,7 +47,7 @@ $(VENV)/.installed: pyproject.toml | tools
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# the fused CPU kernels, built now rather than at the first engine start (and the AVX2
 	# variant beside them on wider CPUs, for its test)
-	$(PY) -m gpu_workers.kernels --with-avx2
+	$(PY) -m plurai.gpu_workers.kernels --with-avx2
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml | tools
@@ -134,7 +134,7 @@ lint: install
 # the demo needs none of the tests' tools (without a compiler the engine runs its torch path)
 demo: TOOLS =
 demo: install
-	$(PY) -m cli.demo
+	$(PY) -m plurai.cli.demo
 
 bench: install
 	$(PY) bench/throughput.py

@@ -36,10 +36,10 @@ from bench.workload import (  # noqa: E402
     mixed,
     smoke_model,
 )
-from broker_config import keys  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from broker_config.stats import serving_workers  # noqa: E402
-from producer.client import Client  # noqa: E402
+from plurai.broker_config import keys  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.broker_config.stats import serving_workers  # noqa: E402
+from plurai.producer.client import Client  # noqa: E402
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -50,7 +50,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def worker_cmd(a: argparse.Namespace, backend: str, url: str) -> list[str]:
-    cmd = [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
+    cmd = [sys.executable, "-m", "plurai.cli", "worker", "--model", a.model, "--url", url]
     cmd += ["--log-level", "WARNING", "--metrics-port", "-1", "--backend", backend]
     if backend == "native":
         cmd += ["--engine", f"dtype={a.dtype}", "--engine", f"max_model_len={a.max_len}"]
@@ -96,9 +96,9 @@ def end_to_end(a: argparse.Namespace, backend: str, url: str, reqs: list[Request
 
 
 def offline_native(a: argparse.Namespace, reqs: list[Request]) -> dict:
-    from gpu_workers.engine.config import EngineConfig
-    from gpu_workers.engine.engine import Engine
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     kv = {"kv_cache_bytes": SMOKE_KV_BYTES} if a.smoke else {}
     engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_len, **kv))

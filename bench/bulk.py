@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
-from broker_config.celery_app import app, configure  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from broker_config.settings import BulkSettings  # noqa: E402
-from broker_config.stats import serving_workers  # noqa: E402
-from producer.bulk import manage, plan, store  # noqa: E402
-from producer.client import Client  # noqa: E402
+from plurai.broker_config.celery_app import app, configure  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.broker_config.settings import BulkSettings  # noqa: E402
+from plurai.broker_config.stats import serving_workers  # noqa: E402
+from plurai.producer.bulk import manage, plan, store  # noqa: E402
+from plurai.producer.client import Client  # noqa: E402
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
@@ -49,9 +49,9 @@ def engine_args(a: argparse.Namespace) -> dict:
 
 
 def offline(a: argparse.Namespace, task: plan.Task, docs: list[str]) -> dict:
-    from gpu_workers.engine.config import EngineConfig
-    from gpu_workers.engine.engine import Engine
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=a.model, **engine_args(a)))
     params = SamplingParams(max_tokens=task.max_tokens, temperature=0.0)
@@ -81,11 +81,11 @@ def pipeline(a: argparse.Namespace, url: str, task: plan.Task, docs: list[str], 
         "PLURAI_MODEL_DIR": a.model,
         "PLURAI_HEARTBEAT_INTERVAL_S": "1",
     }
-    gpu_cmd = [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
+    gpu_cmd = [sys.executable, "-m", "plurai.cli", "worker", "--model", a.model, "--url", url]
     gpu_cmd += ["--log-level", "WARNING"]
     for k, v in engine_args(a).items():
         gpu_cmd += ["--engine", f"{k}={v}"]
-    celery_cmd = [sys.executable, "-m", "celery", "-A", "broker_config.celery_app", "worker"]
+    celery_cmd = [sys.executable, "-m", "celery", "-A", "plurai.broker_config.celery_app", "worker"]
     celery_cmd += ["--pool", "solo", "-c", "1", "--loglevel", "WARNING", "-n", "bench@127.0.0.1"]
     procs = [
         subprocess.Popen(gpu_cmd, cwd=ROOT, env=env),
@@ -168,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if not a.model:
-            from gpu_workers.models.factory import make_model
+            from plurai.gpu_workers.models.factory import make_model
 
             a.model = str(make_model(tmp / "tiny-llama", family="llama", size="tiny"))
         a.model = str(Path(a.model).resolve())  # the subprocesses run from the repository root

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,8 +44,8 @@ from bench.workload import (  # noqa: E402
     mixed,
     smoke_model,
 )
-from gpu_workers.layers.attention import AttnContext, PagedAttention  # noqa: E402
-from gpu_workers.layers.rotary import apply_rotary  # noqa: E402
+from plurai.gpu_workers.layers.attention import AttnContext, PagedAttention  # noqa: E402
+from plurai.gpu_workers.layers.rotary import apply_rotary  # noqa: E402
 
 KERNELS = ("rms_norm", "silu_mul", "rotary_cache", "paged_decode")
 
@@ -159,8 +159,8 @@ def alone(ops, cfg, dtype: torch.dtype, runs: int = 61) -> dict:
 
 def run_engine(model: Path, reqs, dtype: str, ops, kv_bytes: int | None = None) -> float:
     """kv_bytes: the engine's KV budget (None: the default)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     kv = {"kv_cache_bytes": kv_bytes} if kv_bytes else {}
     engine = Engine(EngineConfig(model=str(model), dtype=dtype, kernels="torch", **kv))
@@ -198,7 +198,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from gpu_workers import kernels
+    from plurai.gpu_workers import kernels
 
     ops = kernels.build()
     model = smoke_model() if args.smoke else bench_model(args.model)

@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from bench.workload import add_smoke_arg, cpu_isa  # noqa: E402
-from broker_config import keys  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from broker_config.settings import Settings  # noqa: E402
-from gateway import dashboard  # noqa: E402
-from producer.client import Client  # noqa: E402
+from plurai.broker_config import keys  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.broker_config.settings import Settings  # noqa: E402
+from plurai.gateway import dashboard  # noqa: E402
+from plurai.producer.client import Client  # noqa: E402
 
 
 def page_weight() -> dict[str, int]:

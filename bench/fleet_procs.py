@@ -15,8 +15,8 @@ from collections import deque
 from typing import Any
 
 from bench.sim_backend import WORDS, SimBackend
-from broker_config.connection import connect
-from broker_config.settings import Settings
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
 
 LANES = (("interactive", 0.2), ("standard", 0.5), ("batch", 0.3))
 
@@ -24,7 +24,7 @@ LANES = (("interactive", 0.2), ("standard", 0.5), ("batch", 0.3))
 def worker_proc(cfg: dict[str, Any], stop: Any, out: Any) -> None:
     """Run cfg['ids'] workers as threads until `stop`; put a JSON line of their figures."""
     logging.basicConfig(level=logging.WARNING)
-    from gpu_workers.worker import Worker
+    from plurai.gpu_workers.worker import Worker
 
     workers: list[tuple[Worker, SimBackend]] = []
     for wid, model in cfg["ids"]:
@@ -83,7 +83,7 @@ def producer_proc(cfg: dict[str, Any], out: Any) -> None:
     wait_all on the oldest) until cfg['end'], then wait for the rest; puts one JSON line:
     per job [created_ms, started_ms, finished_ms, ok, lane index], and counts."""
     logging.basicConfig(level=logging.WARNING)
-    from producer.client import Client
+    from plurai.producer.client import Client
 
     rows: list[list[int]] = []
     lanes = [n for n, _ in LANES]

@@ -52,9 +52,9 @@ import redis  # noqa: E402
 from bench.fleet_procs import LANES, producer_proc, worker_proc  # noqa: E402
 from bench.sim_backend import STEP_BASE_MS, STEP_PER_SEQ_MS, STEP_SOURCE  # noqa: E402
 from bench.workload import add_smoke_arg, cpu_isa  # noqa: E402
-from broker_config import keys  # noqa: E402
-from broker_config.connection import connect, is_cluster  # noqa: E402
-from broker_config.settings import Settings  # noqa: E402
+from plurai.broker_config import keys  # noqa: E402
+from plurai.broker_config.connection import connect, is_cluster  # noqa: E402
+from plurai.broker_config.settings import Settings  # noqa: E402
 
 MODELS = ("sim-a", "sim-b")
 
@@ -70,12 +70,12 @@ def redis_target(a: argparse.Namespace) -> Iterator[tuple[str, str]]:
         return
     with tempfile.TemporaryDirectory() as d:
         if a.cluster:
-            from broker_config.embedded import LocalCluster
+            from plurai.broker_config.embedded import LocalCluster
 
             with LocalCluster(Path(d) / "cluster", n=a.cluster) as url:
                 yield url, f"LocalCluster of {a.cluster} primaries"
         else:
-            from broker_config.embedded import EmbeddedRedis
+            from plurai.broker_config.embedded import EmbeddedRedis
 
             with EmbeddedRedis(Path(d) / "redis") as url:
                 yield url, "EmbeddedRedis (one redis-server, AOF on)"

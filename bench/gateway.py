@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
-from broker_config.embedded import EmbeddedRedis, free_port  # noqa: E402
-from broker_config.stats import serving_workers  # noqa: E402
-from producer.aio import AsyncClient  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis, free_port  # noqa: E402
+from plurai.broker_config.stats import serving_workers  # noqa: E402
+from plurai.producer.aio import AsyncClient  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -215,7 +215,7 @@ def main() -> None:
         a.model = str(smoke_model())
         a.jobs, a.clients, a.max_tokens, a.rounds, a.unloaded, warm = 8, 2, 4, 1, 3, 4
     if not (Path(a.model) / "config.json").exists():
-        from gpu_workers.models.factory import make_model
+        from plurai.gpu_workers.models.factory import make_model
 
         make_model(a.model, family="llama")
     model = Path(a.model).name
@@ -223,7 +223,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "cli", "worker", "--model", a.model, "--url", url]
+                [sys.executable, "-m", "plurai.cli", "worker", "--model", a.model, "--url", url]
                 + ["--metrics-port", "-1", "--engine", "threads=1"],
                 cwd=ROOT,
                 env=env,
@@ -232,7 +232,7 @@ def main() -> None:
         ]
         port = free_port()
         gw = subprocess.Popen(
-            [sys.executable, "-m", "cli", "gateway", "--url", url, "--port", str(port)],
+            [sys.executable, "-m", "plurai.cli", "gateway", "--url", url, "--port", str(port)],
             cwd=ROOT,
             env=env,
         )

@@ -132,7 +132,7 @@ def main() -> None:
         "read_bandwidth_gb_s": read_bandwidth_gb_s(0.125 if a.smoke else 1.0),
         "dtypes": {},
     }
-    from gpu_workers.kernels import build_isa
+    from plurai.gpu_workers.kernels import build_isa
 
     result["kernels_isa"] = build_isa()
     for dtype in a.dtypes.split(","):

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -43,8 +43,8 @@ def main() -> None:
     if args.smoke:
         args.batch, args.steps = 4, 3
 
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     model = smoke_model() if args.smoke else bench_model(args.model)
     engine = Engine(EngineConfig(model=str(model), dtype=args.dtype))

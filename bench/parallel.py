@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,8 +36,8 @@ from bench.workload import (  # noqa: E402
     mixed,
     smoke_model,
 )
-from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
-from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
+from plurai.gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
+from plurai.gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def measure(model: str, tp: int, pp: int, args: argparse.Namespace) -> dict:

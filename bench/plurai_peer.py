@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.vllm_peer import tree_rss_mib  # noqa: E402
-from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
-from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
+from plurai.gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
+from plurai.gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import redis
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
-from gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
+from plurai.gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 

@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
-from broker_config import keys  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from broker_config.stats import serving_workers, workers  # noqa: E402
-from producer.client import Client  # noqa: E402
-from results import tokens  # noqa: E402
+from plurai.broker_config import keys  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.broker_config.stats import serving_workers, workers  # noqa: E402
+from plurai.producer.client import Client  # noqa: E402
+from plurai.results import tokens  # noqa: E402
 
 BATCH_PROMPT_TOKENS = 64  # at most (59 with the tiny tokenizer), for "batch document N: " + WORDS
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
@@ -119,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model = a.model
         if model is None:
-            from gpu_workers.models.factory import make_model
+            from plurai.gpu_workers.models.factory import make_model
 
             model = str(make_model(Path(d) / "tiny-llama", family="llama", size="tiny"))
         for preempt in (True, False):
@@ -145,7 +145,7 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:
-    cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
+    cmd = [sys.executable, "-m", "plurai.cli", "worker", "--model", model, "--url", url]
     cmd += ["--grace", "0", "--log-level", "WARNING", "--engine", f"threads={a.threads}"]
     # a KV cache that a few batch jobs fill, with no room left for an interactive job
     per_job = -(-(BATCH_PROMPT_TOKENS + a.batch_tokens) // 16)

@@ -58,7 +58,7 @@ SCHEMES = ("w8a16", "w4a16", "w8a8")
 
 def checkpoint(src: Path, scheme: str, group: int, into: Path | None = None) -> Path:
     """src quantized (made once, cached beside it, or in the folder `into`)."""
-    from gpu_workers.models.quantize import quantize
+    from plurai.gpu_workers.models.quantize import quantize
 
     suffix = f"-g{group}" if scheme == "w4a16" else ""
     dst = (into or src.parent) / f"{src.name}-{scheme}{suffix}"
@@ -71,7 +71,7 @@ def child(runs: list[dict]) -> list[dict]:
     """Each run (model, reqs, one, threads, kv) in turn, in this process; every run here with
     the quantized layers on torch's int kernels (`torch_kernels`) or every one without:
     that is set once for the process."""
-    from gpu_workers.kernels import load
+    from plurai.gpu_workers.kernels import load
 
     (torch_kernels,) = {r["torch_kernels"] for r in runs}
     if torch_kernels:  # the loaded extension without its quantized matmuls (the other
@@ -86,9 +86,9 @@ def decode_rate(
     model: str, reqs: list[list[int]], one_at_a_time: bool, threads: int, kv_bytes: int
 ) -> dict:
     """Decode tok/s of the native engine in bf16 on these requests ([prompt, max_tokens])."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
-    from gpu_workers.layers.quant_linear import QuantLinear
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.layers.quant_linear import QuantLinear
 
     engine = Engine(
         EngineConfig(model=model, dtype="bf16", kv_cache_bytes=kv_bytes, threads=threads)
@@ -144,8 +144,8 @@ def perplexity(model: Path, text_ids: list[int], window: int) -> float:
     of the engine's model (bf16)."""
     import torch
 
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.layers.attention import AttnContext, Prefill
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.layers.attention import AttnContext, Prefill
 
     runner = Engine(EngineConfig(model=str(model), dtype="bf16", kv_cache_bytes=64 << 20)).runner
     nll, count = 0.0, 0
@@ -165,7 +165,7 @@ def book_model(steps: int) -> tuple[Path, list[int]]:
     from transformers import AutoTokenizer
 
     from bench.speculative import doc_model
-    from gpu_workers.models.train import corpus_text
+    from plurai.gpu_workers.models.train import corpus_text
 
     model = doc_model("small", steps, copy_share=0.0)  # the book alone: its perplexity
     tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)

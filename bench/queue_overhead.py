@@ -41,14 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
-from broker_config import (  # noqa: E402
+from plurai.broker_config import (  # noqa: E402
     fastpipe,  # noqa: E402
     keys,
     protocol,
 )
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from broker_config.stats import serving_workers  # noqa: E402
-from producer.client import Client  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.broker_config.stats import serving_workers  # noqa: E402
+from plurai.producer.client import Client  # noqa: E402
 
 PARTS = ("e2e", "enqueue", "cost")
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
@@ -73,9 +73,9 @@ def engine_args(a: argparse.Namespace) -> dict:
 
 
 def offline(a: argparse.Namespace, reqs: list[dict]) -> dict:
-    from gpu_workers.engine.config import EngineConfig
-    from gpu_workers.engine.engine import Engine
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=a.model, **engine_args(a)))
     engine.generate(["warm up the engine"], SamplingParams(max_tokens=8))
@@ -256,7 +256,7 @@ def start_worker(
     model: str, url: str, env: dict[str, str], extra: list[str] | None = None
 ) -> subprocess.Popen:
     """A worker process on `url`, once it has served a warm-up job."""
-    cmd = [sys.executable, "-m", "cli", "worker", "--model", model, "--url", url]
+    cmd = [sys.executable, "-m", "plurai.cli", "worker", "--model", model, "--url", url]
     worker = subprocess.Popen(
         [*cmd, "--log-level", "WARNING", *(extra or [])],
         cwd=ROOT,
@@ -281,7 +281,7 @@ def cost_run(url: str, n: int, max_tokens: int) -> dict:
     every client's and the scripts' inner ones), tokens, TTFT as Redis saw it (the job's
     first delta entry, whose id is Redis's clock, less its created_ms), and whether every
     stream spells its record's text."""
-    from results import records, tokens
+    from plurai.results import records, tokens
 
     client = Client(url)
     reqs = [
@@ -321,7 +321,7 @@ def cost_run(url: str, n: int, max_tokens: int) -> dict:
 def first_delta_ms(client: Client, job_id: str) -> int:
     """When the job's first delta reached Redis (its entry id is Redis's clock), less the
     job's created_ms."""
-    from results import records
+    from plurai.results import records
 
     entries = client.redis.xrange(keys.output(job_id))
     first = next(eid for eid, f in entries if f.get("type") == "delta")
@@ -397,7 +397,7 @@ def e2e_part(a: argparse.Namespace) -> dict:
 def cost_part(a: argparse.Namespace) -> dict:
     """The Redis cost runs on the cost model, and their ratios."""
     if not (Path(a.cost_model) / "config.json").exists():
-        from gpu_workers.models.factory import make_model
+        from plurai.gpu_workers.models.factory import make_model
 
         make_model(Path(a.cost_model), family="llama", size="tiny", train=True)
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d) / "redis") as url:

@@ -55,8 +55,8 @@ sys.path.insert(0, str(ROOT))
 from bench.serving.figures import percentile  # noqa: E402
 from bench.serving.stacks import VLLM_PY, EngineSpec, PluraiStack, Stack, make_stack  # noqa: E402
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
-from broker_config import keys  # noqa: E402
-from results.records import HOPS  # noqa: E402
+from plurai.broker_config import keys  # noqa: E402
+from plurai.results.records import HOPS  # noqa: E402
 
 STACKS = ("round_robin", "cache_aware", "plurai-vllm-notier", "plurai-vllm")
 # what the figures below come from in vLLM's result file

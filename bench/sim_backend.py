@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker_config.errors import ErrorCode
-from gpu_workers.backend import AddRequest, RequestError, StepOutput
+from plurai.broker_config.errors import ErrorCode
+from plurai.gpu_workers.backend import AddRequest, RequestError, StepOutput
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 

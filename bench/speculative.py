@@ -50,7 +50,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,8 +72,8 @@ def doc_model(size: str, steps: int, copy_share: float) -> Path:
     model (made once; cached under models/). A share of its training windows are paragraphs
     written twice: a model trained on the book alone continues a passage from what it
     remembers of the book, not from the prompt, and copies no field out of a document."""
-    from gpu_workers.models.factory import make_model
-    from gpu_workers.models.train import TrainConfig
+    from plurai.gpu_workers.models.factory import make_model
+    from plurai.gpu_workers.models.train import TrainConfig
 
     cfg = TrainConfig(
         steps=steps, seconds=24 * 3600.0, context=192, chat_share=0.0, copy_share=copy_share
@@ -89,7 +89,7 @@ def documents(model: Path, n: int, max_tokens: int, seed: int = 0) -> list[Reque
     quote (the trained model writes no EOS there: it goes on with the book)."""
     from transformers import AutoTokenizer
 
-    from gpu_workers.models.train import corpus_text, paragraphs
+    from plurai.gpu_workers.models.train import corpus_text, paragraphs
 
     tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
     paras = [p for p in paragraphs(corpus_text()) if 200 <= len(p) <= 500]
@@ -126,8 +126,8 @@ def run_native(
 ):
     """(output tok/s: batch all at once, or decode tok/s one at a time; acceptance).
     kv_bytes: the engine's KV budget (None: the default)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     max_len = max(len(r.prompt) + r.max_tokens for r in reqs) + 16
     engine = Engine(

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,10 +63,10 @@ def main() -> None:
     if args.smoke:
         args.requests = 2
 
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
-    from gpu_workers.engine.sequence import Sequence
-    from gpu_workers.layers.linear import Linear
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.sequence import Sequence
+    from plurai.gpu_workers.layers.linear import Linear
 
     model = smoke_model() if args.smoke else bench_model(args.model)
     kv = {"kv_cache_bytes": SMOKE_KV_BYTES} if args.smoke else {}

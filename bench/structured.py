@@ -129,8 +129,8 @@ def run(
 ) -> tuple[float, list, dict]:
     """One batch on a fresh engine: seconds, completions, and the constraint's own figures.
     kv_bytes: the engine's KV budget (None: the default)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     kv = {"kv_cache_bytes": kv_bytes} if kv_bytes else {}
     engine = Engine(EngineConfig(model=str(model), dtype=dtype, prefix_caching=False, **kv))
@@ -264,7 +264,7 @@ def main() -> None:
 
     import jsonschema
 
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     model = smoke_model() if args.smoke else bench_model(args.model)
     from transformers import AutoConfig
@@ -359,7 +359,7 @@ def main() -> None:
     result["dtype"] = args.dtype
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
     result["isa"] = cpu_isa()
-    from gpu_workers.kernels import build_isa
+    from plurai.gpu_workers.kernels import build_isa
 
     result["kernels_isa"] = build_isa()
     if args.smoke:

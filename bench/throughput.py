@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_workers.backend import AddRequest
+from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -57,8 +57,8 @@ from bench.workload import (  # noqa: E402
 def run_plurai(
     model: Path, reqs: list[Request], dtype: str, kernels: str = "auto"
 ) -> tuple[float, dict]:
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(model), dtype=dtype, kernels=kernels))
     if kernels == "auto" and engine.runner.ops is None:
@@ -310,7 +310,7 @@ def main() -> None:
             result[key] = round(result["plurai_tok_s"] / result[f"{name}_tok_s"], 2)
     result["isa"] = cpu_isa()
     # the flag set the fused kernels were built with (PLURAI_KERNEL_ISA can narrow it)
-    from gpu_workers.kernels import build_isa
+    from plurai.gpu_workers.kernels import build_isa
 
     result["kernels_isa"] = build_isa()
     result["peers"] = [name for name, ts in times.items() if ts]  # those that ran

@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.queue_overhead import WORDS, start_worker  # noqa: E402
 from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
-from broker_config import tracing  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from producer.client import Client  # noqa: E402
+from plurai.broker_config import tracing  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.producer.client import Client  # noqa: E402
 
 
 class Collector(ThreadingHTTPServer):
@@ -109,7 +109,7 @@ def main() -> int:
     if a.smoke:
         a.model, a.jobs, a.max_tokens, a.runs = str(smoke_model()), 8, 4, 1
     if not (Path(a.model) / "config.json").exists():
-        from gpu_workers.models.factory import make_model
+        from plurai.gpu_workers.models.factory import make_model
 
         make_model(Path(a.model), family="llama", size="tiny", train=True)
     collector = Collector()

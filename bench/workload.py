@@ -13,7 +13,7 @@ from pathlib import Path
 
 # the widest vector ISA of this CPU, for every bench's JSON: speed-ups must hold on AVX2-only
 # machines as well as on AVX-512 (with or without native bf16)
-from gpu_workers.kernels import cpu_isa  # noqa: F401
+from plurai.gpu_workers.kernels import cpu_isa  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ MADE = {BENCH_MODEL: "bench", "models/qwen-0.5b": "0.5b", "models/llama-1b": "1b
 def bench_model(path: str | Path = BENCH_MODEL) -> Path:
     """A bench's --model folder: any model folder, or one of MADE's, made once if missing
     (the ~46M-parameter bench Llama by default; Qwen2.5-0.5B's and Llama-3.2-1B's shapes)."""
-    from gpu_workers.models.factory import make_model
+    from plurai.gpu_workers.models.factory import make_model
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -95,7 +95,7 @@ def smoke_model(size: str = "tiny") -> Path:
     smallest that vLLM's CPU attention takes), made once under models/. It is written to a
     folder of its own and then renamed into place, so that smoke runs started at once (the
     test suites run side by side) never read a half-written model."""
-    from gpu_workers.models.factory import factory_record, make_model
+    from plurai.gpu_workers.models.factory import factory_record, make_model
 
     path = ROOT / "models" / f"smoke-{size}-llama"
     if factory_record(path) is None:  # written last: a whole model

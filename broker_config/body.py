@@ -12,8 +12,8 @@ from typing import Any
 
 import msgpack
 
-from broker_config.errors import Code, WireError
-from broker_config.text import valid_text
+from plurai.broker_config.errors import Code, WireError
+from plurai.broker_config.text import valid_text
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"

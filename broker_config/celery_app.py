@@ -1,7 +1,7 @@
 """The Celery app of bulk batches (producer/bulk/tasks.py).
 
-    celery -A broker_config.celery_app worker --pool solo -c 1     the batch driver
-    celery -A broker_config.celery_app beat                        periodic maintenance
+    celery -A plurai.broker_config.celery_app worker --pool solo -c 1     the batch driver
+    celery -A plurai.broker_config.celery_app beat                        periodic maintenance
 
 The broker is the Plurai Redis (PLURAI_REDIS_URL), under the key prefix
 keys.CELERY_PREFIX. No result backend: the tasks' results are never read (the batch
@@ -18,11 +18,11 @@ from urllib.parse import quote
 
 from celery import Celery
 
-from broker_config import keys
-from broker_config.connection import SentinelURL, parse_sentinel, resolve_url
-from broker_config.settings import BulkSettings
+from plurai.broker_config import keys
+from plurai.broker_config.connection import SentinelURL, parse_sentinel, resolve_url
+from plurai.broker_config.settings import BulkSettings
 
-app = Celery("plurai", include=["producer.bulk.tasks"])
+app = Celery("plurai", include=["plurai.producer.bulk.tasks"])
 
 
 def configure(celery: Celery, url: str | None = None) -> Celery:

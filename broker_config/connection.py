@@ -54,8 +54,8 @@ from redis.commands.policies import (
     StaticPolicyResolver,
 )
 
-from broker_config.settings import Settings
-from broker_config.text import text
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
 
 # the user info of any URL (to its last @, even a stray one in a password left unescaped),
 # and a password= parameter
@@ -352,7 +352,7 @@ def resolve_url(url: str | None = None, settings: Settings | None = None) -> str
     settings = settings or Settings()
     if settings.redis_url:
         return settings.redis_url
-    from broker_config.embedded import running_url
+    from plurai.broker_config.embedded import running_url
 
     found = running_url(Path(settings.data_dir))
     if found:

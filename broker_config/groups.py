@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import redis
 
-from broker_config import keys
-from broker_config.memory import is_oom
-from broker_config.text import text
+from plurai.broker_config import keys
+from plurai.broker_config.memory import is_oom
+from plurai.broker_config.text import text
 
 
 def ensure_groups(r: redis.Redis, streams: list[str]) -> None:
@@ -37,8 +37,8 @@ def _has_group(r: redis.Redis, stream: str) -> bool:
 def request_streams(r: redis.Redis, lanes: list[str]) -> list[str]:
     """The request streams of the default model and of every model workers have served
     (plurai:models), every shard: what maintenance looks at."""
-    from broker_config.routes import Routes
-    from broker_config.settings import Settings
+    from plurai.broker_config.routes import Routes
+    from plurai.broker_config.settings import Settings
 
     settings = Settings()
     routes = Routes(settings)

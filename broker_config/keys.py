@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 
-from broker_config.protocol import valid_job_id
+from plurai.broker_config.protocol import valid_job_id
 
 PREFIX = "plurai"
 GROUP = "workers"  # the consumer group on every request stream

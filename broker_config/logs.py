@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from broker_config.connection import redact
+from plurai.broker_config.connection import redact
 
 FORMATS = ("text", "json")
 OWN_LOGGERS = ("plurai", "broker_config", "gpu_workers", "kv_store", "producer", "results")

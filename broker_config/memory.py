@@ -15,8 +15,8 @@ from typing import Any
 
 import redis
 
-from broker_config.connection import is_cluster
-from broker_config.text import text
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.text import text
 
 log = logging.getLogger("plurai.memory")
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import msgpack
 
-from broker_config import tracing
-from broker_config.body import CONTENT_TYPES, INT64, JSON, MSGPACK, decode
-from broker_config.errors import Code, NoJobId, WireError, valid_messages
-from broker_config.text import text
+from plurai.broker_config import tracing
+from plurai.broker_config.body import CONTENT_TYPES, INT64, JSON, MSGPACK, decode
+from plurai.broker_config.errors import Code, NoJobId, WireError, valid_messages
+from plurai.broker_config.text import text
 
 VERSION = "2"  # what clients send; workers also take "1" entries (the same fields)
 VERSIONS = ("1", "2")

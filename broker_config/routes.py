@@ -18,8 +18,8 @@ from typing import Any
 import redis
 from redis.client import NEVER_DECODE
 
-from broker_config import keys
-from broker_config.settings import Settings
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
 
 REFRESH_S = 2.0  # how long a reading of plurai:models is used
 MAX_SHARDS = 256

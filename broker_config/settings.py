@@ -24,7 +24,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from broker_config.protocol import Limits, model_name
+from plurai.broker_config.protocol import Limits, model_name
 
 CONFIG_ENV = "PLURAI_CONFIG"
 DEFAULT_METRICS_PORT = 9400

@@ -1,8 +1,8 @@
 """docs/settings.md, written from `Settings` and `BulkSettings`: each setting's variable,
 default, range and description (its attribute docstring), and which processes read it.
 
-    python -m broker_config.settings_doc            # rewrite docs/settings.md
-    python -m broker_config.settings_doc --check    # exit 1 if it is stale
+    python -m plurai.broker_config.settings_doc            # rewrite docs/settings.md
+    python -m plurai.broker_config.settings_doc --check    # exit 1 if it is stale
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from broker_config.settings import CONFIG_ENV, BulkSettings, Settings
+from plurai.broker_config.settings import CONFIG_ENV, BulkSettings, Settings
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 
@@ -112,7 +112,7 @@ def render() -> str:
     head = [
         "# Settings",
         "",
-        "<!-- Written by `python -m broker_config.settings_doc` from broker_config/settings.py;"
+        "<!-- Written by `python -m plurai.broker_config.settings_doc` from broker_config/settings.py;"
         " edit the settings' docstrings there, not this page. -->",
         "",
         "Every process reads its settings from, highest first: command-line options where it"
@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check:
         if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC} is stale: run python -m broker_config.settings_doc", file=sys.stderr)
+            print(
+                f"{DOC} is stale: run python -m plurai.broker_config.settings_doc", file=sys.stderr
+            )
             return 1
         return 0
     DOC.write_text(text)

@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
-from broker_config.text import text as _s
+from plurai.broker_config import keys
+from plurai.broker_config.text import text as _s
 
 
 @dataclass
@@ -211,8 +211,8 @@ def redis_now_ms(r: redis.Redis) -> int:
 
 def models(r: redis.Redis, default: str) -> dict[str, int]:
     """model -> shard count: the default model and those in plurai:models."""
-    from broker_config.routes import Routes
-    from broker_config.settings import Settings
+    from plurai.broker_config.routes import Routes
+    from plurai.broker_config.settings import Settings
 
     routes = Routes(Settings())
     routes.load(routes.read(r))

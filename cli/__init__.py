@@ -2,5 +2,5 @@
 
 The top of the import layering: the command both talks to the queue as a client
 (producer/) and starts workers (gpu_workers/serve.py), so it lives above both; producer/
-stays the client SDK, importing nothing of gpu_workers. `python -m cli ...` is `plurai ...`.
+stays the client SDK, importing nothing of gpu_workers. `python -m plurai.cli ...` is `plurai ...`.
 """

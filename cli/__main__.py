@@ -1,5 +1,5 @@
-"""`python -m cli ...`: the `plurai` command."""
+"""`python -m plurai.cli ...`: the `plurai` command."""
 
-from cli.main import main
+from plurai.cli.main import main
 
 raise SystemExit(main())

@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker_config.connection import redact
-from broker_config.embedded import EmbeddedRedis, free_port, stop_process
-from broker_config.stats import serving_workers
-from producer.client import Client
+from plurai.broker_config.connection import redact
+from plurai.broker_config.embedded import EmbeddedRedis, free_port, stop_process
+from plurai.broker_config.stats import serving_workers
+from plurai.producer.client import Client
 
 MODEL = Path("models/tiny-llama")
 DOCS = [
@@ -54,7 +54,7 @@ def through_gateway(url: str) -> bool:
         return True
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "cli", "gateway", "--url", url, "--port", str(port)]
+        [sys.executable, "-m", "plurai.cli", "gateway", "--url", url, "--port", str(port)]
         + ["--log-level", "WARNING"]
     )
     base = f"http://127.0.0.1:{port}"
@@ -92,7 +92,7 @@ def through_gateway(url: str) -> bool:
 
 
 def main() -> int:
-    from gpu_workers.models.factory import describe, make_model
+    from plurai.gpu_workers.models.factory import describe, make_model
 
     if not (MODEL / "plurai_factory.json").exists():
         print(f"training the tiny model in {MODEL} (about 25 s, once) ...", flush=True)
@@ -107,7 +107,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "cli",
+                "plurai.cli",
                 "worker",
                 "--model",
                 str(MODEL),

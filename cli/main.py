@@ -15,7 +15,7 @@ One file, though long: every subcommand's arguments, each handler a few lines ca
 into its package.
 """
 
-# Also `python -m cli ...`. The client commands use producer/ (the SDK); `worker`,
+# Also `python -m plurai.cli ...`. The client commands use producer/ (the SDK); `worker`,
 # `make-model` and `quantize` dispatch to gpu_workers, imported only when used.
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from producer.client import Client
+    from plurai.producer.client import Client
 
     return Client(args.url)
 
@@ -43,7 +43,7 @@ def _json(option: str, value: str) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from producer.errors import JobCancelled, JobFailed, JobRestarted
+    from plurai.producer.errors import JobCancelled, JobFailed, JobRestarted
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     options: dict[str, Any] = {
@@ -84,7 +84,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    from results import records, wait
+    from plurai.results import records, wait
 
     with _client(args) as client:
         if args.wait is not None:
@@ -96,7 +96,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from producer.errors import JobCancelled, JobFailed, JobRestarted
+    from plurai.producer.errors import JobCancelled, JobFailed, JobRestarted
 
     with _client(args) as client:
         try:
@@ -116,7 +116,7 @@ def _with_redis(handler: Callable[[argparse.Namespace, Any], int]) -> Callable[.
 
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
-        from broker_config.connection import connect, resolve_url
+        from plurai.broker_config.connection import connect, resolve_url
 
         r = connect(resolve_url(args.url))
         try:
@@ -130,9 +130,9 @@ def _with_redis(handler: Callable[[argparse.Namespace, Any], int]) -> Callable[.
 def cmd_status(args: argparse.Namespace) -> int:
     import redis
 
-    from broker_config.connection import connect, redact, resolve_url
-    from broker_config.settings import Settings
-    from producer import status
+    from plurai.broker_config.connection import connect, redact, resolve_url
+    from plurai.broker_config.settings import Settings
+    from plurai.producer import status
 
     url = resolve_url(args.url)
     r = connect(url)
@@ -156,8 +156,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 @_with_redis
 def cmd_dead_letters(args: argparse.Namespace, r: Any) -> int:
     """`plurai dead-letters list|requeue|drop`: entries no worker could finish."""
-    from broker_config.settings import Settings
-    from producer import dead_letters as dead
+    from plurai.broker_config.settings import Settings
+    from plurai.producer import dead_letters as dead
 
     if args.action == "list":
         found = dead.list_dead(r, args.count)
@@ -191,8 +191,8 @@ def cmd_dead_letters(args: argparse.Namespace, r: Any) -> int:
 @_with_redis
 def cmd_lane(args: argparse.Namespace, r: Any) -> int:
     """`plurai lane list|pause|resume|purge`: an operator's controls of a lane."""
-    from broker_config.settings import Settings
-    from producer import lanes
+    from plurai.broker_config.settings import Settings
+    from plurai.producer import lanes
 
     if args.action == "list":
         for model, lane in lanes.paused(r):
@@ -217,10 +217,10 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from broker_config import logs
-    from broker_config.connection import connect, redact, resolve_url
-    from broker_config.settings import Settings
-    from results.webhooks import Notifier
+    from plurai.broker_config import logs
+    from plurai.broker_config.connection import connect, redact, resolve_url
+    from plurai.broker_config.settings import Settings
+    from plurai.results.webhooks import Notifier
 
     settings = Settings()
     logs.setup(settings.log_level, settings.log_format)
@@ -236,8 +236,8 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
 
 
 def _batch_client(args: argparse.Namespace) -> Any:
-    from broker_config.celery_app import app, configure
-    from broker_config.connection import resolve_url
+    from plurai.broker_config.celery_app import app, configure
+    from plurai.broker_config.connection import resolve_url
 
     url = resolve_url(args.url)
     configure(app, url)
@@ -247,8 +247,8 @@ def _batch_client(args: argparse.Namespace) -> Any:
 def cmd_batch_submit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from producer.bulk import manage, progress
-    from producer.bulk.plan import Task, schema_of, schema_text
+    from plurai.producer.bulk import manage, progress
+    from plurai.producer.bulk.plan import Task, schema_of, schema_text
 
     task = None
     if args.task:
@@ -271,11 +271,11 @@ def cmd_batch_submit(args: argparse.Namespace) -> int:
         )
     model = args.model
     if task is not None and not model:
-        from broker_config.settings import Settings
+        from plurai.broker_config.settings import Settings
 
         model = Settings().model_dir
     with _batch_client(args) as client:
-        from broker_config.settings import BulkSettings
+        from plurai.broker_config.settings import BulkSettings
 
         batch_id = manage.create(
             client,
@@ -292,7 +292,7 @@ def cmd_batch_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_batch_status(args: argparse.Namespace) -> int:
-    from producer.bulk import manage, progress
+    from plurai.producer.bulk import manage, progress
 
     with _batch_client(args) as client:
         if args.json:
@@ -303,7 +303,7 @@ def cmd_batch_status(args: argparse.Namespace) -> int:
 
 
 def cmd_batch_cancel(args: argparse.Namespace) -> int:
-    from producer.bulk import manage
+    from plurai.producer.bulk import manage
 
     with _batch_client(args) as client:
         print(manage.cancel(client, args.batch_id))
@@ -313,7 +313,7 @@ def cmd_batch_cancel(args: argparse.Namespace) -> int:
 def cmd_batch_results(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from producer.bulk import manage, store
+    from plurai.producer.bulk import manage, store
 
     # the id names the files: one that is not a plain name (`..`, a separator, an absolute
     # path) is refused before anything is read or written
@@ -376,19 +376,19 @@ def add_batch_parser(sub: Any) -> None:
 
 
 def cmd_worker(rest: list[str]) -> int:
-    from gpu_workers import serve as worker
+    from plurai.gpu_workers import serve as worker
 
     return worker.main(rest)
 
 
 def cmd_gateway(rest: list[str], dashboard: bool = False) -> int:
-    from gateway import serve as gateway
+    from plurai.gateway import serve as gateway
 
     return gateway.main(rest, dashboard=dashboard)
 
 
 def cmd_make_model(rest: list[str]) -> int:
-    from gpu_workers.models import factory
+    from plurai.gpu_workers.models import factory
 
     p = argparse.ArgumentParser(prog="plurai make-model", description="write a random-weight model")
     factory.add_arguments(p)
@@ -396,7 +396,7 @@ def cmd_make_model(rest: list[str]) -> int:
 
 
 def cmd_quantize(rest: list[str]) -> int:
-    from gpu_workers.models import quantize as q
+    from plurai.gpu_workers.models import quantize as q
 
     p = argparse.ArgumentParser(
         prog="plurai quantize",
@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--url", help="Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
         )
     add_batch_parser(sub)
-    from gateway import keys_cli
+    from plurai.gateway import keys_cli
 
     k = sub.add_parser("keys", help="the gateway's API keys (create, list, revoke)")
     keys_cli.add_arguments(k)
@@ -590,9 +590,9 @@ def run(argv: list[str]) -> int:
     import pydantic
     import redis
 
-    from broker_config.connection import redact
-    from broker_config.settings import explain
-    from producer.bulk.manage import UnknownBatch
+    from plurai.broker_config.connection import redact
+    from plurai.broker_config.settings import explain
+    from plurai.producer.bulk.manage import UnknownBatch
 
     try:
         return int(args.func(args))

@@ -28,8 +28,8 @@ import redis
 import redis.asyncio
 from redis.client import NEVER_DECODE
 
-from broker_config import keys
-from broker_config.settings import Settings
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
 
 log = logging.getLogger("plurai.gateway")
 

@@ -28,17 +28,17 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker_config import keys, tracing
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from gateway import auth, openai
-from gateway.apikeys import Key
-from gateway.dashboard import Dashboard
-from gateway.errors import ApiError, client_status, error, model_not_found, no_workers
-from gateway.lag import LoopWatch
-from gateway.lease import Lease, OpenStreams, StreamSlot, max_output, request_tokens
-from gateway.metrics import GatewayMetrics
-from gateway.sse import (
+from plurai.broker_config import keys, tracing
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.gateway import auth, openai
+from plurai.gateway.apikeys import Key
+from plurai.gateway.dashboard import Dashboard
+from plurai.gateway.errors import ApiError, client_status, error, model_not_found, no_workers
+from plurai.gateway.lag import LoopWatch
+from plurai.gateway.lease import Lease, OpenStreams, StreamSlot, max_output, request_tokens
+from plurai.gateway.metrics import GatewayMetrics
+from plurai.gateway.sse import (
     BAD_RECORD,
     EXPIRED,
     EventStream,
@@ -48,12 +48,12 @@ from gateway.sse import (
     head,
     unless_gone,
 )
-from gateway.streams import Streams
-from producer.aio import AsyncClient
-from producer.openai_body import BadRequest, Job, chat_job, completion_job
-from producer.request import prepare
-from results import records, tokens, wait
-from results.records import JobRecord
+from plurai.gateway.streams import Streams
+from plurai.producer.aio import AsyncClient
+from plurai.producer.openai_body import BadRequest, Job, chat_job, completion_job
+from plurai.producer.request import prepare
+from plurai.results import records, tokens, wait
+from plurai.results.records import JobRecord
 
 log = logging.getLogger("plurai.gateway")
 

@@ -12,10 +12,10 @@ import time
 
 import redis.asyncio
 
-from broker_config import protocol
-from broker_config.settings import Settings
-from gateway import apikeys
-from gateway.apikeys import Key
+from plurai.broker_config import protocol
+from plurai.broker_config.settings import Settings
+from plurai.gateway import apikeys
+from plurai.gateway.apikeys import Key
 
 
 class Unauthorized(Exception):

@@ -12,9 +12,9 @@ import json
 import re
 from typing import Any
 
-from producer.bulk import store
-from producer.bulk.store import BatchRecord
-from producer.openai_body import BadRequest
+from plurai.producer.bulk import store
+from plurai.producer.bulk.store import BatchRecord
+from plurai.producer.openai_body import BadRequest
 
 COMPLETION_WINDOW = "24h"
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512

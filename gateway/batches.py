@@ -40,16 +40,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from broker_config import keys
-from broker_config.celery_app import app as celery_app
-from broker_config.celery_app import configure
-from broker_config.connection import connect
-from broker_config.settings import BulkSettings
-from broker_config.text import text
-from gateway import auth
-from gateway.app import Gateway
-from gateway.auth import Key, Unauthorized
-from gateway.batch_objects import (
+from plurai.broker_config import keys
+from plurai.broker_config.celery_app import app as celery_app
+from plurai.broker_config.celery_app import configure
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import BulkSettings
+from plurai.broker_config.text import text
+from plurai.gateway import auth
+from plurai.gateway.app import Gateway
+from plurai.gateway.auth import Key, Unauthorized
+from plurai.gateway.batch_objects import (
     COMPLETION_WINDOW,
     FILE_ID,
     RESULT_FILE_ID,
@@ -58,7 +58,7 @@ from gateway.batch_objects import (
     file_object,
     result_file_object,
 )
-from gateway.uploads import (
+from plurai.gateway.uploads import (
     CHUNK,
     FORM_SLACK,
     MAX_FILE_BYTES,
@@ -69,12 +69,12 @@ from gateway.uploads import (
     filename_of,
     too_large,
 )
-from gateway.uploads import store as store_upload
-from producer.bulk import drive, inputs, manage, store
-from producer.bulk.store import BatchRecord
-from producer.client import Client
-from producer.openai_body import BadRequest
-from results.records import BadRecord
+from plurai.gateway.uploads import store as store_upload
+from plurai.producer.bulk import drive, inputs, manage, store
+from plurai.producer.bulk.store import BatchRecord
+from plurai.producer.client import Client
+from plurai.producer.openai_body import BadRequest
+from plurai.results.records import BadRecord
 
 log = logging.getLogger("plurai.gateway")
 

@@ -34,13 +34,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from broker_config import keys, protocol, stats
-from broker_config.connection import connect, redact
-from broker_config.settings import Settings
-from broker_config.text import text
-from gateway.auth import Guard, Unauthorized
-from producer import dead_letters as dead
-from producer.bulk.store import BATCH_ID
+from plurai.broker_config import keys, protocol, stats
+from plurai.broker_config.connection import connect, redact
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
+from plurai.gateway.auth import Guard, Unauthorized
+from plurai.producer import dead_letters as dead
+from plurai.producer.bulk.store import BATCH_ID
 
 log = logging.getLogger("plurai.gateway")
 

@@ -15,12 +15,18 @@ from kombu.exceptions import OperationalError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from broker_config.memory import is_oom
-from gateway.auth import LaneError, Unauthorized
-from gateway.openai import error_body
-from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull, RedisFull, UnknownModel
-from producer.openai_body import BadRequest
-from results.records import BadRecord
+from plurai.broker_config.memory import is_oom
+from plurai.gateway.auth import LaneError, Unauthorized
+from plurai.gateway.openai import error_body
+from plurai.producer.errors import (
+    BadIdempotencyKey,
+    NotReplicated,
+    QueueFull,
+    RedisFull,
+    UnknownModel,
+)
+from plurai.producer.openai_body import BadRequest
+from plurai.results.records import BadRecord
 
 log = logging.getLogger("plurai.gateway")
 

@@ -17,9 +17,9 @@ import time
 
 import redis
 
-from broker_config.connection import connect, redact, resolve_url
-from broker_config.settings import Settings
-from gateway import apikeys
+from plurai.broker_config.connection import connect, redact, resolve_url
+from plurai.broker_config.settings import Settings
+from plurai.gateway import apikeys
 
 URL_HELP = "Redis URL (default: PLURAI_REDIS_URL or the embedded one)"
 

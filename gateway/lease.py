@@ -12,10 +12,10 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys, protocol
-from gateway import quota
-from gateway.apikeys import Key
-from gateway.errors import ApiError
+from plurai.broker_config import keys, protocol
+from plurai.gateway import quota
+from plurai.gateway.apikeys import Key
+from plurai.gateway.errors import ApiError
 
 log = logging.getLogger("plurai.gateway")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from broker_config.protocol import Code
-from producer.openai_body import Job
-from results.records import Choice, JobRecord
+from plurai.broker_config.protocol import Code
+from plurai.producer.openai_body import Job
+from plurai.results.records import Choice, JobRecord
 
 # HTTP status of each job error code: what the client sent (400, 404, 413) or not (5xx).
 STATUS = {

@@ -31,11 +31,11 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.protocol import valid_job_id
-from broker_config.text import text
-from gateway.apikeys import Key
-from results import jobs
+from plurai.broker_config import keys
+from plurai.broker_config.protocol import valid_job_id
+from plurai.broker_config.text import text
+from plurai.gateway.apikeys import Key
+from plurai.results import jobs
 
 WINDOW_MS = 60_000  # the quota window: requests and tokens per minute
 LEASE_S = 60.0  # a running job's slot, unless renewed

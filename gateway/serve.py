@@ -13,9 +13,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from broker_config import logs
-from broker_config.connection import redact, resolve_url
-from broker_config.settings import Settings
+from plurai.broker_config import logs
+from plurai.broker_config.connection import redact, resolve_url
+from plurai.broker_config.settings import Settings
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -31,13 +31,13 @@ def create_app(settings: Settings, url: str) -> Starlette:
     from starlette.middleware import Middleware
     from starlette.routing import Route
 
-    from gateway import batches, errors
-    from gateway.app import Gateway
-    from gateway.metrics import MetricsMiddleware
+    from plurai.gateway import batches, errors
+    from plurai.gateway.app import Gateway
+    from plurai.gateway.metrics import MetricsMiddleware
 
     gw = Gateway(settings, url)
     if settings.dashboard:
-        from gateway.dashboard import Dashboard
+        from plurai.gateway.dashboard import Dashboard
 
         gw.dashboard = Dashboard(settings, url)
     app = Starlette(
@@ -66,9 +66,9 @@ def create_dashboard_app(settings: Settings, url: str) -> Starlette:
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
-    from broker_config.connection import connect_async
-    from gateway.auth import Guard
-    from gateway.dashboard import Dashboard
+    from plurai.broker_config.connection import connect_async
+    from plurai.gateway.auth import Guard
+    from plurai.gateway.dashboard import Dashboard
 
     dash = Dashboard(settings, url)
 
@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None, dashboard: bool = False) -> int:
         url = resolve_url(settings.redis_url, settings)
     except ValueError as e:
         raise SystemExit(f"{prog}: {e}") from e
-    from broker_config import memory
-    from broker_config.connection import connect
-    from gateway import apikeys, auth, server
+    from plurai.broker_config import memory
+    from plurai.broker_config.connection import connect
+    from plurai.gateway import apikeys, auth, server
 
     try:
         r = connect(url)

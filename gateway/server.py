@@ -30,8 +30,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from broker_config.settings import Settings
-from gateway.openai import error_body
+from plurai.broker_config.settings import Settings
+from plurai.gateway.openai import error_body
 
 log = logging.getLogger("plurai.gateway")
 

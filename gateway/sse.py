@@ -16,11 +16,11 @@ from prometheus_client import Gauge
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import openai
-from gateway.openai import error_body
-from gateway.server import CLOSE_EXTENSION
-from producer.openai_body import Job
-from results import records, tokens
+from plurai.gateway import openai
+from plurai.gateway.openai import error_body
+from plurai.gateway.server import CLOSE_EXTENSION
+from plurai.producer.openai_body import Job
+from plurai.results import records, tokens
 
 log = logging.getLogger("plurai.gateway")
 

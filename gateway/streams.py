@@ -28,8 +28,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from results import records, tokens
+from plurai.broker_config import keys
+from plurai.results import records, tokens
 
 log = logging.getLogger("plurai.gateway")
 

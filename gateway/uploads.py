@@ -13,9 +13,9 @@ import redis
 import redis.asyncio
 from starlette.datastructures import UploadFile
 
-from broker_config.text import valid_text
-from gateway.batch_objects import DIGITS
-from producer.openai_body import BadRequest
+from plurai.broker_config.text import valid_text
+from plurai.gateway.batch_objects import DIGITS
+from plurai.producer.openai_body import BadRequest
 
 MAX_FILE_BYTES = 200 << 20  # OpenAI's own limit for a batch input file
 MAX_FILE_LINES = 50_000  # OpenAI's limit of requests in one batch

@@ -23,9 +23,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker_config import protocol
-from broker_config.settings import Settings
-from gpu_workers.pace import Pace
+from plurai.broker_config import protocol
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.pace import Pace
 
 log = logging.getLogger("plurai.worker")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker_config.errors import CodedError
+from plurai.broker_config.errors import CodedError
 
 __all__ = ["AddRequest", "Backend", "RequestError", "StepOutput"]
 

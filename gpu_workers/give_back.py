@@ -22,14 +22,14 @@ from collections.abc import Iterable
 
 import redis
 
-from broker_config import tracing
-from broker_config.protocol import Code
-from gpu_workers.backend import Backend
-from gpu_workers.intake import Entry, Intake
-from gpu_workers.job import Running, Runs
-from gpu_workers.metrics import Metrics
-from gpu_workers.spans import Spans
-from gpu_workers.writer import Writer
+from plurai.broker_config import tracing
+from plurai.broker_config.protocol import Code
+from plurai.gpu_workers.backend import Backend
+from plurai.gpu_workers.intake import Entry, Intake
+from plurai.gpu_workers.job import Running, Runs
+from plurai.gpu_workers.metrics import Metrics
+from plurai.gpu_workers.spans import Spans
+from plurai.gpu_workers.writer import Writer
 
 log = logging.getLogger("plurai.worker")
 

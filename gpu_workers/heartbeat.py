@@ -13,13 +13,13 @@ from typing import Any
 
 import redis
 
-from broker_config import keys, stats
-from broker_config.connection import is_cluster
-from broker_config.routes import registry_value
-from broker_config.settings import Settings
-from gpu_workers.intake import Entry
-from gpu_workers.writer import now_ms
-from results import jobs
+from plurai.broker_config import keys, stats
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.routes import registry_value
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.intake import Entry
+from plurai.gpu_workers.writer import now_ms
+from plurai.results import jobs
 
 log = logging.getLogger("plurai.worker")
 

@@ -24,14 +24,14 @@ from typing import Any
 import msgpack
 import redis
 
-from broker_config import keys, protocol, tracing
-from broker_config.protocol import Code, WireError
-from broker_config.settings import Settings
-from broker_config.text import text
-from gpu_workers.arrivals import Arrivals
-from gpu_workers.metrics import Metrics
-from gpu_workers.writer import Writer, now_ms, passing
-from results import jobs, progress, tokens
+from plurai.broker_config import keys, protocol, tracing
+from plurai.broker_config.protocol import Code, WireError
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
+from plurai.gpu_workers.arrivals import Arrivals
+from plurai.gpu_workers.metrics import Metrics
+from plurai.gpu_workers.writer import Writer, now_ms, passing
+from plurai.results import jobs, progress, tokens
 
 DUE_S = 1.0  # the longest between two moves of due delayed entries (a new one's lateness)
 DUE_MOST = 100  # delayed entries one move takes at most

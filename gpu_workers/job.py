@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_workers.backend import StepOutput
-from gpu_workers.intake import Entry
-from results import jobs, progress, records
+from plurai.gpu_workers.backend import StepOutput
+from plurai.gpu_workers.intake import Entry
+from plurai.results import jobs, progress, records
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import bisect
 import re
 from typing import Any
 
-from broker_config.errors import ErrorCode, valid_messages
-from gpu_workers.backend import RequestError
+from plurai.broker_config.errors import ErrorCode, valid_messages
+from plurai.gpu_workers.backend import RequestError
 
 # stands for message i's content when the chat template is rendered to find where the
 # contents land (private-use characters: no template filter changes them)

@@ -9,17 +9,17 @@ import time
 
 import redis
 
-from broker_config import tracing
-from broker_config.protocol import Code
-from broker_config.text import text
-from gpu_workers.backend import Backend, StepOutput
-from gpu_workers.give_back import GiveBack
-from gpu_workers.job import Running, Runs, Stream
-from gpu_workers.metrics import Metrics
-from gpu_workers.pace import Pace
-from gpu_workers.spans import Spans
-from gpu_workers.writer import Writer, now_ms
-from results import jobs, records
+from plurai.broker_config import tracing
+from plurai.broker_config.protocol import Code
+from plurai.broker_config.text import text
+from plurai.gpu_workers.backend import Backend, StepOutput
+from plurai.gpu_workers.give_back import GiveBack
+from plurai.gpu_workers.job import Running, Runs, Stream
+from plurai.gpu_workers.metrics import Metrics
+from plurai.gpu_workers.pace import Pace
+from plurai.gpu_workers.spans import Spans
+from plurai.gpu_workers.writer import Writer, now_ms
+from plurai.results import jobs, records
 
 log = logging.getLogger("plurai.worker")
 

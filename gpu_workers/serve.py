@@ -15,11 +15,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from broker_config import locks, logs, memory, tracing
-from broker_config.connection import connect, redact
-from broker_config.settings import DEFAULT_METRICS_PORT, Settings
-from gpu_workers.backend import Backend
-from gpu_workers.startup import (
+from plurai.broker_config import locks, logs, memory, tracing
+from plurai.broker_config.connection import connect, redact
+from plurai.broker_config.settings import DEFAULT_METRICS_PORT, Settings
+from plurai.gpu_workers.backend import Backend
+from plurai.gpu_workers.startup import (
     Exit,
     StartError,
     Starting,
@@ -27,7 +27,7 @@ from gpu_workers.startup import (
     resolve_model,
     wait_for_redis,
 )
-from gpu_workers.worker import Worker, new_worker_id
+from plurai.gpu_workers.worker import Worker, new_worker_id
 
 log = logging.getLogger("plurai.worker")
 
@@ -75,7 +75,7 @@ def _vllm_speculative(options: dict[str, Any]) -> dict[str, Any] | None:
     """The native engine's speculative-decoding choice (taken out of `options`) as vLLM's
     speculative_config: prompt lookup is vLLM's "ngram" method, a draft model its
     "draft_model". None: off."""
-    from gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.config import EngineConfig
 
     given = {k: options.pop(k) for k in SPEC_FIELDS if k in options}
     if given.get("speculative", "off") == "off":
@@ -114,8 +114,8 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
         if spec is not None:
             vllm_options.setdefault("speculative_config", spec)
         try:
-            from gpu_workers.vllm_backend.backend import VllmBackend
-            from gpu_workers.vllm_backend.cpu_support import Unsupported
+            from plurai.gpu_workers.vllm_backend.backend import VllmBackend
+            from plurai.gpu_workers.vllm_backend.cpu_support import Unsupported
         except ImportError as e:
             raise StartError(
                 Exit.BACKEND_FAILED,
@@ -136,8 +136,8 @@ def make_backend(args: argparse.Namespace, settings: Settings) -> Backend:
             raise StartError(Exit.USAGE, str(e)) from e
     if args.vllm:
         raise StartError(Exit.USAGE, "--vllm options need --backend vllm")
-    from gpu_workers.engine.config import EngineConfig
-    from gpu_workers.engine.engine import Engine
+    from plurai.gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine
 
     kv_redis = connect(kv_url, socket_timeout=2.0, socket_connect_timeout=2.0) if kv_url else None
     config = EngineConfig(
@@ -243,7 +243,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> int:
     check_model(model_dir, native=native)
     settings = settings.model_copy(update={"model_dir": str(model_dir)})
 
-    from broker_config.embedded import EmbeddedRedis, running_url
+    from plurai.broker_config.embedded import EmbeddedRedis, running_url
 
     embedded = None
     url = settings.redis_url

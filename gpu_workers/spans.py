@@ -21,12 +21,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from broker_config import tracing
-from broker_config.text import text
-from gpu_workers.backend import StepOutput
-from gpu_workers.intake import Entry
-from gpu_workers.job import Running
-from gpu_workers.writer import Writer
+from plurai.broker_config import tracing
+from plurai.broker_config.text import text
+from plurai.gpu_workers.backend import StepOutput
+from plurai.gpu_workers.intake import Entry
+from plurai.gpu_workers.job import Running
+from plurai.gpu_workers.writer import Writer
 
 
 class Spans:

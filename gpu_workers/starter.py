@@ -10,17 +10,17 @@ import time
 
 import redis
 
-from broker_config import protocol, tracing
-from broker_config.protocol import Code
-from gpu_workers.backend import AddRequest, Backend, RequestError
-from gpu_workers.give_back import GiveBack
-from gpu_workers.intake import BAD_RECORD, Entry, Intake
-from gpu_workers.job import Running, Runs
-from gpu_workers.metrics import Metrics
-from gpu_workers.pace import Pace
-from gpu_workers.publish import Publisher
-from gpu_workers.spans import Spans
-from results import progress, records
+from plurai.broker_config import protocol, tracing
+from plurai.broker_config.protocol import Code
+from plurai.gpu_workers.backend import AddRequest, Backend, RequestError
+from plurai.gpu_workers.give_back import GiveBack
+from plurai.gpu_workers.intake import BAD_RECORD, Entry, Intake
+from plurai.gpu_workers.job import Running, Runs
+from plurai.gpu_workers.metrics import Metrics
+from plurai.gpu_workers.pace import Pace
+from plurai.gpu_workers.publish import Publisher
+from plurai.gpu_workers.spans import Spans
+from plurai.results import progress, records
 
 log = logging.getLogger("plurai.worker")
 

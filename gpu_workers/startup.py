@@ -19,9 +19,9 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
-from broker_config.connection import redact
-from gpu_workers.models.files import NATIVE, safetensors_problem, weight_files
+from plurai.broker_config import keys
+from plurai.broker_config.connection import redact
+from plurai.gpu_workers.models.files import NATIVE, safetensors_problem, weight_files
 
 log = logging.getLogger("plurai.worker")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gpu_workers.admission import Admission
-from gpu_workers.backend import Backend
-from gpu_workers.intake import Entry, Intake
-from gpu_workers.job import Runs
-from gpu_workers.starter import Batch, Starter
+from plurai.gpu_workers.admission import Admission
+from plurai.gpu_workers.backend import Backend
+from plurai.gpu_workers.intake import Entry, Intake
+from plurai.gpu_workers.job import Runs
+from plurai.gpu_workers.starter import Batch, Starter
 
 
 class Taker:

@@ -21,23 +21,23 @@ from typing import Any
 
 import redis
 
-from broker_config import keys, memory
-from broker_config.groups import ensure_groups
-from broker_config.protocol import Code
-from broker_config.settings import Settings
-from gpu_workers.admission import Admission, moving
-from gpu_workers.backend import Backend
-from gpu_workers.give_back import GiveBack
-from gpu_workers.heartbeat import Heartbeat
-from gpu_workers.intake import BAD_RECORD, Entry, Intake
-from gpu_workers.job import Runs, Stream
-from gpu_workers.metrics import Metrics
-from gpu_workers.publish import Publisher
-from gpu_workers.spans import Spans
-from gpu_workers.starter import Starter
-from gpu_workers.take import Taker
-from gpu_workers.writer import Outage, Writer
-from results import jobs, progress, records
+from plurai.broker_config import keys, memory
+from plurai.broker_config.groups import ensure_groups
+from plurai.broker_config.protocol import Code
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.admission import Admission, moving
+from plurai.gpu_workers.backend import Backend
+from plurai.gpu_workers.give_back import GiveBack
+from plurai.gpu_workers.heartbeat import Heartbeat
+from plurai.gpu_workers.intake import BAD_RECORD, Entry, Intake
+from plurai.gpu_workers.job import Runs, Stream
+from plurai.gpu_workers.metrics import Metrics
+from plurai.gpu_workers.publish import Publisher
+from plurai.gpu_workers.spans import Spans
+from plurai.gpu_workers.starter import Starter
+from plurai.gpu_workers.take import Taker
+from plurai.gpu_workers.writer import Outage, Writer
+from plurai.results import jobs, progress, records
 
 log = logging.getLogger("plurai.worker")
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe, keys, tracing
-from broker_config.connection import is_cluster
-from broker_config.memory import is_oom
-from broker_config.settings import Settings
-from results import jobs, records
-from results.records import now_ms
+from plurai.broker_config import fastpipe, keys, tracing
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.memory import is_oom
+from plurai.broker_config.settings import Settings
+from plurai.results import jobs, records
+from plurai.results.records import now_ms
 
 log = logging.getLogger("plurai.worker")
 

@@ -32,11 +32,11 @@ from typing import Any
 import redis
 import torch
 
-from broker_config import keys
-from broker_config.connection import is_cluster
-from broker_config.memory import is_oom
-from broker_config.settings import Settings
-from kv_store import block_format
+from plurai.broker_config import keys
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.memory import is_oom
+from plurai.broker_config.settings import Settings
+from plurai.kv_store import block_format
 
 log = logging.getLogger(__name__)
 

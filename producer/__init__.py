@@ -1,8 +1,8 @@
 """Plurai client SDK: `Client` (sync) and `AsyncClient` (asyncio)."""
 
-from producer.aio import AsyncClient, AsyncJob
-from producer.client import Client, Job
-from producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull, RedisFull
+from plurai.producer.aio import AsyncClient, AsyncJob
+from plurai.producer.client import Client, Job
+from plurai.producer.errors import JobCancelled, JobFailed, JobRestarted, QueueFull, RedisFull
 
 __all__ = [
     "AsyncClient",

@@ -15,16 +15,16 @@ from typing import Any
 
 import redis
 
-from broker_config import fastpipe
-from broker_config.connection import connect, is_cluster, resolve_url
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from broker_config.text import text
-from producer.errors import QueueFull, accepting, final
-from producer.request import SCRIPTS, Checked, check, prepare
-from producer.submit import Plan
-from results import jobs, records, tokens, wait
-from results.records import JobRecord
+from plurai.broker_config import fastpipe
+from plurai.broker_config.connection import connect, is_cluster, resolve_url
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
+from plurai.producer.errors import QueueFull, accepting, final
+from plurai.producer.request import SCRIPTS, Checked, check, prepare
+from plurai.producer.submit import Plan
+from plurai.results import jobs, records, tokens, wait
+from plurai.results.records import JobRecord
 
 _CHUNK = 5000  # jobs per pipeline round trip in submit_many
 

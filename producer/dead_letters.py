@@ -20,13 +20,13 @@ import msgpack
 import redis
 from redis.client import NEVER_DECODE
 
-from broker_config import keys, protocol
-from broker_config.connection import is_cluster
-from broker_config.errors import CodedError
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from broker_config.text import text
-from results import jobs
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.errors import CodedError
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
+from plurai.results import jobs
 
 MAX_LIST = 10_000  # dead letters one call lists at most (the stream is capped near that)
 # bytes replies whatever the connection decodes: an entry's body may not be UTF-8

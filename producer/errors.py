@@ -7,15 +7,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from broker_config.memory import is_oom
-from broker_config.protocol import Code, valid_job_id
-from broker_config.text import text
-from results import records
-from results.records import JobRecord
-from results.tokens import JobRestarted
+from plurai.broker_config.memory import is_oom
+from plurai.broker_config.protocol import Code, valid_job_id
+from plurai.broker_config.text import text
+from plurai.results import records
+from plurai.results.records import JobRecord
+from plurai.results.tokens import JobRestarted
 
 if TYPE_CHECKING:
-    from results.jobs import Submission
+    from plurai.results.jobs import Submission
 
 J = TypeVar("J")
 

@@ -17,15 +17,15 @@ from typing import Any
 import msgpack
 import redis
 
-from broker_config import keys, protocol
-from broker_config.connection import is_cluster
-from broker_config.errors import CodedError
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from broker_config.stats import paused_lanes
-from broker_config.text import text
-from producer.client import cancel_call
-from results import jobs
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.errors import CodedError
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.stats import paused_lanes
+from plurai.broker_config.text import text
+from plurai.producer.client import cancel_call
+from plurai.results import jobs
 
 PAGE = 1000  # entries read and cancelled in one round trip
 

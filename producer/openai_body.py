@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from broker_config.protocol import Code
+from plurai.broker_config.protocol import Code
 
 # max_tokens of a completion that gives none: OpenAI's (a chat's is the caller's default)
 COMPLETION_MAX_TOKENS = 16

@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from broker_config import keys, protocol, tracing
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from producer.errors import UnknownModel
-from results import jobs, webhook_http
+from plurai.broker_config import keys, protocol, tracing
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.producer.errors import UnknownModel
+from plurai.results import jobs, webhook_http
 
 SUBMIT_OPTIONS = frozenset(
     {

@@ -20,8 +20,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from broker_config import stats
-from broker_config.connection import redact
+from plurai.broker_config import stats
+from plurai.broker_config.connection import redact
 
 
 def _age(s: float | None) -> str:

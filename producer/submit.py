@@ -20,14 +20,14 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from redis.exceptions import NoScriptError
 
-from broker_config import keys, tracing
-from broker_config.protocol import valid_job_id
-from broker_config.routes import Routes, registry_value
-from broker_config.settings import Settings
-from broker_config.text import text
-from producer.errors import check_replicas, queue_full, submitted
-from producer.request import Checked
-from results import jobs, records, webhooks
+from plurai.broker_config import keys, tracing
+from plurai.broker_config.protocol import valid_job_id
+from plurai.broker_config.routes import Routes, registry_value
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
+from plurai.producer.errors import check_replicas, queue_full, submitted
+from plurai.producer.request import Checked
+from plurai.results import jobs, records, webhooks
 
 
 class _Job(Protocol):

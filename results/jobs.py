@@ -25,8 +25,8 @@ import msgpack
 import redis
 import redis.asyncio
 
-from broker_config import fastpipe, keys
-from results import records, scripts
+from plurai.broker_config import fastpipe, keys
+from plurai.results import records, scripts
 
 # FINALIZE's resync: when to rewrite the token stream's text before its end entry.
 RESYNC_ALWAYS = "1"  # a reset and the whole text, whatever the stream holds

@@ -19,8 +19,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.text import text
+from plurai.broker_config import keys
+from plurai.broker_config.text import text
 
 QUEUED = "queued"
 RUNNING = "running"

@@ -16,9 +16,9 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.text import text
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.text import text
+from plurai.results import records
 
 START = "start"
 DELTA = "delta"

@@ -14,9 +14,9 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.text import text
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.text import text
+from plurai.results import records
 
 _SUBSCRIBE_CHUNK = 1000  # channels per SUBSCRIBE
 _QUIET_S = 1.0  # after this long without a message, the records are read again

@@ -31,13 +31,13 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
-from broker_config.connection import is_cluster
-from broker_config.protocol import valid_job_id
-from broker_config.settings import Settings
-from broker_config.text import text
-from results import jobs, records
-from results.webhook_http import MAX_URL, SIGNATURE, Answer, post, sign
+from plurai.broker_config import keys
+from plurai.broker_config.connection import is_cluster
+from plurai.broker_config.protocol import valid_job_id
+from plurai.broker_config.settings import Settings
+from plurai.broker_config.text import text
+from plurai.results import jobs, records
+from plurai.results.webhook_http import MAX_URL, SIGNATURE, Answer, post, sign
 
 log = logging.getLogger("plurai.webhooks")
 

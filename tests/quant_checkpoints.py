@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_workers.models.quant_formats import AWQ_ORDER
-from gpu_workers.models.quantize import LINEAR
+from plurai.gpu_workers.models.quant_formats import AWQ_ORDER
+from plurai.gpu_workers.models.quantize import LINEAR
 
 
 def rtn(

@@ -31,7 +31,7 @@ from bench.serving.workload import (
     INTERACTIVE,
 )
 from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model
-from broker_config.settings import Settings
+from plurai.broker_config.settings import Settings
 
 
 def main() -> None:

@@ -110,8 +110,8 @@ from typing import Any
 
 from bench.serving import figures as sf
 from bench.serving.workload import arrival_times, flatten
-from broker_config.settings import Settings
-from gpu_workers.admission import Admission
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.admission import Admission
 
 ROOT = Path(__file__).resolve().parents[2]
 

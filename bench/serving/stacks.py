@@ -28,8 +28,8 @@ from bench.serving.workload import (
     BATCH,
     ServingRequest,
 )
-from broker_config import keys, stats
-from broker_config.embedded import EmbeddedRedis, find_binary, free_port
+from plurai.broker_config import keys, stats
+from plurai.broker_config.embedded import EmbeddedRedis, find_binary, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -243,7 +243,7 @@ class PluraiStack(Stack):
                     time.sleep(0.05)
         port = free_port()
         self.front = spawn(
-            [sys.executable, "-m", "cli", "gateway", "--url", self.url, "--port", str(port)],
+            [sys.executable, "-m", "plurai.cli", "gateway", "--url", self.url, "--port", str(port)],
             self.logs / "gateway.log",
         )
         self.base = f"http://127.0.0.1:{port}/v1"
@@ -254,7 +254,16 @@ class PluraiStack(Stack):
 
     def engine_cmd(self, i: int) -> tuple[list[str], dict[str, str]]:
         s = self.spec
-        cmd = [sys.executable, "-m", "cli", "worker", "--model", str(s.model), "--url", self.url]
+        cmd = [
+            sys.executable,
+            "-m",
+            "plurai.cli",
+            "worker",
+            "--model",
+            str(s.model),
+            "--url",
+            self.url,
+        ]
         cmd += ["--metrics-port", "-1", "--backend", self.backend]
         env = {**PLURAI_ENV, "PLURAI_KV_REDIS_URL": self.kv_url}
         if self.tpot_ms:

@@ -141,7 +141,7 @@ class Tokens:
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        from gpu_workers.prompts import Prompts
+        from plurai.gpu_workers.prompts import Prompts
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self._prompts = Prompts(self.tokenizer, len(self.tokenizer), 1 << 30)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_workers.engine.kv_tiers import KVTiers
-from gpu_workers.engine.sequence import Sequence
-from kv_store.block_hash import chain_hashes
+from plurai.gpu_workers.engine.kv_tiers import KVTiers
+from plurai.gpu_workers.engine.sequence import Sequence
+from plurai.kv_store.block_hash import chain_hashes
 
 
 @dataclass(eq=False)

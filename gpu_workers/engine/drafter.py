@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
-from gpu_workers.engine.block_manager import BlockManager
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.model_runner import ModelRunner
-from gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.engine.block_manager import BlockManager
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.model_runner import ModelRunner
+from plurai.gpu_workers.engine.sequence import Sequence
 
 
 @dataclass

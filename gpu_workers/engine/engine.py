@@ -35,30 +35,30 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
-from gpu_workers.backend import AddRequest, StepOutput
-from gpu_workers.engine.block_manager import BlockManager
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.detokenizer import Detokenizer
-from gpu_workers.engine.drafter import Drafter
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.grammar import GrammarError, Grammars, Steer
-from gpu_workers.engine.kv_tiers import KVTiers
-from gpu_workers.engine.model_runner import ModelRunner
-from gpu_workers.engine.parallel import Group, encode_step, send_step
-from gpu_workers.engine.sampler import Sampler
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.scheduler import Scheduler
-from gpu_workers.engine.sequence import (
+from plurai.gpu_workers.backend import AddRequest, StepOutput
+from plurai.gpu_workers.engine.block_manager import BlockManager
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.detokenizer import Detokenizer
+from plurai.gpu_workers.engine.drafter import Drafter
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.grammar import GrammarError, Grammars, Steer
+from plurai.gpu_workers.engine.kv_tiers import KVTiers
+from plurai.gpu_workers.engine.model_runner import ModelRunner
+from plurai.gpu_workers.engine.parallel import Group, encode_step, send_step
+from plurai.gpu_workers.engine.sampler import Sampler
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.scheduler import Scheduler
+from plurai.gpu_workers.engine.sequence import (
     Completion,
     Sequence,
     Status,
     check_progress,
     finished_at,
 )
-from gpu_workers.engine.speculator import Speculator
-from gpu_workers.models.loader import fingerprint
-from gpu_workers.prompts import Prompts, check_options
-from kv_store.redis_tier import RedisTier
+from plurai.gpu_workers.engine.speculator import Speculator
+from plurai.gpu_workers.models.loader import fingerprint
+from plurai.gpu_workers.prompts import Prompts, check_options
+from plurai.kv_store.redis_tier import RedisTier
 
 if TYPE_CHECKING:
     import redis

@@ -9,7 +9,7 @@ lists them).
 
 from __future__ import annotations
 
-from broker_config.errors import ErrorCode, valid_messages
-from gpu_workers.backend import RequestError
+from plurai.broker_config.errors import ErrorCode, valid_messages
+from plurai.gpu_workers.backend import RequestError
 
 __all__ = ["ErrorCode", "RequestError", "valid_messages"]

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import llguidance

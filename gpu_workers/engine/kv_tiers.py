@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_store import block_format
-from kv_store.host import HostTier
-from kv_store.redis_tier import RedisTier
+from plurai.kv_store import block_format
+from plurai.kv_store.host import HostTier
+from plurai.kv_store.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.placement import placement
-from gpu_workers.engine.sequence import Sequence
-from gpu_workers.kernels import load as load_kernels
-from gpu_workers.layers.attention import AttnContext, Prefill, use_flash
-from gpu_workers.models.loader import build_model, load_config, resolve_dtype
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.placement import placement
+from plurai.gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.kernels import load as load_kernels
+from plurai.gpu_workers.layers.attention import AttnContext, Prefill, use_flash
+from plurai.gpu_workers.models.loader import build_model, load_config, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ModelRunner:
             self.max_model_len = capacity
 
     def _kernels(self):
-        """The fused CPU kernels, or None for the torch path (see gpu_workers.kernels)."""
+        """The fused CPU kernels, or None for the torch path (see plurai.gpu_workers.kernels)."""
         mode = self.config.kernels
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             if mode == "native":

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.config import EngineConfig
 
 STOP = -1
 
@@ -126,7 +126,7 @@ class Group:
                 [
                     sys.executable,
                     "-m",
-                    "gpu_workers.engine.rank",
+                    "plurai.gpu_workers.engine.rank",
                     "--config",
                     cfg,
                     "--rank",

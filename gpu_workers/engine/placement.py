@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.config import EngineConfig
 
 
 @dataclass

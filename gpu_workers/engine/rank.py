@@ -1,5 +1,5 @@
 """One non-zero rank of a tensor/pipeline-parallel worker group, as its own process:
-`python -m gpu_workers.engine.rank --config JSON --rank R --size N --port P`. Rank 0's
+`python -m plurai.gpu_workers.engine.rank --config JSON --rank R --size N --port P`. Rank 0's
 `parallel.Group` starts these; each joins the group, builds its shard of the model, and
 runs every step rank 0 broadcasts until rank 0 sends the stop.
 """
@@ -12,9 +12,9 @@ import os
 
 import torch.distributed as dist
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.model_runner import ModelRunner
-from gpu_workers.engine.parallel import init_process_group, recv_step
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.model_runner import ModelRunner
+from plurai.gpu_workers.engine.parallel import init_process_group, recv_step
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_workers.engine.grammar import Grammars
-from gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.engine.grammar import Grammars
+from plurai.gpu_workers.engine.sequence import Sequence
 
 
 class Sampler:

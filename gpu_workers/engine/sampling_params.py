@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
 
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0

@@ -25,10 +25,10 @@ before sampling on its own. The prompt is computed once.
 
 from __future__ import annotations
 
-from gpu_workers.engine.block_manager import BlockManager
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.sequence import Sequence, Status
-from gpu_workers.engine.speculator import Speculator
+from plurai.gpu_workers.engine.block_manager import BlockManager
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.sequence import Sequence, Status
+from plurai.gpu_workers.engine.speculator import Speculator
 
 
 class Scheduler:

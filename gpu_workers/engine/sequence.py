@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
-from kv_store.block_hash import salt_root
+from plurai.gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.kv_store.block_hash import salt_root
 
 
 class Status(Enum):

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.drafter import Drafter
-from gpu_workers.engine.grammar import Grammars
-from gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.drafter import Drafter
+from plurai.gpu_workers.engine.grammar import Grammars
+from plurai.gpu_workers.engine.sequence import Sequence
 
 EMA = 0.25  # weight of a step's outcome in a sequence's running acceptance
 BLOCK = 8  # decode steps run with proposals on, or off, between two choices

@@ -1,6 +1,6 @@
 """Fused CPU kernels: a small C++ extension (cpu.cpp) built with torch's cpp_extension.
 
-It is built at install (`python -m gpu_workers.kernels`, which `make install` and the
+It is built at install (`python -m plurai.gpu_workers.kernels`, which `make install` and the
 Dockerfile run) with the vector flags of the CPU's widest ISA (AVX2, AVX-512, AVX-512 with
 bf16) into a folder of this installation (kernels_dir()), under a name that carries the ISA
 and a digest of the source, flags, torch and Python, and loaded at start as a plain
@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from broker_config import locks
-from broker_config.settings import Settings
+from plurai.broker_config import locks
+from plurai.broker_config.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _build(isa: str, path: Path) -> None:
     except OSError as e:
         raise RuntimeError(
             f"no build for this CPU ({isa}) in {folder}, and it cannot be written ({e}); "
-            "run `python -m gpu_workers.kernels` as the installing user, or set "
+            "run `python -m plurai.gpu_workers.kernels` as the installing user, or set "
             "PLURAI_KERNELS_DIR to a writable folder"
         ) from e
     timeout = Settings().kernels_build_timeout_s
@@ -179,7 +179,7 @@ def _build(isa: str, path: Path) -> None:
         log.info("building the native CPU kernels (%s) into %s (once per install)", isa, folder)
         pid = str(os.getpid())
         child = subprocess.Popen(
-            [sys.executable, "-m", "gpu_workers.kernels", "--compile", isa, str(path), pid],
+            [sys.executable, "-m", "plurai.gpu_workers.kernels", "--compile", isa, str(path), pid],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

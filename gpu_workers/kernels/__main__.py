@@ -1,4 +1,4 @@
-"""`python -m gpu_workers.kernels [--with-avx2]`: builds the CPU kernels now (as `make
+"""`python -m plurai.gpu_workers.kernels [--with-avx2]`: builds the CPU kernels now (as `make
 install` and the Dockerfile do), into this installation's folder, so that no engine start
 waits for the compiler. Exits 0 either way: without a compiler the engine runs the
 pure-torch path.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_workers.kernels import build, build_isa, compile_into, cpu_isa, module_path
+from plurai.gpu_workers.kernels import build, build_isa, compile_into, cpu_isa, module_path
 
 if sys.argv[1:2] == ["--compile"]:
     compile_into(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))
@@ -28,7 +28,7 @@ start = time.perf_counter()
 side = None
 if "--with-avx2" in sys.argv[1:] and cpu_isa() in ("avx512", "avx512_bf16", "amx"):
     side = subprocess.Popen(
-        [sys.executable, "-m", "gpu_workers.kernels"],
+        [sys.executable, "-m", "plurai.gpu_workers.kernels"],
         env={**os.environ, "PLURAI_KERNEL_ISA": "avx2"},
     )
 try:

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.kernels import cpu_flags
-from gpu_workers.layers.linear import Linear
-from gpu_workers.models.quant_formats import QWeight, Scheme
+from plurai.gpu_workers.kernels import cpu_flags
+from plurai.gpu_workers.layers.linear import Linear
+from plurai.gpu_workers.models.quant_formats import QWeight, Scheme
 
 log = logging.getLogger(__name__)
 

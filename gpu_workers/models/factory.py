@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from broker_config import locks
-from gpu_workers.models.train import CORPUS_TITLE, TrainConfig, corpus_digest
+from plurai.broker_config import locks
+from plurai.gpu_workers.models.train import CORPUS_TITLE, TrainConfig, corpus_digest
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SIZES = ("tiny", "small", "bench", "0.5b", "1b")
@@ -194,7 +194,7 @@ def _tokenizer_json(vocab: int, seed: int, source: str = "synthetic") -> str:
     if source == "synthetic":
         tok.train_from_iterator(corpus(seed), trainer)
     elif source == "text":
-        from gpu_workers.models.train import corpus_text, paragraphs
+        from plurai.gpu_workers.models.train import corpus_text, paragraphs
 
         tok.train_from_iterator(paragraphs(corpus_text()), trainer)
     else:
@@ -317,7 +317,7 @@ def _write_model(
     model.generation_config.pad_token_id = tok.eos_token_id
     record: dict[str, Any] = {"key": key, "family": family, "size": size, "seed": seed}
     if cfg_train:
-        from gpu_workers.models.train import train as run_training
+        from plurai.gpu_workers.models.train import train as run_training
 
         result = run_training(model, tok, cfg_train, seed, deadline)
         # chats end at <|im_end|>, as the model learned from the chat-shaped text
@@ -365,7 +365,7 @@ def factory_record(model_dir: str | Path) -> dict[str, Any] | None:
 
 def is_cached(path: str | Path, key: str) -> bool:
     """Whether the directory holds a whole factory model built with this key."""
-    from gpu_workers.models.loader import weight_files
+    from plurai.gpu_workers.models.loader import weight_files
 
     record = factory_record(path)
     if record is None or record.get("key") != key:
@@ -405,7 +405,7 @@ def _parameters(path: Path) -> int:
     """Parameter count from the safetensors headers (no tensor is read)."""
     from safetensors import safe_open
 
-    from gpu_workers.models.loader import weight_files
+    from plurai.gpu_workers.models.loader import weight_files
 
     n = 0
     try:

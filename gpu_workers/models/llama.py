@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.engine.placement import TP, Stage
-from gpu_workers.layers.attention import AttnContext, PagedAttention
-from gpu_workers.layers.linear import Linear
-from gpu_workers.layers.norm import RMSNorm
-from gpu_workers.layers.quant_linear import QuantLinear, make_linear
-from gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
-from gpu_workers.models.files import NATIVE
-from gpu_workers.models.quant_formats import QWeight, Scheme, scheme
+from plurai.gpu_workers.engine.placement import TP, Stage
+from plurai.gpu_workers.layers.attention import AttnContext, PagedAttention
+from plurai.gpu_workers.layers.linear import Linear
+from plurai.gpu_workers.layers.norm import RMSNorm
+from plurai.gpu_workers.layers.quant_linear import QuantLinear, make_linear
+from plurai.gpu_workers.layers.rotary import Rotary, apply_rotary, rope_params
+from plurai.gpu_workers.models.files import NATIVE
+from plurai.gpu_workers.models.quant_formats import QWeight, Scheme, scheme
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the step's positions
 

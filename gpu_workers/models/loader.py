@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from broker_config.settings import Settings
-from gpu_workers.layers.linear import can_pack, pack_linears
-from gpu_workers.layers.quant_linear import finish_quantized, start_quantized
-from gpu_workers.models.files import INDEX, weight_files
-from gpu_workers.models.llama import ARCHITECTURES
-from gpu_workers.models.quant_formats import decode, scheme
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.layers.linear import can_pack, pack_linears
+from plurai.gpu_workers.layers.quant_linear import finish_quantized, start_quantized
+from plurai.gpu_workers.models.files import INDEX, weight_files
+from plurai.gpu_workers.models.llama import ARCHITECTURES
+from plurai.gpu_workers.models.quant_formats import decode, scheme
 
 log = logging.getLogger(__name__)
 

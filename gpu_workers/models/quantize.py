@@ -43,8 +43,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gpu_workers.models import quant_formats
-from gpu_workers.models.files import INDEX, NATIVE, safetensors_problem, weight_files
+from plurai.gpu_workers.models import quant_formats
+from plurai.gpu_workers.models.files import INDEX, NATIVE, safetensors_problem, weight_files
 
 SCHEMES = ("w8a16", "w8a8", "w4a16")
 DEFAULT_GROUP_SIZE = 128

@@ -47,19 +47,19 @@ from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
-from broker_config.settings import Settings
-from gpu_workers.backend import AddRequest, RequestError, StepOutput
-from gpu_workers.engine.config import host_memory_bytes
-from gpu_workers.engine.detokenizer import Detokenizer
-from gpu_workers.engine.errors import ErrorCode
-from gpu_workers.engine.grammar import Grammars
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import check_progress, finished_at
-from gpu_workers.models.loader import fingerprint
-from gpu_workers.prompts import Prompts, check_options
-from gpu_workers.vllm_backend import connector, cores, cpu_support, reaper
-from gpu_workers.vllm_backend.params import logprob_entries, resume_refusal, to_vllm
-from gpu_workers.vllm_backend.stats import Figures
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.backend import AddRequest, RequestError, StepOutput
+from plurai.gpu_workers.engine.config import host_memory_bytes
+from plurai.gpu_workers.engine.detokenizer import Detokenizer
+from plurai.gpu_workers.engine.errors import ErrorCode
+from plurai.gpu_workers.engine.grammar import Grammars
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.sequence import check_progress, finished_at
+from plurai.gpu_workers.models.loader import fingerprint
+from plurai.gpu_workers.prompts import Prompts, check_options
+from plurai.gpu_workers.vllm_backend import connector, cores, cpu_support, reaper
+from plurai.gpu_workers.vllm_backend.params import logprob_entries, resume_refusal, to_vllm
+from plurai.gpu_workers.vllm_backend.stats import Figures
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ MAC'd with PLURAI_KV_SECRET when set, written by RedisTier's background thread.
 
 Enabled by the backend with
     KVTransferConfig(kv_connector="PluraiConnector",
-                     kv_connector_module_path="gpu_workers.vllm_backend.connector",
+                     kv_connector_module_path="plurai.gpu_workers.vllm_backend.connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"fingerprint": <32 hex>, "ttl_s": 3600})
 and the Redis URL in PLURAI_KV_REDIS_URL (vLLM logs its config; the URL may hold a
@@ -62,12 +62,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from gpu_workers.vllm_backend.kv_layout import block_spec, from_native, layer_pages, to_native
-from kv_store import block_format
-from kv_store.block_hash import chain_hashes, salt_root
-from kv_store.redis_tier import RedisTier
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.vllm_backend.kv_layout import (
+    block_spec,
+    from_native,
+    layer_pages,
+    to_native,
+)
+from plurai.kv_store import block_format
+from plurai.kv_store.block_hash import chain_hashes, salt_root
+from plurai.kv_store.redis_tier import RedisTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

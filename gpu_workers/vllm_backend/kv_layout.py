@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from kv_store import block_format
+from plurai.kv_store import block_format
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

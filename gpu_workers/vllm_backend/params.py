@@ -6,7 +6,7 @@ from __future__ import annotations
 from vllm import SamplingParams as VllmParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
 
 def structured(p: SamplingParams) -> StructuredOutputsParams | None:

@@ -21,16 +21,16 @@ from typing import Any
 
 import redis
 
-from broker_config import keys, protocol
-from broker_config.settings import BulkSettings
-from broker_config.text import text
-from producer.bulk import finalize, plan, store
-from producer.bulk.store import BatchRecord, LineProgress
-from producer.bulk.validate import configured_model, validate
-from producer.client import Client
-from producer.errors import QueueFull
-from results import records
-from results.records import BadRecord, JobRecord
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.settings import BulkSettings
+from plurai.broker_config.text import text
+from plurai.producer.bulk import finalize, plan, store
+from plurai.producer.bulk.store import BatchRecord, LineProgress
+from plurai.producer.bulk.validate import configured_model, validate
+from plurai.producer.client import Client
+from plurai.producer.errors import QueueFull
+from plurai.results import records
+from plurai.results.records import BadRecord, JobRecord
 
 log = logging.getLogger(__name__)
 

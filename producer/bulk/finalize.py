@@ -14,10 +14,10 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
-from broker_config.text import text
-from producer.bulk import store
-from results.records import Choice
+from plurai.broker_config import keys
+from plurai.broker_config.text import text
+from plurai.producer.bulk import store
+from plurai.results.records import Choice
 
 
 def _id(batch_id: str, index: int) -> str:

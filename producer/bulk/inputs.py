@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker_config import protocol
-from broker_config.text import valid_text
-from producer import openai_body
+from plurai.broker_config import protocol
+from plurai.broker_config.text import valid_text
+from plurai.producer import openai_body
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -10,15 +10,15 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker_config import keys
-from broker_config.settings import BulkSettings
-from broker_config.text import text, valid_text
-from producer.bulk import finalize, store
-from producer.bulk.inputs import URLS
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.broker_config.settings import BulkSettings
+from plurai.broker_config.text import text, valid_text
+from plurai.producer.bulk import finalize, store
+from plurai.producer.bulk.inputs import URLS
+from plurai.producer.client import Client
 
 if TYPE_CHECKING:  # (the plan needs the bulk extra; `plurai status` and the client do not)
-    from producer.bulk.plan import Task
+    from plurai.producer.bulk.plan import Task
 
 
 class UnknownBatch(KeyError):
@@ -74,7 +74,7 @@ def create(
     line naming the other one gets an error line (invalid_url). `fields`: more fields of
     the batch record (BatchRecord's: the gateway's tenant, input file id); they cannot
     replace its own."""
-    from producer.bulk.tasks import kick
+    from plurai.producer.bulk.tasks import kick
 
     batch_id = "batch_" + secrets.token_hex(12)
     rec = store.BatchRecord(batch_id, store.VALIDATING, **(fields or {}))

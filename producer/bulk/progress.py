@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from producer.bulk import manage, store
-from producer.client import Client
+from plurai.producer.bulk import manage, store
+from plurai.producer.client import Client
 
 
 def _eta(s: float | None) -> str:

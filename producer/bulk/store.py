@@ -27,10 +27,10 @@ from typing import Any
 
 import redis
 
-from broker_config import keys
-from broker_config.text import text
-from results import jobs
-from results.records import BadRecord, now_ms
+from plurai.broker_config import keys
+from plurai.broker_config.text import text
+from plurai.results import jobs
+from plurai.results.records import BadRecord, now_ms
 
 VALIDATING = "validating"
 IN_PROGRESS = "in_progress"

@@ -21,15 +21,15 @@ from typing import Any
 import redis
 from celery import signals
 
-from broker_config import keys
-from broker_config.celery_app import app
-from broker_config.connection import resolve_url
-from broker_config.groups import forget_dead_consumers, forget_dead_workers
-from broker_config.settings import BulkSettings, Settings
-from broker_config.text import text
-from producer.bulk import drive, store
-from producer.client import Client
-from results.records import BadRecord
+from plurai.broker_config import keys
+from plurai.broker_config.celery_app import app
+from plurai.broker_config.connection import resolve_url
+from plurai.broker_config.groups import forget_dead_consumers, forget_dead_workers
+from plurai.broker_config.settings import BulkSettings, Settings
+from plurai.broker_config.text import text
+from plurai.producer.bulk import drive, store
+from plurai.producer.client import Client
+from plurai.results.records import BadRecord
 
 log = logging.getLogger(__name__)
 STEP = "plurai.bulk.step"

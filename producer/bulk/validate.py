@@ -16,12 +16,12 @@ from pathlib import PurePath
 import redis
 from redis.client import NEVER_DECODE
 
-from broker_config import keys
-from broker_config.settings import BulkSettings, Settings
-from broker_config.text import text
-from producer.bulk import finalize, plan, store
-from producer.bulk.inputs import LineError, parse_line
-from producer.bulk.store import BatchRecord
+from plurai.broker_config import keys
+from plurai.broker_config.settings import BulkSettings, Settings
+from plurai.broker_config.text import text
+from plurai.producer.bulk import finalize, plan, store
+from plurai.producer.bulk.inputs import LineError, parse_line
+from plurai.producer.bulk.store import BatchRecord
 
 
 def configured_model(rec: BatchRecord, settings: Settings) -> tuple[str, tuple[str, str] | None]:

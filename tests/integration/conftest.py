@@ -1,4 +1,4 @@
-"""Fixtures for integration tests: a real redis-server on a free port and worker processes (`python -m cli worker`)."""
+"""Fixtures for integration tests: a real redis-server on a free port and worker processes (`python -m plurai.cli worker`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_config import stats
-from broker_config.connection import connect
+from plurai.broker_config import stats
+from plurai.broker_config.connection import connect
 
 from .zygote import Child, Zygote
 
@@ -55,7 +55,7 @@ def zygote() -> Zygote | None:
 class Workers:
     """Worker processes serving one Redis; stopped with SIGTERM at teardown."""
 
-    command = [sys.executable, "-m", "cli"]  # then `worker` and its arguments
+    command = [sys.executable, "-m", "plurai.cli"]  # then `worker` and its arguments
     args = ENGINE_ARGS  # the backend's arguments, before each start's own
 
     def __init__(self, url: str, model: Path, log_dir: Path) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from cli.main import main
-from gpu_workers.engine.engine import Engine
+from plurai.cli.main import main
+from plurai.gpu_workers.engine.engine import Engine
 
 _step = Engine.step
 _log = os.open(os.environ["PLURAI_TEST_TOKEN_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)

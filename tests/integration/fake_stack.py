@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import redis
 
-from broker_config import keys, protocol
-from broker_config.routes import registry_value
-from broker_config.settings import Settings
-from results import jobs, records
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.routes import registry_value
+from plurai.broker_config.settings import Settings
+from plurai.results import jobs, records
 
 from .test_gateway import Gateway
 

@@ -6,10 +6,10 @@ import time
 
 import redis
 
-from broker_config import keys
-from broker_config.connection import connect
-from results import records
-from results.records import JobRecord
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.results import records
+from plurai.results.records import JobRecord
 
 LANES = ("interactive", "standard", "batch")
 

@@ -12,8 +12,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from broker_config.protocol import Code
-from results.records import JobRecord
+from plurai.broker_config.protocol import Code
+from plurai.results.records import JobRecord
 
 pytestmark = pytest.mark.slow
 

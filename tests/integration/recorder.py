@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpu_workers.backend import AddRequest, RequestError, StepOutput
+from plurai.gpu_workers.backend import AddRequest, RequestError, StepOutput
 
 
 class Recorder:

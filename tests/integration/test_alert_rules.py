@@ -16,10 +16,10 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_config import keys
-from gateway.metrics import GatewayMetrics
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.gateway.metrics import GatewayMetrics
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .conftest import ROOT
 

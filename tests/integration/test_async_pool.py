@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from broker_config.connection import connect_async
+from plurai.broker_config.connection import connect_async
 
 
 def test_hundreds_of_blocking_commands_at_once(redis_url):

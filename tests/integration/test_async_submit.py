@@ -9,10 +9,10 @@ import asyncio
 
 from redis import Redis, RedisError
 
-from broker_config import keys
-from broker_config.settings import Settings
-from producer import AsyncClient, QueueFull
-from producer.errors import NotReplicated
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
+from plurai.producer import AsyncClient, QueueFull
+from plurai.producer.errors import NotReplicated
 
 
 def test_a_burst_of_submits_shares_round_trips_and_a_connection(shared_redis_url, r):
@@ -114,8 +114,8 @@ def test_a_gateways_burst_reads_whether_keys_exist_once(shared_redis_url, r):
     that reading old waits for one read, not one each."""
     from starlette.requests import Request
 
-    from gateway import auth
-    from gateway.app import Gateway
+    from plurai.gateway import auth
+    from plurai.gateway.app import Gateway
 
     async def burst() -> None:
         gw = Gateway(Settings(redis_url=shared_redis_url), shared_redis_url)

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from broker_config import keys
-from broker_config.groups import ensure_groups
-from broker_config.settings import Settings
-from producer import AsyncClient, Client, QueueFull
+from plurai.broker_config import keys
+from plurai.broker_config.groups import ensure_groups
+from plurai.broker_config.settings import Settings
+from plurai.producer import AsyncClient, Client, QueueFull
 
 LIMIT = 5
 

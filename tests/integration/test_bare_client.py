@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import driven_worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ EXTRAS = ("torch", "transformers", "celery", "starlette", "uvicorn", "llguidance
 
 SUBMIT = """
 import json, sys
-from producer.client import Client
+from plurai.producer.client import Client
 with Client(sys.argv[1]) as client:
     job = client.submit("bare client", max_tokens=6, temperature=0)
     r = job.result(timeout=120)
@@ -67,6 +67,26 @@ def test_the_bare_client_has_no_engine_dependencies(bare: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_everything_installs_under_one_top_level_name(bare: Path) -> None:
+    """`pip install plurai` adds the package `plurai` (plurai.producer, ...) and no
+    top-level `producer`, `results`, `cli`, ... that could clash with a user's own."""
+    check = (
+        "import importlib.util as u, sys, plurai.producer, plurai.results; "
+        "print([m for m in sys.argv[1:] if u.find_spec(m)], plurai.producer.__file__)"
+    )
+    mine = ["producer", "results", "cli", "gateway", "broker_config", "gpu_workers", "kv_store"]
+    out = subprocess.run(
+        [str(bare), "-c", check, *mine],
+        cwd=bare.parent,
+        env=bare_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    found, where = out.stdout.strip().split(" ", 1)
+    assert found == "[]" and "site-packages/plurai/producer" in where, out.stdout
 
 
 def test_the_bare_client_submits_a_job_a_worker_runs(bare: Path, redis_url, tiny_model) -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_config import keys
-from broker_config.settings import BulkSettings
-from producer.bulk import manage, plan, store
-from producer.bulk.drive import tokenizer
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.broker_config.settings import BulkSettings
+from plurai.producer.bulk import manage, plan, store
+from plurai.producer.bulk.drive import tokenizer
+from plurai.producer.client import Client
 
 from .conftest import ROOT
 
@@ -39,7 +39,7 @@ def documents(n: int, seed: int = 0) -> list[str]:
 
 
 class Celery:
-    """A Celery worker process (`celery -A broker_config.celery_app worker --pool solo`)."""
+    """A Celery worker process (`celery -A plurai.broker_config.celery_app worker --pool solo`)."""
 
     def __init__(
         self, url: str, log_dir: Path, model: Path, env: dict[str, str] | None = None
@@ -57,7 +57,7 @@ class Celery:
                 "-m",
                 "celery",
                 "-A",
-                "broker_config.celery_app",
+                "plurai.broker_config.celery_app",
                 "worker",
                 "--pool",
                 "solo",
@@ -109,7 +109,7 @@ def gpu(module_redis_url: str, tiny_model: Path, tmp_path_factory, workers_class
 
 @pytest.fixture
 def celery(gpu: str, tmp_path: Path, tiny_model: Path) -> Iterator[Celery]:
-    from broker_config.celery_app import app, configure
+    from plurai.broker_config.celery_app import app, configure
 
     configure(app, gpu)  # this process sends the first step of each batch
     c = Celery(gpu, tmp_path, tiny_model)
@@ -120,8 +120,8 @@ def celery(gpu: str, tmp_path: Path, tiny_model: Path) -> Iterator[Celery]:
 
 @pytest.fixture(scope="module")
 def expected(tiny_model: Path) -> list[str]:
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(
         EngineConfig(
@@ -268,7 +268,7 @@ def test_malformed_lines_go_to_the_error_file(celery, tmp_path):
 
 
 def test_cli_submit_status_cancel_results(celery, tmp_path, tiny_model, capsys):
-    from cli import main as cli
+    from plurai.cli import main as cli
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -299,7 +299,7 @@ def test_cli_submit_status_cancel_results(celery, tmp_path, tiny_model, capsys):
 
 
 def test_maintenance_expires_a_batch_past_its_window(celery, tmp_path, tiny_model, monkeypatch):
-    from producer.bulk import tasks
+    from plurai.producer.bulk import tasks
 
     with Client(celery.url) as client:
         batch_id = submit_docs(client, tmp_path, documents(200, seed=4), tiny_model)
@@ -315,7 +315,7 @@ def test_maintenance_expires_a_batch_past_its_window(celery, tmp_path, tiny_mode
 
 
 def test_gpu_worker_killed_mid_batch_resumes(redis_url, workers, tmp_path, tiny_model, expected):
-    from broker_config.celery_app import app, configure
+    from plurai.broker_config.celery_app import app, configure
 
     fast_reclaim = {"PLURAI_RECLAIM_IDLE_MS": "2000", "PLURAI_RECLAIM_INTERVAL_S": "0.5"}
     workers.start(1, "--engine", f"max_model_len={CONTEXT}", env=fast_reclaim)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.settings import BulkSettings
-from producer.bulk import drive, manage, plan, store
-from producer.client import Client
-from results.records import BadRecord
+from plurai.broker_config import keys
+from plurai.broker_config.settings import BulkSettings
+from plurai.producer.bulk import drive, manage, plan, store
+from plurai.producer.client import Client
+from plurai.results.records import BadRecord
 
 from .test_bulk import Celery
 
@@ -32,7 +32,7 @@ BS = BulkSettings(pass_s=0.5, look_s=0.1, ttl_s=1000, running_ttl_s=50_000)
 
 @pytest.fixture
 def client(redis_url: str, monkeypatch) -> Iterator[Client]:
-    from broker_config.celery_app import app, configure
+    from plurai.broker_config.celery_app import app, configure
 
     configure(app, redis_url)  # kick() sends the first step; no Celery worker takes it here
     monkeypatch.delenv("PLURAI_MODEL_DIR", raising=False)
@@ -98,7 +98,7 @@ def test_every_key_expires_while_running_and_after(client, tmp_path):
 
 
 def test_kicking_a_batch_that_is_gone_writes_nothing(client):
-    from producer.bulk.tasks import kick
+    from plurai.producer.bulk.tasks import kick
 
     assert kick(client, "batch_gone") is None
     assert client.redis.exists(keys.batch("batch_gone")) == 0
@@ -109,7 +109,7 @@ def test_malformed_batch_ids_are_refused(client, bad):
     for call in (manage.info, manage.cancel, manage.results):
         with pytest.raises(store.InvalidBatchId):
             call(client, bad)
-    from producer.bulk.tasks import step
+    from plurai.producer.bulk.tasks import step
 
     assert step.run(bad, 1) == "invalid"
 
@@ -207,7 +207,7 @@ def test_lines_that_cannot_be_encoded_get_error_lines(client, tmp_path):
 
 
 def test_results_refuse_ids_that_would_write_outside_the_folder(client, tmp_path, capsys):
-    from cli import main as cli
+    from plurai.cli import main as cli
 
     url = client.redis.connection_pool.connection_kwargs
     dest = tmp_path / "out"
@@ -318,7 +318,7 @@ def test_a_reduce_template_too_long_for_the_context_is_an_error_line(
 
 @pytest.mark.parametrize("damage", ["created_ms", "beat_ms", "gen", "wrong_type"], ids=lambda d: d)
 def test_a_damaged_batch_record_does_not_stop_maintenance(client, damage):
-    from producer.bulk import tasks
+    from plurai.producer.bulk import tasks
 
     r = client.redis
     bad = manage.create(client, BS, [line("a")])
@@ -391,7 +391,7 @@ def test_a_batch_whose_steps_keep_failing_fails_with_driver_failed(client):
     """A record damaged (here `total`): each step raises BadRecord, and after
     max_step_failures in a row the batch fails with the reason, instead of maintenance
     kicking a step that fails every minute for ever. A step that passes resets the count."""
-    from producer.bulk import tasks
+    from plurai.producer.bulk import tasks
 
     batch_id = manage.create(client, BS, [line("a"), line("b")])
     assert drive.step(client, batch_id, BS) == store.IN_PROGRESS

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from broker_config.settings import BulkSettings
-from producer.bulk import manage, plan
-from producer.bulk.drive import tokenizer
-from producer.client import Client
+from plurai.broker_config.settings import BulkSettings
+from plurai.producer.bulk import manage, plan
+from plurai.producer.bulk.drive import tokenizer
+from plurai.producer.client import Client
 
 from .test_bulk import WORDS, Celery, lines, wait_done
 
@@ -73,7 +73,7 @@ CLASSIFY_DOCS = documents(20, 12, (40, 100))
 def celery(
     module_redis_url: str, tiny_model: Path, tmp_path_factory, workers_class
 ) -> Iterator[Celery]:
-    from broker_config.celery_app import app, configure
+    from plurai.broker_config.celery_app import app, configure
 
     gpu = workers_class(module_redis_url, tiny_model, tmp_path_factory.mktemp("gpu"))
     gpu.start(1, "--engine", f"max_model_len={CONTEXT}")
@@ -88,8 +88,8 @@ def celery(
 @pytest.fixture(scope="module")
 def offline(tiny_model: Path):
     """(task, texts, max_model_len) -> the offline plan's outputs (the engine the worker runs)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(
         EngineConfig(

@@ -7,9 +7,9 @@ import random
 
 import redis
 
-from broker_config import keys
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.broker_config import keys
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -59,7 +59,7 @@ def test_salts_never_share_redis_blocks(redis_url, model_factory, engine_factory
 def test_salts_across_two_worker_processes(redis_url, workers):
     """Through the queue: a second worker process reuses a prefix from Redis only for the
     tenant that computed it, and `cached_tokens` tells another tenant nothing."""
-    from producer.client import Client
+    from plurai.producer.client import Client
 
     shared = "Tenant handbook, page one: " + " ".join(f"w{i}" for i in range(150))
     kv = ["--engine", f"kv_redis_url={redis_url}", "--engine", "kv_write_through=true"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from producer.client import Client
-from results import records
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker
 
 

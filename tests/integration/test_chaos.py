@@ -17,10 +17,10 @@ import time
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.embedded import EmbeddedRedis
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.embedded import EmbeddedRedis
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .faults import FAST, LANES, drained, pending
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_config import keys
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .conftest import Workers
 from .faults import FAST, LANES, drained, pending

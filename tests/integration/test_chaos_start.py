@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_config.locks import held
-from producer.client import Client
-from results import records
+from plurai.broker_config.locks import held
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .conftest import ROOT
 from .faults import FAST, LANES, drained
@@ -72,7 +72,7 @@ def test_workers_killed_in_their_start_never_stop_the_next(
     def launch() -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"killed-{len(killed)}.log", "wb")  # noqa: SIM115
         return subprocess.Popen(
-            [sys.executable, "-m", "cli", "worker", "--model", str(tiny_model)]
+            [sys.executable, "-m", "plurai.cli", "worker", "--model", str(tiny_model)]
             + ["--url", redis_url, *w.args],
             cwd=ROOT,
             stdout=log,
@@ -138,7 +138,7 @@ def test_a_build_lock_dies_with_its_holder(tmp_path: Path):
             "-c",
             "import sys, time\n"
             "from pathlib import Path\n"
-            "from broker_config.locks import held\n"
+            "from plurai.broker_config.locks import held\n"
             f"with held(Path({str(lock)!r}), 5, 'test'):\n"
             "    print('held', flush=True)\n"
             "    time.sleep(60)\n",

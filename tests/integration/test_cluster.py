@@ -13,11 +13,11 @@ import pytest
 import redis
 import torch
 
-from broker_config import keys
-from broker_config.connection import connect, connect_async, is_cluster
-from kv_store.redis_tier import RedisTier
-from producer import AsyncClient, Client
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect, connect_async, is_cluster
+from plurai.kv_store.redis_tier import RedisTier
+from plurai.producer import AsyncClient, Client
+from plurai.results import records
 
 from .conftest import Workers
 from .faults import FAST, drained, end_entries, final_records
@@ -104,7 +104,7 @@ def test_kv_tier_blocks_spread_over_the_masters(cluster_url):
 def test_webhooks_on_the_cluster(cluster_url, cluster_workers):
     """The watch keys share one slot, the records are elsewhere, the done channels reach the
     notifier from any master: each job's webhook is POSTed once."""
-    from broker_config.settings import Settings
+    from plurai.broker_config.settings import Settings
 
     from .test_webhooks import Receiver, Running, _settings, _until
 

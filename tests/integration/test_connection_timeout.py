@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from broker_config.connection import SOCKET_TIMEOUT_S, connect, connect_async
-from broker_config.settings import BLOCK_LIMIT_MS, Settings
-from gateway import streams
+from plurai.broker_config.connection import SOCKET_TIMEOUT_S, connect, connect_async
+from plurai.broker_config.settings import BLOCK_LIMIT_MS, Settings
+from plurai.gateway import streams
 
 WAIT_MS = 5_500  # past redis-py 8's own default
 

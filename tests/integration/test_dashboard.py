@@ -16,12 +16,12 @@ import httpx
 import pytest
 import redis
 
-from broker_config import keys, stats
-from broker_config.embedded import free_port
-from broker_config.settings import Settings
-from gateway import apikeys, dashboard
-from producer.client import Client
-from results import wait
+from plurai.broker_config import keys, stats
+from plurai.broker_config.embedded import free_port
+from plurai.broker_config.settings import Settings
+from plurai.gateway import apikeys, dashboard
+from plurai.producer.client import Client
+from plurai.results import wait
 
 from .conftest import ROOT
 from .faults import FAST
@@ -210,7 +210,7 @@ def test_plurai_dashboard_on_its_own(redis_url, tmp_path) -> None:
     port = free_port()
     log = tmp_path / "dashboard.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "dashboard", "--url", redis_url, "--port", str(port)],
+        [sys.executable, "-m", "plurai.cli", "dashboard", "--url", redis_url, "--port", str(port)],
         cwd=ROOT,
         stdout=open(log, "wb"),  # noqa: SIM115
         stderr=subprocess.STDOUT,

@@ -13,16 +13,16 @@ import msgpack
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.engine.sampling_params import SamplingParams
-from producer import dead_letters as dead
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.producer import dead_letters as dead
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker, plurai, turn_until
 
 from .recorder import Recorder

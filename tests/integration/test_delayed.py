@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from broker_config import keys, stats
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from producer import dead_letters as dead
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys, stats
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.producer import dead_letters as dead
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker, turn_until
 
 from .recorder import Recorder

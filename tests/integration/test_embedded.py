@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_config.embedded import EmbeddedRedis, running_url
+from plurai.broker_config.embedded import EmbeddedRedis, running_url
 
 from .conftest import ROOT
 
@@ -95,7 +95,7 @@ def test_a_wrong_password_is_refused_without_printing_it(server, command):
     port = urllib.parse.urlsplit(url).port
     wrong = f"redis://default:s3cret@127.0.0.1:{port}/0"
     run = subprocess.run(
-        [sys.executable, "-m", "cli", *command, "--url", wrong],
+        [sys.executable, "-m", "plurai.cli", *command, "--url", wrong],
         cwd=ROOT,
         capture_output=True,
         text=True,

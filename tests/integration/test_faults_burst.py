@@ -8,8 +8,8 @@ import statistics
 
 import redis
 
-from producer.client import Client
-from results import records
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .faults import LANES, drained, end_entries, final_records
 

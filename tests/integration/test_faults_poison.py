@@ -11,10 +11,10 @@ import time
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.groups import ensure_groups
-from producer.client import Client
-from results import jobs, records
+from plurai.broker_config import keys
+from plurai.broker_config.groups import ensure_groups
+from plurai.producer.client import Client
+from plurai.results import jobs, records
 
 from .faults import FAST, LANES, drained, final_records
 

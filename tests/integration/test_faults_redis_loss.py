@@ -7,10 +7,10 @@ import time
 
 import redis
 
-from broker_config.embedded import EmbeddedRedis
-from gpu_workers.backend import AddRequest, StepOutput
-from producer.client import Client
-from results import records
+from plurai.broker_config.embedded import EmbeddedRedis
+from plurai.gpu_workers.backend import AddRequest, StepOutput
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker
 
 from .faults import pending

@@ -7,9 +7,9 @@ import time
 
 import redis
 
-from broker_config.embedded import EmbeddedRedis
-from producer.client import Client
-from results import records
+from plurai.broker_config.embedded import EmbeddedRedis
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .faults import FAST, LANES, count_final, drained, end_entries, final_records
 

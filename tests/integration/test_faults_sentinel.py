@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_config.connection import connect
-from broker_config.embedded import find_binary, free_port
-from broker_config.settings import Settings
-from producer.aio import AsyncClient
-from producer.client import Client
-from producer.errors import NotReplicated
-from results import records
+from plurai.broker_config.connection import connect
+from plurai.broker_config.embedded import find_binary, free_port
+from plurai.broker_config.settings import Settings
+from plurai.producer.aio import AsyncClient
+from plurai.producer.client import Client
+from plurai.producer.errors import NotReplicated
+from plurai.results import records
 
 from .faults import FAST, LANES, drained, end_entries
 

@@ -8,10 +8,10 @@ import time
 
 import redis
 
-from broker_config import keys
-from broker_config.connection import connect
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .conftest import Workers
 from .faults import FAST, LANES, count_final, drained, end_entries, final_records, pending, streams

@@ -42,8 +42,8 @@ import pytest
 import redis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from broker_config import keys
-from results.records import JobRecord
+from plurai.broker_config import keys
+from plurai.results.records import JobRecord
 
 from .conftest import ENGINE_ARGS
 from .faults import LANES, drained, pending
@@ -146,8 +146,8 @@ def served(module_redis_url, tiny_model, tmp_path_factory, workers_class) -> Ite
 @pytest.fixture(scope="module")
 def expected_good(tiny_model) -> tuple[str, list[int]]:
     """The good job's output, run offline on the worker's engine settings (fp32, greedy)."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     kv = int(ENGINE_ARGS[ENGINE_ARGS.index("--engine") + 1].split("=")[1])
     engine = Engine(

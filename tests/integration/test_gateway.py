@@ -27,11 +27,11 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker_config import keys
-from broker_config.embedded import free_port
-from producer import openai_body
-from producer.client import Client
-from results import records, wait
+from plurai.broker_config import keys
+from plurai.broker_config.embedded import free_port
+from plurai.producer import openai_body
+from plurai.producer.client import Client
+from plurai.results import records, wait
 
 from .conftest import ROOT
 from .faults import FAST
@@ -47,7 +47,7 @@ class Gateway:
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = ["gateway", "--url", url, "--host", host, "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", *cmd],
+            [sys.executable, "-m", "plurai.cli", *cmd],
             cwd=ROOT,
             stdout=open(log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,

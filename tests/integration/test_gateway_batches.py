@@ -17,10 +17,10 @@ import openai
 import pytest
 import redis
 
-from broker_config import keys
-from gateway import uploads
-from producer.bulk import manage, store
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.gateway import uploads
+from plurai.producer.bulk import manage, store
+from plurai.producer.client import Client
 
 from .test_bulk import Celery
 from .test_gateway import Gateway
@@ -38,7 +38,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(module_redis_url, tiny_model, tmp_path_factory, workers_class) -> Iterator[Stack]:
-    from broker_config.celery_app import app, configure
+    from plurai.broker_config.celery_app import app, configure
 
     logs = tmp_path_factory.mktemp("logs")
     w = workers_class(module_redis_url, tiny_model, logs)
@@ -104,7 +104,7 @@ def answer(line: dict) -> tuple:
 
 
 def test_batch_of_200_equals_the_cli_path(stack: Stack, tmp_path: Path, capsys) -> None:
-    from cli import main as cli
+    from plurai.cli import main as cli
 
     path = write_jsonl(tmp_path / "in.jsonl", [chat_line(i) for i in range(200)])
     created = submit(stack, path, metadata={"run": "api"})
@@ -366,7 +366,7 @@ def test_oversized_upload_is_413(stack: Stack) -> None:
 
 
 def test_tenants_see_only_their_own(redis_url: str, tmp_path: Path) -> None:
-    from gateway import apikeys
+    from plurai.gateway import apikeys
 
     r = redis.Redis.from_url(redis_url)
     secrets = {t: apikeys.create_key(r, t)[0] for t in ("acme", "globex")}

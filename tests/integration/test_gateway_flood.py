@@ -29,12 +29,12 @@ import pytest
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.embedded import EmbeddedRedis
-from broker_config.settings import Settings
-from gateway import apikeys
-from gateway.streams import MAX_QUEUED, MAX_QUEUED_CHARS, Streams
-from results import tokens
+from plurai.broker_config import keys
+from plurai.broker_config.embedded import EmbeddedRedis
+from plurai.broker_config.settings import Settings
+from plurai.gateway import apikeys
+from plurai.gateway.streams import MAX_QUEUED, MAX_QUEUED_CHARS, Streams
+from plurai.results import tokens
 
 from .fake_stack import BIG_MAX_TOKENS, HUGE_MAX_TOKENS, FakeWorker, GatewayProcess
 

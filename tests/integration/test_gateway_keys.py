@@ -13,10 +13,10 @@ import httpx
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.routes import registry_value
-from gateway import apikeys
-from results import records, wait
+from plurai.broker_config import keys
+from plurai.broker_config.routes import registry_value
+from plurai.gateway import apikeys
+from plurai.results import records, wait
 
 from .test_gateway import Gateway
 

@@ -18,9 +18,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.settings import Settings
-from gateway import apikeys, keys_cli, lease, quota
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
+from plurai.gateway import apikeys, keys_cli, lease, quota
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
@@ -62,7 +62,7 @@ def job(i: int | str) -> str:
 CHILD = r"""
 import asyncio, json, sys
 import redis.asyncio
-from gateway import apikeys, quota
+from plurai.gateway import apikeys, quota
 
 url, secret, tag = sys.argv[1:4]
 

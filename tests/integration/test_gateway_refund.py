@@ -14,9 +14,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.embedded import EmbeddedRedis
-from gateway import apikeys, quota
+from plurai.broker_config import keys
+from plurai.broker_config.embedded import EmbeddedRedis
+from plurai.gateway import apikeys, quota
 
 from .fake_stack import TOKENS, FakeWorker, GatewayProcess
 

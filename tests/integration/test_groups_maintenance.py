@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from broker_config import keys
-from broker_config.groups import ensure_groups, forget_dead_consumers, forget_dead_workers
+from plurai.broker_config import keys
+from plurai.broker_config.groups import ensure_groups, forget_dead_consumers, forget_dead_workers
 from tests.helpers import beat
 
 

@@ -15,11 +15,11 @@ import pytest
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from broker_config.groups import ensure_groups
-from broker_config.settings import Settings
-from gpu_workers.writer import Writer
-from results import jobs, records, tokens
+from plurai.broker_config import keys
+from plurai.broker_config.groups import ensure_groups
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.writer import Writer
+from plurai.results import jobs, records, tokens
 
 LANE = "standard"
 
@@ -386,8 +386,8 @@ def test_cancel(r):
 
 
 def test_the_sdks_cancel_gives_the_token_stream_the_output_ttl(r, redis_url):
-    from producer.aio import AsyncClient
-    from producer.client import Client
+    from plurai.producer.aio import AsyncClient
+    from plurai.producer.client import Client
 
     settings = Settings(result_ttl_s=5000, output_ttl_s=300)
     with Client(redis_url, settings=settings) as client:

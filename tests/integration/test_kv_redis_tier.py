@@ -11,14 +11,14 @@ import pytest
 import redis
 import torch
 
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.embedded import LocalCluster
-from gpu_workers.engine.kv_tiers import KVTiers
-from gpu_workers.engine.sampling_params import SamplingParams
-from kv_store import block_format
-from kv_store.redis_tier import SECRET_ENV, RedisTier
-from results import wait
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.embedded import LocalCluster
+from plurai.gpu_workers.engine.kv_tiers import KVTiers
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.kv_store import block_format
+from plurai.kv_store.redis_tier import SECRET_ENV, RedisTier
+from plurai.results import wait
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -74,7 +74,7 @@ def test_corrupt_or_foreign_entries_are_recomputed(redis_url, model_factory, eng
     a.generate([p], SP)
     a.close()
     r = redis.Redis.from_url(redis_url)
-    from gpu_workers.engine.sequence import Sequence
+    from plurai.gpu_workers.engine.sequence import Sequence
 
     seq = Sequence(request_id="probe", token_ids=list(p), params=SamplingParams())
     a.blocks._hash_full_blocks(seq)
@@ -102,7 +102,7 @@ def test_corrupt_or_foreign_entries_are_recomputed(redis_url, model_factory, eng
 
 
 def test_redis_down_or_full_degrades_to_recompute(tmp_path, model_factory, engine_factory, cold):
-    from broker_config.embedded import EmbeddedRedis
+    from plurai.broker_config.embedded import EmbeddedRedis
 
     path = model_factory("llama")
     server = EmbeddedRedis(tmp_path / "redis")
@@ -123,7 +123,7 @@ def test_redis_down_or_full_degrades_to_recompute(tmp_path, model_factory, engin
 
 
 def test_a_fresh_worker_reuses_what_another_worker_computed(redis_url, workers, tiny_model):
-    from producer.client import Client
+    from plurai.producer.client import Client
 
     shared = "Background for every question: " + " ".join(f"w{i}" for i in range(150))
     kv = ["--engine", f"kv_redis_url={redis_url}", "--engine", "kv_write_through=true"]

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from broker_config import keys, stats
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from gateway import dashboard
-from producer import lanes
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys, stats
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.gateway import dashboard
+from plurai.producer import lanes
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker, plurai, turn_until
 
 from .recorder import Recorder

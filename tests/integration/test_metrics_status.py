@@ -18,9 +18,9 @@ from typing import Any
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_config import keys
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .conftest import ROOT
 
@@ -59,7 +59,7 @@ def until(what: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 def status_json(url: str) -> dict[str, Any]:
     run = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--json", "--url", url],
+        [sys.executable, "-m", "plurai.cli", "status", "--json", "--url", url],
         cwd=ROOT,
         capture_output=True,
         text=True,

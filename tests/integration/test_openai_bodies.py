@@ -12,9 +12,9 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
-from broker_config.settings import Settings
-from gateway import app as gateway_app
-from producer.bulk.inputs import LineError, parse_line
+from plurai.broker_config.settings import Settings
+from plurai.gateway import app as gateway_app
+from plurai.producer.bulk.inputs import LineError, parse_line
 from tests.helpers import gateway, serve_model
 
 MODEL = "m"

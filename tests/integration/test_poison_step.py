@@ -14,9 +14,9 @@ import warnings
 import pytest
 import redis
 
-from broker_config import keys
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .conftest import ENGINE_ARGS
 from .faults import FAST, LANES, drained, end_entries, pending
@@ -42,8 +42,8 @@ def dead_letters_naming(r: redis.Redis, job_id: str) -> list[dict[bytes, bytes]]
 
 
 def test_poison_step_fails_only_its_job(redis_url, workers, tiny_model):
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     # The good jobs' tokens, offline, on the worker's engine settings (fp32, greedy).
     kv = int(ENGINE_ARGS[ENGINE_ARGS.index("--engine") + 1].split("=")[1])

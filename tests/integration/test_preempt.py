@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from broker_config import keys, stats
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys, stats
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker
 from tests.integration.test_resume import finish, resumed, run_until, stream_text, stream_types
 from tests.integration.test_resume import worker as make_worker

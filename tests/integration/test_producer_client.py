@@ -9,9 +9,9 @@ import signal
 import pytest
 import redis
 
-from broker_config import keys, stats
-from producer import AsyncClient, Client, JobCancelled, JobFailed
-from results import records, tokens
+from plurai.broker_config import keys, stats
+from plurai.producer import AsyncClient, Client, JobCancelled, JobFailed
+from plurai.results import records, tokens
 
 from .faults import drained
 

@@ -16,16 +16,15 @@ from pathlib import Path
 import pytest
 import redis
 
-import producer.aio
-import producer.client
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.embedded import find_binary
-from broker_config.settings import Settings
-from producer import QueueFull
-from producer.aio import AsyncClient
-from producer.client import Client
-from producer.errors import BadIdempotencyKey
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.embedded import find_binary
+from plurai.broker_config.settings import Settings
+from plurai.producer import QueueFull, aio
+from plurai.producer import client as sync_client
+from plurai.producer.aio import AsyncClient
+from plurai.producer.client import Client
+from plurai.producer.errors import BadIdempotencyKey
 
 LANES = ("interactive", "standard", "batch")
 
@@ -68,8 +67,8 @@ def test_a_unix_socket_url_reaches_redis(tmp_path: Path) -> None:
 def test_submit_many_checks_every_request_before_queueing_any(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(producer.client, "_CHUNK", 2)
-    monkeypatch.setattr(producer.aio, "_CHUNK", 2)
+    monkeypatch.setattr(sync_client, "_CHUNK", 2)
+    monkeypatch.setattr(aio, "_CHUNK", 2)
     reqs = [{"prompt": f"doc {i}", "max_tokens": 2} for i in range(4)]
     reqs.append({"prompt": "bad", "lane": "nope"})
     with Client(redis_url) as client, pytest.raises(ValueError, match="unknown lane 'nope'"):
@@ -115,7 +114,7 @@ def test_an_error_reply_in_submit_many_lists_the_jobs_queued(redis_url: str) -> 
 def test_submit_many_lists_the_jobs_queued_before_redis_failed(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(producer.client, "_CHUNK", 2)
+    monkeypatch.setattr(sync_client, "_CHUNK", 2)
     client = Client(redis_url)
     send = client.send
     calls: list[int] = []

@@ -7,7 +7,7 @@ import ast
 import re
 import subprocess
 
-from broker_config.embedded import find_binary
+from plurai.broker_config.embedded import find_binary
 
 ENTRY_ID = re.compile(r"\d+-\d+")
 TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"')

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file, save_file
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.engine.sampling_params import SamplingParams
-from producer.client import Client
-from results import records
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.quant_checkpoints import write
 
 

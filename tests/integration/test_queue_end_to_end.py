@@ -7,12 +7,12 @@ import random
 
 import redis
 
-from broker_config import keys
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.engine.sampling_params import SamplingParams
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .faults import drained
 

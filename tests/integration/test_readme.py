@@ -38,9 +38,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker_config.connection import connect
-from broker_config.embedded import free_port, running_url
-from broker_config.stats import serving_workers
+from plurai.broker_config.connection import connect
+from plurai.broker_config.embedded import free_port, running_url
+from plurai.broker_config.stats import serving_workers
 
 from .conftest import ROOT
 

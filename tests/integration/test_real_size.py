@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from producer.client import Client
-from results import records
+from plurai.producer.client import Client
+from plurai.results import records
 
 from ..conftest import reference_greedy
 from .conftest import ROOT, Workers
@@ -19,7 +19,7 @@ from .conftest import ROOT, Workers
 def test_a_half_billion_parameter_model_serves_a_job_as_transformers_runs_it(redis_url, tmp_path):
     model = tmp_path / "qwen-0.5b"
     made = subprocess.run(
-        [sys.executable, "-m", "cli", "make-model", str(model), "--size", "0.5b"],
+        [sys.executable, "-m", "plurai.cli", "make-model", str(model), "--size", "0.5b"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -16,12 +16,12 @@ import httpx
 import pytest
 import redis
 
-from broker_config import keys, memory
-from broker_config.connection import connect
-from gpu_workers.writer import passing
-from producer.client import Client
-from producer.errors import QueueFull, RedisFull
-from results import jobs, records
+from plurai.broker_config import keys, memory
+from plurai.broker_config.connection import connect
+from plurai.gpu_workers.writer import passing
+from plurai.producer.client import Client
+from plurai.producer.errors import QueueFull, RedisFull
+from plurai.results import jobs, records
 
 from .conftest import ROOT
 from .faults import drained, final_records, pending
@@ -136,7 +136,7 @@ def test_an_evicting_redis_stops_worker_and_gateway(policy, redis_url, tiny_mode
         (["gateway", "--port", "0"], 1),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "cli", *cmd, "--url", redis_url],
+            [sys.executable, "-m", "plurai.cli", *cmd, "--url", redis_url],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -164,7 +164,7 @@ def test_a_refused_config_get_is_a_warning(redis_url, caplog):
 
 
 def test_a_group_that_exists_is_kept_while_redis_is_full(redis_url):
-    from broker_config.groups import ensure_groups
+    from plurai.broker_config.groups import ensure_groups
 
     r = redis.Redis.from_url(redis_url)
     streams = [keys.request_stream("standard", keys.DEFAULT_MODEL, 0)]
@@ -180,7 +180,7 @@ def test_a_group_that_exists_is_kept_while_redis_is_full(redis_url):
 def test_a_full_redis_pauses_kv_writes_not_reads(redis_url):
     import torch
 
-    from kv_store.redis_tier import RedisTier
+    from plurai.kv_store.redis_tier import RedisTier
 
     r = redis.Redis.from_url(redis_url, socket_timeout=5)
     tier = RedisTier(r, "ab" * 16, secret=None)

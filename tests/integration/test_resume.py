@@ -15,13 +15,13 @@ import time
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.connection import connect
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.worker import Worker
-from producer.client import Client
-from results import progress, records
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.worker import Worker
+from plurai.producer.client import Client
+from plurai.results import progress, records
 from tests.helpers import driven_worker, oracle, turn_until
 
 SCHEMA = {

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from broker_config import keys, stats
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from producer import Client
-from producer.errors import UnknownModel
-from results import records
+from plurai.broker_config import keys, stats
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.producer import Client
+from plurai.producer.errors import UnknownModel
+from plurai.results import records
 
 from .conftest import Workers
 

@@ -11,7 +11,7 @@ from bench.serving.client import replay
 from bench.serving.figures import Slo, stack_figures
 from bench.serving.stacks import EngineSpec, PluraiStack
 from bench.serving.workload import BATCH, INTERACTIVE, Tokens, WorkloadConfig, generate
-from broker_config import keys
+from plurai.broker_config import keys
 
 
 def test_the_bench_replays_a_workload_through_a_plurai_stack(tiny_model: Path, tmp_path: Path):

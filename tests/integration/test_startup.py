@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.embedded import free_port
-from broker_config.stats import snapshot
-from gpu_workers.startup import Exit
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.embedded import free_port
+from plurai.broker_config.stats import snapshot
+from plurai.gpu_workers.startup import Exit
+from plurai.producer.client import Client
 
 from .conftest import ENGINE_ARGS, ROOT
 
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "cli", "worker", "--metrics-port", "-1", *ENGINE_ARGS, *args],
+        [sys.executable, "-m", "plurai.cli", "worker", "--metrics-port", "-1", *ENGINE_ARGS, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -35,13 +35,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from broker_config import keys
-from broker_config.connection import connect
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.worker import Worker
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.worker import Worker
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker, turn_until
 
 from .conftest import Workers

@@ -13,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from broker_config import keys, stats
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from producer.client import Client
-from results import records, webhooks
-from results.webhook_http import SIGNATURE, verify
+from plurai.broker_config import keys, stats
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.producer.client import Client
+from plurai.results import records, webhooks
+from plurai.results.webhook_http import SIGNATURE, verify
 from tests.helpers import driven_worker, plurai, turn_until
 
 SECRET = "s3cret-for-tests"

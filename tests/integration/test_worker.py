@@ -12,13 +12,13 @@ import msgpack
 import pytest
 import redis
 
-from broker_config import keys, protocol
-from broker_config.groups import ensure_groups
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.worker import Worker
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.groups import ensure_groups
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.worker import Worker
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker, turn_until
 
 

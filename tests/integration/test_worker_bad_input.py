@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import redis
 
-from broker_config import keys, protocol
-from results import records, wait
+from plurai.broker_config import keys, protocol
+from plurai.results import records, wait
 
 from .faults import drained
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.producer.client import Client
 from tests.helpers import driven_worker
 
 from .recorder import Recorder, Waiting

@@ -9,10 +9,10 @@ import time
 
 import redis
 
-from gpu_workers.engine.engine import Engine, EngineConfig
-from gpu_workers.engine.sampling_params import SamplingParams
-from producer.client import Client
-from results import records
+from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.producer.client import Client
+from plurai.results import records
 
 from .faults import FAST, count_final, end_entries, final_records, pending
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import threading
 import time
 
-from broker_config import keys, protocol
-from broker_config.connection import connect
-from broker_config.protocol import MAX_PRIORITY
-from broker_config.settings import Settings
-from gpu_workers.backend import AddRequest, StepOutput
-from producer.client import Client
-from results import records
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.connection import connect
+from plurai.broker_config.protocol import MAX_PRIORITY
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.backend import AddRequest, StepOutput
+from plurai.producer.client import Client
+from plurai.results import records
 from tests.helpers import driven_worker
 
 from .recorder import Recorder, Waiting, token

@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from broker_config import keys
-from broker_config.connection import connect
-from broker_config.settings import Settings
-from gpu_workers.backend import StepOutput
-from gpu_workers.worker import Worker
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.broker_config.connection import connect
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.backend import StepOutput
+from plurai.gpu_workers.worker import Worker
+from plurai.producer.client import Client
 from tests.helpers import driven_worker
 
 from .recorder import Recorder, token

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from broker_config.settings import Settings
-from gpu_workers.admission import Admission
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.admission import Admission
 
 
 @dataclass

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_store import block_format
-from kv_store.block_format import BadBlock
+from plurai.kv_store import block_format
+from plurai.kv_store.block_format import BadBlock
 
 FP = bytes(range(16))
 H = bytes(range(100, 116))

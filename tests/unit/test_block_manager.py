@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.block_manager import BlockManager
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import Sequence
-from kv_store.block_hash import chain_hashes
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.block_manager import BlockManager
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.sequence import Sequence
+from plurai.kv_store.block_hash import chain_hashes
 
 FP = bytes.fromhex("ab" * 16)
 
@@ -37,7 +37,7 @@ def test_block_hashes_are_the_same_in_every_process():
     tokens = list(range(100))
     here = [h.hex() for h in chain_hashes(tokens, 16, FP)]
     code = (
-        "from kv_store.block_hash import chain_hashes;"
+        "from plurai.kv_store.block_hash import chain_hashes;"
         f"print(','.join(h.hex() for h in chain_hashes(list(range(100)), 16, bytes.fromhex('{FP.hex()}'))))"
     )
     for seed in ("1", "2"):
@@ -133,7 +133,7 @@ ops = st.lists(
 
 @pytest.fixture(scope="module")
 def prop_engine_factory(model_factory):
-    from gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
 
     path = model_factory("llama")
 

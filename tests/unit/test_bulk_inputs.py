@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from producer.bulk import manage
-from producer.bulk.inputs import LineError, parse_line
+from plurai.producer.bulk import manage
+from plurai.producer.bulk.inputs import LineError, parse_line
 
 LIMITS = {"max_line_bytes": 10_000, "max_tokens_limit": 100, "default_max_tokens": 8}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

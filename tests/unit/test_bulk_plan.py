@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from producer.bulk import finalize, plan
-from producer.bulk.inputs import LineError, parse_line
-from results.records import Choice
+from plurai.producer.bulk import finalize, plan
+from plurai.producer.bulk.inputs import LineError, parse_line
+from plurai.results.records import Choice
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_model):
-    from producer.bulk.drive import tokenizer
+    from plurai.producer.bulk.drive import tokenizer
 
     return tokenizer(str(tiny_model))
 

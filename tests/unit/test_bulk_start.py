@@ -3,8 +3,8 @@ every document's error line (model_unavailable)."""
 
 from __future__ import annotations
 
-from broker_config.settings import Settings
-from producer.bulk.tasks import check_model_dir
+from plurai.broker_config.settings import Settings
+from plurai.producer.bulk.tasks import check_model_dir
 
 
 def test_a_driver_without_a_usable_model_dir_says_why(monkeypatch, tmp_path, tiny_model):

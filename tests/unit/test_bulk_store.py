@@ -8,11 +8,11 @@ import json
 import fakeredis
 import pytest
 
-from broker_config import keys
-from broker_config.settings import BulkSettings
-from producer.bulk import store
-from producer.bulk.store import BatchRecord, LineProgress
-from results.records import BadRecord
+from plurai.broker_config import keys
+from plurai.broker_config.settings import BulkSettings
+from plurai.producer.bulk import store
+from plurai.producer.bulk.store import BatchRecord, LineProgress
+from plurai.results.records import BadRecord
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from producer.bulk import plan
+from plurai.producer.bulk import plan
 
 WORDS = "the a river stone light north quiet letter garden winter paper machine city old".split()
 SCHEMA = {
@@ -31,7 +31,7 @@ def text(n: int, seed: int = 0) -> str:
 
 
 def test_extract_and_classify_requests_carry_their_constraint():
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     rf = EXTRACT.sampling()["response_format"]
     assert rf == {"type": "json_schema", "json_schema": {"name": "extract", "schema": SCHEMA}}
@@ -52,7 +52,7 @@ def test_extract_and_classify_requests_carry_their_constraint():
     "task, context", [(EXTRACT, 512), (CLASSIFY, 128)], ids=["extract", "classify"]
 )
 def test_the_offline_plan_constrains_map_and_reduce_alike(tiny_model, task, context):
-    from producer.bulk.drive import tokenizer
+    from plurai.producer.bulk.drive import tokenizer
 
     levels: list[dict] = []
 
@@ -149,9 +149,9 @@ def test_a_constraint_over_the_wire_limit_is_refused():
 
 
 def test_a_stored_task_that_is_no_longer_valid_fails_the_batch():
-    from broker_config.settings import Settings
-    from producer.bulk.store import BatchRecord
-    from producer.bulk.validate import configured_model
+    from plurai.broker_config.settings import Settings
+    from plurai.producer.bulk.store import BatchRecord
+    from plurai.producer.bulk.validate import configured_model
 
     def problem_of(task: str) -> tuple[str, str] | None:
         return configured_model(BatchRecord("b", "validating", task=task), Settings())[1]
@@ -191,7 +191,7 @@ def test_placeholders_inside_a_document_are_left_alone():
     ],
 )
 def test_the_cli_refuses_a_bad_schema_before_anything_is_sent(tmp_path, capsys, schema, match):
-    from cli import main as cli
+    from plurai.cli import main as cli
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text('{"id": "a", "text": "the river"}\n')

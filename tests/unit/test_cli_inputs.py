@@ -7,8 +7,8 @@ from typing import Any
 import pydantic
 import pytest
 
-from broker_config.settings import Settings
-from cli.main import main
+from plurai.broker_config.settings import Settings
+from plurai.cli.main import main
 
 
 @pytest.mark.parametrize(
@@ -101,11 +101,11 @@ def test_cli_an_unreachable_cluster_is_one_line_without_its_password(
 
 def test_cli_ctrl_c_while_watching_ends_quietly(monkeypatch, capsys) -> None:
     """Ctrl-C during `plurai watch` (or `submit --stream`): exit 130, no traceback."""
-    import cli.main
+    from plurai.cli import main as cli_main
 
     def interrupted(args: Any) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.main, "cmd_watch", interrupted)
+    monkeypatch.setattr(cli_main, "cmd_watch", interrupted)
     assert main(["watch", "somejob01"]) == 130
     assert "Traceback" not in capsys.readouterr().err

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from broker_config.settings import BulkSettings, Settings
+from plurai.broker_config.settings import BulkSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,10 +55,10 @@ def test_every_plurai_service_runs_a_real_entry_point():
         args = argv(service)
         if args[0] == "plurai":
             (script,) = entry_points(group="console_scripts", name="plurai")
-            assert script.value == "cli.main:main"
+            assert script.value == "plurai.cli.main:main"
             # the same arguments, asking for help: exits 0 only for a real subcommand
             run = subprocess.run(
-                [sys.executable, "-m", "cli", *args[1:2], "--help"],
+                [sys.executable, "-m", "plurai.cli", *args[1:2], "--help"],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from broker_config import logs
-from broker_config.celery_app import kombu_sentinel
-from broker_config.connection import (
+from plurai.broker_config import logs
+from plurai.broker_config.celery_app import kombu_sentinel
+from plurai.broker_config.connection import (
     ClusterURL,
     SentinelURL,
     connect,
@@ -25,7 +25,7 @@ from broker_config.connection import (
     parse_sentinel,
     redact,
 )
-from broker_config.embedded import free_port
+from plurai.broker_config.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,7 +191,7 @@ def test_log_lines_are_redacted_in_both_formats():
 def test_status_against_a_dead_url_never_prints_the_password(flags):
     url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"  # nothing listens there
     run = subprocess.run(
-        [sys.executable, "-m", "cli", "status", "--url", url, *flags],
+        [sys.executable, "-m", "plurai.cli", "status", "--url", url, *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import redis.utils
 
-from broker_config.connection import connect, connect_async
+from plurai.broker_config.connection import connect, connect_async
 
 
 def test_new_connections_do_not_look_up_the_library_version(monkeypatch) -> None:

@@ -10,8 +10,8 @@ import fakeredis
 import msgpack
 import pytest
 
-from broker_config import keys
-from gateway import dashboard
+from plurai.broker_config import keys
+from plurai.gateway import dashboard
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_a_list_key_of_another_type_empties_its_section_only(r, caplog) -> None:
 
 
 def test_a_heartbeats_lane_counts_are_read_or_dropped(r) -> None:
-    from broker_config import stats
+    from plurai.broker_config import stats
 
     good = {"standard": [3, 120], "batch": [1, 16]}
     beats = {
@@ -149,7 +149,7 @@ def test_a_heartbeats_lane_counts_are_read_or_dropped(r) -> None:
 
 
 def test_heartbeat_figures_that_are_no_numbers_read_as_none_given(r) -> None:
-    from broker_config import stats
+    from plurai.broker_config import stats
 
     r.sadd(keys.WORKERS, "w1")
     r.hset(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from broker_config import keys
-from broker_config.settings import Settings
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -8,9 +8,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.detokenizer import Detokenizer, StopMatcher
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import drain, greedy, prompt, tokens
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.speculator import Speculator
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.speculator import Speculator
 from tests.unit.test_speculative import looping
 from tests.unit.test_structured import SCHEMAS, rf, unbounded
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from kv_store.block_hash import EMPTY, chain_hashes, salt_root
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.kv_store.block_hash import EMPTY, chain_hashes, salt_root
 from tests.helpers import drain, greedy, prompt, tokens
 
 FP = bytes.fromhex("cd" * 16)
@@ -27,7 +27,7 @@ def test_salted_chains_differ_from_each_other_and_from_no_salt():
     assert chain_hashes(toks, 16, FP, root=salt_root("tenant-a")) == a
     # the same in another process, whatever its hash seed
     code = (
-        "from kv_store.block_hash import chain_hashes, salt_root;"
+        "from plurai.kv_store.block_hash import chain_hashes, salt_root;"
         f"print(chain_hashes(list(range(64)), 16, bytes.fromhex('{FP.hex()}'),"
         " root=salt_root('tenant-a'))[-1].hex())"
     )

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import greedy, prompt
 
 BLOCK = 16

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import drain, greedy, prompt, tokens
 
 
@@ -222,7 +222,7 @@ def test_a_fault_fails_only_its_request(path, engine_factory):
 
 
 def test_the_fault_hook_is_a_config_field():
-    from gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.config import EngineConfig
 
     assert EngineConfig(model="m").fault_token_id is None
     assert EngineConfig(model="m", fault_token_id=3).fault_token_id == 3
@@ -232,7 +232,7 @@ def test_the_fault_hook_is_a_config_field():
 
 def test_a_kv_redis_ttl_below_one_second_is_refused():
     """Redis refuses an expiry of 0 or less: every write to the KV tier would fail, unseen."""
-    from gpu_workers.engine.config import EngineConfig
+    from plurai.gpu_workers.engine.config import EngineConfig
 
     for ttl in (0, -5):
         with pytest.raises(ValueError, match="kv_redis_ttl_s"):

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.kernels import cpu_isa
-from gpu_workers.layers.linear import Linear, can_pack
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.kernels import cpu_isa
+from plurai.gpu_workers.layers.linear import Linear, can_pack
 from tests.conftest import FAMILIES
 
 MAX_TOKENS = 24

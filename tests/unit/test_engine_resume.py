@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 from tests.helpers import greedy, prompt
 
 
@@ -157,7 +157,7 @@ def test_a_stop_string_across_the_cut(path, engine_factory):
 
 @pytest.fixture(scope="module")
 def short_engine(path):
-    from gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
 
     return Engine(
         EngineConfig(model=str(path), dtype="fp32", kv_cache_bytes=4 << 20, max_model_len=64)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from broker_config.errors import Code, ErrorCode
-from producer.dead_letters import DeadCode
-from producer.lanes import LaneCode
+from plurai.broker_config.errors import Code, ErrorCode
+from plurai.producer.dead_letters import DeadCode
+from plurai.producer.lanes import LaneCode
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 

@@ -9,22 +9,22 @@ import sys
 import pytest
 import torch
 
-from gpu_workers.models.factory import make_tokenizer, model_config
+from plurai.gpu_workers.models.factory import make_tokenizer, model_config
 
 
 @pytest.mark.model
 def test_make_model_cli_writes_a_loadable_model(tmp_path):
     out = tmp_path / "q3"
     subprocess.run(
-        [sys.executable, "-m", "cli", "make-model", str(out), "--family", "qwen3"],
+        [sys.executable, "-m", "plurai.cli", "make-model", str(out), "--family", "qwen3"],
         check=True,
         capture_output=True,
     )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
     assert cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(out), dtype="fp32", num_kv_blocks=32))
     got = engine.generate(["Plai stou"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
@@ -60,7 +60,7 @@ def test_real_sizes_have_the_shapes_of_the_models_users_run(size, family, params
     tokenizer (8,192 tokens) padded to their vocabularies."""
     from transformers import AutoModelForCausalLM
 
-    from gpu_workers.models.factory import size_family
+    from plurai.gpu_workers.models.factory import size_family
 
     assert size_family(size) == family
     cfg = model_config(family, size, vocab_size=8192, eos_id=0)
@@ -74,7 +74,7 @@ def test_real_sizes_have_the_shapes_of_the_models_users_run(size, family, params
 def test_real_sizes_refuse_training(capsys):
     import argparse
 
-    from gpu_workers.models.factory import add_arguments, cli
+    from plurai.gpu_workers.models.factory import add_arguments, cli
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.models import factory
-from gpu_workers.models import train as train_module
-from gpu_workers.models.factory import FACTORY_FILE, describe, make_model
-from gpu_workers.models.train import TrainConfig, corpus_text
+from plurai.gpu_workers.models import factory
+from plurai.gpu_workers.models import train as train_module
+from plurai.gpu_workers.models.factory import FACTORY_FILE, describe, make_model
+from plurai.gpu_workers.models.train import TrainConfig, corpus_text
 
 pytestmark = pytest.mark.model  # builds and trains models
 
@@ -35,8 +35,8 @@ def words(text: str) -> list[str]:
 
 def word_share(model_dir: Path, temperature: float = 0.0) -> tuple[float, list[str]]:
     """The share of generated words that are words of the text, and the texts."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
-    from gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(model_dir), dtype="fp32", kv_cache_bytes=16 << 20))
     params = SamplingParams(max_tokens=40, temperature=temperature, seed=1, ignore_eos=True)
@@ -145,8 +145,8 @@ def test_cli_train(tmp_path, capsys):
 def test_copy_windows_are_paragraphs_written_twice():
     """copy_share draws windows from each paragraph followed by itself: what teaches a
     model to copy from its context (bench/speculative.py's documents)."""
-    from gpu_workers.models.factory import make_tokenizer
-    from gpu_workers.models.train import paragraphs, token_streams
+    from plurai.gpu_workers.models.factory import make_tokenizer
+    from plurai.gpu_workers.models.train import paragraphs, token_streams
 
     tok = make_tokenizer(2048, 0, "text")
     plain, _, copies = token_streams(tok, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.sim_backend import SimBackend, estimate_tokens
-from gpu_workers.backend import AddRequest, RequestError
+from plurai.gpu_workers.backend import AddRequest, RequestError
 
 
 def backend(**kw: int) -> tuple[SimBackend, list[float]]:

@@ -11,10 +11,10 @@ import logging
 import fakeredis
 import pytest
 
-from broker_config import keys
-from broker_config.protocol import Limits
-from broker_config.settings import Settings
-from gateway import apikeys, auth, quota
+from plurai.broker_config import keys
+from plurai.broker_config.protocol import Limits
+from plurai.broker_config.settings import Settings
+from plurai.gateway import apikeys, auth, quota
 
 SETTINGS = Settings(lanes=["interactive", "standard", "batch"], default_lane="standard")
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from gateway import batch_objects
-from gateway.batch_objects import batch_object
-from producer.bulk.store import BatchRecord
-from producer.openai_body import BadRequest
+from plurai.gateway import batch_objects
+from plurai.gateway.batch_objects import batch_object
+from plurai.producer.bulk.store import BatchRecord
+from plurai.producer.openai_body import BadRequest
 
 CHAT = "/v1/chat/completions"
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.lag import LoopWatch
+from plurai.gateway.lag import LoopWatch
 
 
 def lag_histogram() -> tuple[Histogram, CollectorRegistry]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker_config.embedded import free_port
+from plurai.broker_config.embedded import free_port
 from tests.helpers import gateway
 
 
@@ -47,7 +47,7 @@ def test_health_says_redis_is_down(api):
 def test_why_is_logged_once_a_second(api, caplog, monkeypatch):
     """An operator sees why requests got 503: the exception, in one line a second at most,
     with the count of the requests it stood for."""
-    from gateway import errors
+    from plurai.gateway import errors
 
     monkeypatch.setattr(errors, "_unavailable", errors._Unavailable())
     body = {"model": "m", "prompt": "hi", "max_tokens": 2}

@@ -20,12 +20,12 @@ from kombu.exceptions import OperationalError
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from broker_config import keys, protocol
-from broker_config.routes import Routes, registry_value
-from broker_config.settings import Settings
-from gateway import errors, openai
-from results import tokens
-from results.records import BadRecord
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.routes import Routes, registry_value
+from plurai.broker_config.settings import Settings
+from plurai.gateway import errors, openai
+from plurai.results import tokens
+from plurai.results.records import BadRecord
 from tests.helpers import gateway, serve_model
 
 JOB = "gwrequests0123456789ab"  # the id every job of a test gets
@@ -442,9 +442,9 @@ def test_a_json_body_without_or_with_its_content_type_is_served(api, r, content_
 def test_client_status_is_the_4xx_the_handlers_answer():
     """What the gateway's request span reads to tell a client's mistake (no error status)
     from a failure here: the same status the handlers answer."""
-    from gateway.auth import LaneError, Unauthorized
-    from producer.errors import QueueFull, RedisFull
-    from producer.openai_body import BadRequest
+    from plurai.gateway.auth import LaneError, Unauthorized
+    from plurai.producer.errors import QueueFull, RedisFull
+    from plurai.producer.openai_body import BadRequest
 
     scope = {"type": "http", "headers": [], "method": "POST", "path": "/v1/completions"}
     cases = [

@@ -15,9 +15,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from broker_config import keys
-from gateway import sse, streams
-from results import records, tokens
+from plurai.broker_config import keys
+from plurai.gateway import sse, streams
+from plurai.results import records, tokens
 
 
 def run(coro, timeout: float = 20):

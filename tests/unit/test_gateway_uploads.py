@@ -12,9 +12,9 @@ import fakeredis
 import pytest
 from starlette.datastructures import UploadFile
 
-from gateway import uploads
-from producer.bulk import manage
-from producer.openai_body import BadRequest
+from plurai.gateway import uploads
+from plurai.producer.bulk import manage
+from plurai.producer.openai_body import BadRequest
 
 
 def test_expiry_checks():

@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from broker_config import keys
-from results import jobs, scripts
+from plurai.broker_config import keys
+from plurai.results import jobs, scripts
 
 
 def test_sha_is_the_sha1_of_the_script_text() -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_workers import kernels
-from gpu_workers.layers.attention import AttnContext, PagedAttention
-from gpu_workers.layers.rotary import apply_rotary
+from plurai.gpu_workers import kernels
+from plurai.gpu_workers.layers.attention import AttnContext, PagedAttention
+from plurai.gpu_workers.layers.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None, reason="no C++ compiler: the engine runs the torch path"
@@ -247,7 +247,7 @@ def test_engine_takes_the_torch_path_where_the_kernels_do_not_apply(model_factor
 def test_top_p_keeps_what_the_numpy_path_keeps(ops):
     """The kernel's cutoff is the sampler's numpy path's, to the bit: random rows of
     vocabularies up to 40k, flat to peaked, exact ties, top_p of 0 and near 1."""
-    from gpu_workers.engine.sampler import _nucleus
+    from plurai.gpu_workers.engine.sampler import _nucleus
     from tests.unit.test_sampling import top_p_cases
 
     for trial, probs, top_p in top_p_cases(seed=2, n=150, top_max=0.9999):
@@ -272,9 +272,9 @@ def test_top_p_refuses_bad_shapes_and_survives_nan(ops):
 
 
 def test_seeded_sampling_draws_the_same_tokens_with_the_kernel(ops):
-    from gpu_workers.engine.sampler import Sampler
-    from gpu_workers.engine.sampling_params import SamplingParams
-    from gpu_workers.engine.sequence import Sequence
+    from plurai.gpu_workers.engine.sampler import Sampler
+    from plurai.gpu_workers.engine.sampling_params import SamplingParams
+    from plurai.gpu_workers.engine.sequence import Sequence
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 5000, generator=gen) * 4

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from kv_store.redis_tier import RedisTier
+from plurai.kv_store.redis_tier import RedisTier
 
 FP = "ab" * 16
 BLOCK = 64 << 10  # bytes of each test block

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from gpu_workers.engine.sampling_params import SamplingParams
-from kv_store import block_format
-from kv_store.block_format import BadBlock
-from kv_store.host import HostTier
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.kv_store import block_format
+from plurai.kv_store.block_format import BadBlock
+from plurai.kv_store.host import HostTier
 
 FP = bytes(range(16))
 H = bytes(range(100, 116))
@@ -83,7 +83,7 @@ def test_blocks_evicted_to_host_are_loaded_back_and_give_the_same_tokens(
 
 
 def _seq(prompt: list[int], engine=None):
-    from gpu_workers.engine.sequence import Sequence
+    from plurai.gpu_workers.engine.sequence import Sequence
 
     seq = Sequence("probe", list(prompt), SamplingParams())
     if engine is not None:

@@ -56,7 +56,9 @@ MODULES = project_modules()
 
 def resolve(name: str) -> str | None:
     """The project module that importing `name` runs last: `name` itself, else the
-    longest project module it starts with; None when it is not the project's."""
+    longest project module it starts with; None when it is not the project's. Installed,
+    the packages live under `plurai.` (pyproject's package-dir)."""
+    name = name.removeprefix("plurai.")
     while name:
         if name in MODULES:
             return name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.models import loader
+from plurai.gpu_workers.models import loader
 
 MB = 1 << 20
 

@@ -8,10 +8,10 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from broker_config.memory import is_oom
-from broker_config.settings import Settings
-from gpu_workers.engine import config
-from gpu_workers.engine.config import EngineConfig
+from plurai.broker_config.memory import is_oom
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.engine import config
+from plurai.gpu_workers.engine.config import EngineConfig
 
 
 def limit(monkeypatch, tmp_path, value: str) -> None:

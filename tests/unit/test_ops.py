@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import fakeredis
 import pytest
 
-from broker_config import keys, logs, stats
-from broker_config.settings import DEFAULT_METRICS_PORT, Settings
-from gpu_workers.serve import serve_metrics
-from gpu_workers.startup import StartError
-from gpu_workers.worker import Worker
+from plurai.broker_config import keys, logs, stats
+from plurai.broker_config.settings import DEFAULT_METRICS_PORT, Settings
+from plurai.gpu_workers.serve import serve_metrics
+from plurai.gpu_workers.startup import StartError
+from plurai.gpu_workers.worker import Worker
 from tests.helpers import beat
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.pace import Pace
+from plurai.gpu_workers.pace import Pace
 
 
 def feed(p: Pace, start: float, seconds: float, tpot: float, per_arrival: int = 1) -> float:

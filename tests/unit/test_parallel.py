@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.parallel import decode_step, encode_step
-from gpu_workers.engine.placement import split_layers
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.parallel import decode_step, encode_step
+from plurai.gpu_workers.engine.placement import split_layers
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.sequence import Sequence
 
 
 def prompts(seed: int = 0) -> list[list[int]]:

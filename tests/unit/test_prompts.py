@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
 from tests.helpers import drain, greedy, tokens
 
 
@@ -42,7 +42,7 @@ def test_special_text_in_a_prompt_is_plain_text(tiny_engine):
 
 def test_a_tokenizer_bos_stays(tiny_model, tmp_path):
     """A tokenizer that adds a BOS to prompts still does; only the user's text is plain."""
-    from gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
 
     bos = tmp_path / "bos-model"
     shutil.copytree(tiny_model, bos)

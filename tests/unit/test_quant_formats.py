@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.layers.quant_linear import QuantLinear
-from gpu_workers.models import quant_formats as qf
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.layers.quant_linear import QuantLinear
+from plurai.gpu_workers.models import quant_formats as qf
 from tests.quant_checkpoints import AWQ_ORDER, pack, write
 
 MAX_TOKENS = 16
@@ -175,10 +175,10 @@ def test_tensor_parallel_ranks_hold_their_slices(model_factory, tmp_path):
     """Each of two ranks' quantized layers dequantizes to its slice of the whole weight."""
     from transformers import AutoConfig
 
-    from gpu_workers.engine.placement import TP, Stage
-    from gpu_workers.layers.quant_linear import finish_quantized
-    from gpu_workers.models.llama import LlamaForCausalLM
-    from gpu_workers.models.loader import iter_tensors
+    from plurai.gpu_workers.engine.placement import TP, Stage
+    from plurai.gpu_workers.layers.quant_linear import finish_quantized
+    from plurai.gpu_workers.models.llama import LlamaForCausalLM
+    from plurai.gpu_workers.models.loader import iter_tensors
 
     src = model_factory("llama")
     dst = tmp_path / "q"
@@ -284,7 +284,7 @@ def test_w8a8_quantizes_each_row_of_activations():
     parts = [("l.weight", codes), ("l.weight_scale", scale), ("l.bias", torch.ones(48))]
     decoded = dict(qf.decode(parts, s))
     assert torch.equal(decoded["l.bias"], torch.ones(48))
-    from gpu_workers.kernels import load
+    from plurai.gpu_workers.kernels import load
 
     ops = load("auto")
     x = torch.randn(21, 64, generator=gen) * torch.rand(21, 1, generator=gen) * 10
@@ -307,7 +307,7 @@ def test_w8a8_quantizes_each_row_of_activations():
     ("bits", "group", "zeros"), [(8, None, False), (8, 32, True), (4, 32, True), (4, None, False)]
 )
 def test_the_native_kernel_computes_the_dequantized_matmul(bits, group, zeros):
-    from gpu_workers.kernels import load
+    from plurai.gpu_workers.kernels import load
 
     ops = load("auto")
     if getattr(ops, "qlinear", None) is None:
@@ -347,7 +347,7 @@ def test_plurai_quantize_checkpoints_match_transformers_loading_them(
 ):
     """`plurai quantize`'s files, read by the engine and by transformers (which decompresses
     them with the compressed-tensors package): the same greedy tokens."""
-    from gpu_workers.models.quantize import quantize
+    from plurai.gpu_workers.models.quantize import quantize
 
     dst = tmp_path / scheme
     quantize(model_factory("qwen3"), dst, scheme, group)
@@ -435,7 +435,7 @@ def test_each_layer_is_packed_as_its_last_piece_arrives(model_factory, tmp_path,
     the whole model until the end (twice an int4 model's served size)."""
     from transformers import AutoConfig
 
-    from gpu_workers.models.loader import build_model
+    from plurai.gpu_workers.models.loader import build_model
 
     src = model_factory("llama")
     dst = tmp_path / "q"

@@ -18,8 +18,8 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from cli.main import main as plurai
-from gpu_workers.models.quantize import SCHEMES, pack, quantize, quantize_weight, unpack
+from plurai.cli.main import main as plurai
+from plurai.gpu_workers.models.quantize import SCHEMES, pack, quantize, quantize_weight, unpack
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32  # w4a16 on the tiny models (input sizes 64 and 128): 128 divides not all

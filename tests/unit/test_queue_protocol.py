@@ -9,13 +9,13 @@ from typing import Any
 import msgpack
 import pytest
 
-from broker_config import protocol
-from broker_config.protocol import Code, WireError
-from broker_config.settings import Settings
-from gpu_workers.engine.errors import ErrorCode
-from gpu_workers.engine.sampling_params import SamplingParams
-from producer.request import prepare
-from results import jobs
+from plurai.broker_config import protocol
+from plurai.broker_config.protocol import Code, WireError
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.engine.errors import ErrorCode
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.producer.request import prepare
+from plurai.results import jobs
 
 
 def fields(body: object = None, **kw: object) -> dict[bytes, bytes]:

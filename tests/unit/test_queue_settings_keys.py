@@ -5,10 +5,10 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from broker_config import keys, protocol
-from broker_config.groups import ensure_groups
-from broker_config.settings import BulkSettings, Settings
-from broker_config.text import text
+from plurai.broker_config import keys, protocol
+from plurai.broker_config.groups import ensure_groups
+from plurai.broker_config.settings import BulkSettings, Settings
+from plurai.broker_config.text import text
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

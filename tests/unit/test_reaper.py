@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.vllm_backend import reaper
+from plurai.gpu_workers.vllm_backend import reaper
 from tests.helpers import gone, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # then the reaper, then it waits
 WORKER = """
 import subprocess, sys, time
-from gpu_workers.vllm_backend import reaper
+from plurai.gpu_workers.vllm_backend import reaper
 core = subprocess.Popen([sys.executable, "-c",
     "import subprocess, time; subprocess.Popen(['sleep', '1000']); time.sleep(1000)"])
 time.sleep(0.5)

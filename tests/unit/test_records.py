@@ -9,10 +9,10 @@ import types
 import fakeredis
 import pytest
 
-from broker_config import keys
-from producer.errors import NotReplicated, check_replicas
-from results import records
-from results.records import BadRecord, JobRecord
+from plurai.broker_config import keys
+from plurai.producer.errors import NotReplicated, check_replicas
+from plurai.results import records
+from plurai.results.records import BadRecord, JobRecord
 
 
 def test_a_good_record_parses():
@@ -54,7 +54,7 @@ def test_an_error_reply_to_wait_is_not_replicated():
 
 
 def test_a_step_of_a_batch_whose_generation_is_damaged_ends_its_chain(monkeypatch):
-    from producer.bulk import drive, tasks
+    from plurai.producer.bulk import drive, tasks
 
     r = fakeredis.FakeRedis()
     monkeypatch.setattr(tasks, "_client", lambda: types.SimpleNamespace(redis=r))

@@ -11,8 +11,8 @@ import fakeredis
 import pytest
 import torch
 
-from kv_store import block_format
-from kv_store.redis_tier import SECRET_ENV, RedisTier
+from plurai.kv_store import block_format
+from plurai.kv_store.redis_tier import SECRET_ENV, RedisTier
 
 from .test_block_format import FP, SECRET, SHAPE, H, forged
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from broker_config.settings import Settings
-from producer.request import prepare
+from plurai.broker_config.settings import Settings
+from plurai.producer.request import prepare
 
 
 @pytest.mark.parametrize(

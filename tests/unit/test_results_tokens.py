@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from results import tokens, wait
-from results.records import BadRecord, JobRecord
+from plurai.results import tokens, wait
+from plurai.results.records import BadRecord, JobRecord
 
 
 def ev(type_: str, text: str = "") -> tokens.Event:
@@ -119,9 +119,9 @@ def test_stream_of_a_final_job_whose_stream_expired_ends() -> None:
     import fakeredis
     import fakeredis.aioredis
 
-    from broker_config import keys
-    from producer import AsyncClient, Client
-    from results import records
+    from plurai.broker_config import keys
+    from plurai.producer import AsyncClient, Client
+    from plurai.results import records
 
     done = {"state": "completed", "final": "1", "text": "hello", "finish_reason": "stop"}
     r = fakeredis.FakeRedis(decode_responses=True)
@@ -155,9 +155,9 @@ def test_a_job_with_no_record_yet_is_waited_for() -> None:
     import fakeredis
     import fakeredis.aioredis
 
-    from broker_config import keys
-    from producer import AsyncClient, Client
-    from results import records
+    from plurai.broker_config import keys
+    from plurai.producer import AsyncClient, Client
+    from plurai.results import records
 
     r = fakeredis.FakeRedis(decode_responses=True)
     done = {"state": "completed", "final": "1", "text": "hi", "finish_reason": "stop"}
@@ -191,9 +191,9 @@ def test_a_record_key_of_another_type_is_a_bad_record_not_a_redis_error() -> Non
     import fakeredis
     import fakeredis.aioredis
 
-    from broker_config import keys
-    from producer import AsyncClient, Client
-    from results import records
+    from plurai.broker_config import keys
+    from plurai.producer import AsyncClient, Client
+    from plurai.results import records
 
     r = fakeredis.FakeRedis(decode_responses=True)
     r.set(keys.job("strjob001"), "oops")

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from broker_config.routes import Routes, registry_value
-from broker_config.settings import Settings
+from plurai.broker_config.routes import Routes, registry_value
+from plurai.broker_config.settings import Settings
 
 
 def test_shards_liveness_and_refusal() -> None:
@@ -71,8 +71,8 @@ def test_a_models_key_of_another_type_reads_as_empty() -> None:
     import fakeredis
     import fakeredis.aioredis
 
-    from broker_config import keys, stats
-    from producer import AsyncClient, Client
+    from plurai.broker_config import keys, stats
+    from plurai.producer import AsyncClient, Client
 
     r = fakeredis.FakeRedis()
     r.set(keys.MODELS, "not a hash")

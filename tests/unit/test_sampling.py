@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.sampler import Sampler
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.sampler import Sampler
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.sequence import Sequence
 from tests.helpers import prompt
 
 
@@ -173,7 +173,7 @@ def test_logprobs_are_those_of_the_model(path, engine_factory):
 
 
 def test_nucleus_keeps_the_same_tokens_as_a_full_sort():
-    from gpu_workers.engine.sampler import _nucleus
+    from plurai.gpu_workers.engine.sampler import _nucleus
 
     torch.manual_seed(0)
     top_p = torch.tensor([0.05, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 0.999])
@@ -216,7 +216,7 @@ def top_p_cases(
 def test_nucleus_matches_a_full_sort_on_random_rows():
     """Vocabularies up to 40k, flat to peaked rows, ties, top_p of 0: the kept tokens are
     exactly those of a sort of the whole row (float64 sums)."""
-    from gpu_workers.engine.sampler import _nucleus
+    from plurai.gpu_workers.engine.sampler import _nucleus
 
     for trial, probs, top_p in top_p_cases(seed=1, n=120, top_max=0.999):
         sp, _ = probs.sort(-1, descending=True)
@@ -260,7 +260,7 @@ def test_a_tiny_repetition_penalty_draws_a_seen_token():
 
 
 def test_a_seeded_draw_depends_on_seed_and_position_only():
-    from gpu_workers.engine.sampler import seeded_uniform
+    from plurai.gpu_workers.engine.sampler import seeded_uniform
 
     draws = [seeded_uniform(7, i) for i in range(4000)]
     assert draws == [seeded_uniform(7, i) for i in range(4000)]

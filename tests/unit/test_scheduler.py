@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

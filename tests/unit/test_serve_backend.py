@@ -8,9 +8,9 @@ import importlib.util
 
 import pytest
 
-from broker_config.settings import Settings
-from gpu_workers import serve
-from gpu_workers.startup import StartError
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers import serve
+from plurai.gpu_workers.startup import StartError
 
 
 def args(*argv: str) -> argparse.Namespace:

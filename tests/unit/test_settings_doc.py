@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker_config import settings_doc
-from broker_config.settings import BulkSettings, Settings
+from plurai.broker_config import settings_doc
+from plurai.broker_config.settings import BulkSettings, Settings
 
 FIELDS = [*Settings.model_fields, *(f"batch.{n}" for n in BulkSettings.model_fields)]
 
@@ -29,7 +29,7 @@ def test_a_setting_twice_in_read_by_is_refused(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_page_is_current() -> None:
-    assert settings_doc.main(["--check"]) == 0, "run python -m broker_config.settings_doc"
+    assert settings_doc.main(["--check"]) == 0, "run python -m plurai.broker_config.settings_doc"
 
 
 def test_a_row_gives_variable_default_range_and_description() -> None:

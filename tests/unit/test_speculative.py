@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import Sequence
-from gpu_workers.engine.speculator import SpecState, Speculator, row_cost
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.engine.sequence import Sequence
+from plurai.gpu_workers.engine.speculator import SpecState, Speculator, row_cost
 from tests.conftest import FAMILIES
 from tests.helpers import oracle
 from tests.unit.test_structured import SCHEMAS, rf, unbounded
@@ -74,7 +74,7 @@ def test_row_cost_is_the_slope_over_the_time_per_token() -> None:
 def test_the_row_cost_is_refitted_every_few_steps(monkeypatch) -> None:
     """A fit compares every two steps of the window: done at every step, it cost a small
     model's decode step a third of its time (once the window was full)."""
-    from gpu_workers.engine import speculator
+    from plurai.gpu_workers.engine import speculator
 
     fits = []
     monkeypatch.setattr(speculator, "row_cost", lambda steps: fits.append(len(steps)) or 0.5)
@@ -271,7 +271,7 @@ def test_engine_settings_are_checked() -> None:
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, [True]])
 def test_speculate_must_be_a_boolean(bad) -> None:
-    from gpu_workers.engine.errors import ErrorCode, RequestError
+    from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
 
     with pytest.raises(RequestError, match="speculate must be a boolean") as e:
         SamplingParams.from_dict({"max_tokens": 4, "speculate": bad})

@@ -5,11 +5,11 @@ spells the same text as the result."""
 
 from __future__ import annotations
 
-from broker_config import protocol
-from gpu_workers.backend import StepOutput
-from gpu_workers.intake import Entry
-from gpu_workers.job import Running, Stream
-from results import jobs, progress
+from plurai.broker_config import protocol
+from plurai.gpu_workers.backend import StepOutput
+from plurai.gpu_workers.intake import Entry
+from plurai.gpu_workers.job import Running, Stream
+from plurai.results import jobs, progress
 
 EVERY = Stream(tokens=4, seconds=0.1)
 

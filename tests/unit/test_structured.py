@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_workers.backend import AddRequest
-from gpu_workers.engine.errors import ErrorCode, RequestError
-from gpu_workers.engine.grammar import check_limits, spec
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest
+from plurai.gpu_workers.engine.errors import ErrorCode, RequestError
+from plurai.gpu_workers.engine.grammar import check_limits, spec
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
 # strings get a bound, an enum or a pattern: a random model rarely closes a free string
 SCHEMAS = {
@@ -101,7 +101,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from gpu_workers.engine.engine import Engine, EngineConfig
+    from plurai.gpu_workers.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(tiny_model), dtype="fp32", kv_cache_bytes=16 << 20))
 

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from redis.exceptions import NoScriptError, ResponseError
 
-from broker_config import keys
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from producer.errors import BadIdempotencyKey, NotReplicated, QueueFull
-from producer.request import check, prepare
-from producer.submit import Plan
+from plurai.broker_config import keys
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.producer.errors import BadIdempotencyKey, NotReplicated, QueueFull
+from plurai.producer.request import check, prepare
+from plurai.producer.submit import Plan
 
 
 @dataclass

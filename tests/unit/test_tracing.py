@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ResponseError
 
-from broker_config import protocol, tracing
-from broker_config.routes import Routes
-from broker_config.settings import Settings
-from producer.request import check, prepare
-from producer.submit import Plan
+from plurai.broker_config import protocol, tracing
+from plurai.broker_config.routes import Routes
+from plurai.broker_config.settings import Settings
+from plurai.producer.request import check, prepare
+from plurai.producer.submit import Plan
 
 GOOD = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # imported (redis-py itself imports OpenTelemetry's API and metrics SDK where installed)
 OFF_PROBE = f"""
 import sys
-import gateway.app, gpu_workers.worker, producer.aio, producer.client
-from broker_config import protocol
-from broker_config.settings import Settings
-from producer.request import prepare
+import plurai.gateway.app, plurai.gpu_workers.worker, plurai.producer.aio, plurai.producer.client
+from plurai.broker_config import protocol
+from plurai.broker_config.settings import Settings
+from plurai.producer.request import prepare
 prepare(Settings(), prompt="x")
 fields = {{b"v": b"2", b"id": b"job-12345678", b"max_tokens": b"4", b"body": b'{{"prompt": "a"}}',
           b"traceparent": b"{GOOD}"}}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.vllm_backend.cores import pin_to_ranks
+from plurai.gpu_workers.vllm_backend.cores import pin_to_ranks
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,

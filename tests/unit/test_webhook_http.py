@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from results import records, webhook_http, webhooks
-from results.webhook_http import Refused, check_url, sign, verify
+from plurai.results import records, webhook_http, webhooks
+from plurai.results.webhook_http import Refused, check_url, sign, verify
 
 
 @pytest.mark.parametrize(

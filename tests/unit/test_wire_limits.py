@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_config import protocol
-from broker_config.protocol import Code, Limits, WireError
-from gpu_workers.engine.errors import RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.broker_config import protocol
+from plurai.broker_config.protocol import Code, Limits, WireError
+from plurai.gpu_workers.engine.errors import RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 
 LIMITS = Limits(max_tokens=100, prompt_tokens=1000)
 

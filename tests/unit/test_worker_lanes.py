@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import fakeredis
 
-from broker_config.settings import Settings
-from gpu_workers.intake import Intake
-from gpu_workers.metrics import Metrics
-from gpu_workers.writer import Writer
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.intake import Intake
+from plurai.gpu_workers.metrics import Metrics
+from plurai.gpu_workers.writer import Writer
 
 
 def intake(settings: Settings) -> Intake:

@@ -8,10 +8,10 @@ import fakeredis
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.settings import Settings
-from gpu_workers.writer import Writer
-from results import jobs
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.writer import Writer
+from plurai.results import jobs
 
 
 class Down(fakeredis.FakeRedis):

@@ -44,7 +44,7 @@ def backend(small_model: Path) -> Iterator[Any]:
     """One VllmBackend for test_backend.py and test_structured.py (an engine start costs
     ~10 s here), its engine core in this process so that a step sees every request added
     before it (the workers of test_queue.py run the core in its own process)."""
-    from gpu_workers.vllm_backend.backend import VllmBackend
+    from plurai.gpu_workers.vllm_backend.backend import VllmBackend
 
     options = {**OPTIONS, "max_num_seqs": MAX_SEQS}
     b = VllmBackend(str(small_model), options=options, engine_process=False)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.backend import AddRequest, RequestError, StepOutput
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.backend import AddRequest, RequestError, StepOutput
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
 from tests.vllm.conftest import MAX_MODEL_LEN, MAX_SEQS, OPTIONS
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")
@@ -180,8 +180,8 @@ def test_a_draft_model_changes_no_greedy_token(backend, small_model: Path) -> No
     """`--engine speculative=draft:<dir>` becomes vLLM's draft_model method (serve.py):
     the model drafting for itself, its proposals are checked and kept, and the greedy
     tokens are those of the engine without speculation."""
-    from gpu_workers.serve import _vllm_speculative
-    from gpu_workers.vllm_backend.backend import VllmBackend
+    from plurai.gpu_workers.serve import _vllm_speculative
+    from plurai.gpu_workers.vllm_backend.backend import VllmBackend
 
     spec = _vllm_speculative({"speculative": f"draft:{small_model}", "num_speculative_tokens": 3})
     drafted = VllmBackend(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.vllm_backend import cpu_support
+from plurai.gpu_workers.vllm_backend import cpu_support
 from tests.integration.test_bench_smoke import Bench, check, run_smoke
 
 pytestmark = pytest.mark.slow

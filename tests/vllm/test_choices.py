@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_workers.backend import AddRequest, RequestError, StepOutput
-from gpu_workers.engine.errors import ErrorCode
+from plurai.gpu_workers.backend import AddRequest, RequestError, StepOutput
+from plurai.gpu_workers.engine.errors import ErrorCode
 from tests.helpers import prompt
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")

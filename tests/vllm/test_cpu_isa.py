@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.vllm_backend import cpu_support
+from plurai.gpu_workers.vllm_backend import cpu_support
 from tests.vllm.test_quantized import start
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")

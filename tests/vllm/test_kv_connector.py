@@ -34,12 +34,12 @@ pytest.importorskip("vllm", reason="needs vLLM: make vllm-install, then make tes
 import redis  # noqa: E402
 import torch  # noqa: E402
 
-from broker_config import keys  # noqa: E402
-from broker_config.embedded import EmbeddedRedis  # noqa: E402
-from gpu_workers.vllm_backend import connector, kv_layout  # noqa: E402
-from kv_store import block_format  # noqa: E402
-from kv_store.block_hash import chain_hashes, salt_root  # noqa: E402
-from kv_store.redis_tier import SECRET_ENV, RedisTier  # noqa: E402
+from plurai.broker_config import keys  # noqa: E402
+from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
+from plurai.gpu_workers.vllm_backend import connector, kv_layout  # noqa: E402
+from plurai.kv_store import block_format  # noqa: E402
+from plurai.kv_store.block_hash import chain_hashes, salt_root  # noqa: E402
+from plurai.kv_store.redis_tier import SECRET_ENV, RedisTier  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "@@plurai "

@@ -11,11 +11,11 @@ import time
 import pytest
 import redis
 
-from broker_config import keys
-from broker_config.settings import Settings
-from gpu_workers.engine.config import host_memory_bytes
-from gpu_workers.vllm_backend.backend import CPU_KV_ENV
-from producer.client import Client
+from plurai.broker_config import keys
+from plurai.broker_config.settings import Settings
+from plurai.gpu_workers.engine.config import host_memory_bytes
+from plurai.gpu_workers.vllm_backend.backend import CPU_KV_ENV
+from plurai.producer.client import Client
 from tests.vllm.conftest import VllmWorkers
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")

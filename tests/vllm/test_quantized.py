@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_workers.vllm_backend import cpu_support
+from plurai.gpu_workers.vllm_backend import cpu_support
 from tests.conftest import hf_greedy as greedy_of
 from tests.helpers import prompt
 from tests.vllm.conftest import OPTIONS
@@ -54,7 +54,7 @@ BF16_NATS = 0.5
 def made(small_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """made(scheme, dtype) -> (float folder, quantized folder); dtype "bfloat16" quantizes
     a bf16 copy of the small model (scales in bf16, as vLLM will run it)."""
-    from gpu_workers.models.quantize import quantize
+    from plurai.gpu_workers.models.quantize import quantize
 
     root = tmp_path_factory.mktemp("quantized")
     cache: dict[tuple[str, str], tuple[Path, Path]] = {}
@@ -276,7 +276,7 @@ def test_the_vllm_backend_refuses_a_weight_only_checkpoint_in_fp32_at_start(made
     """Where vLLM itself would start and then die at the first step (above), the worker's
     backend refuses at start and says what to change: a worker never takes a job it
     would die on."""
-    from gpu_workers.vllm_backend.backend import VllmBackend
+    from plurai.gpu_workers.vllm_backend.backend import VllmBackend
 
     _, dst = made("w4a16")
     why = "native backend" if AVX2 else "in bf16 only: start the worker with --vllm dtype=bf"
@@ -288,7 +288,7 @@ def test_the_vllm_backend_refuses_a_weight_only_checkpoint_in_fp32_at_start(made
 def test_the_backend_knows_what_runs_on_each_isa(made, isa: str) -> None:
     """What the backend refuses at start, with each ISA forced (the host's own answer is
     one of them: below)."""
-    from gpu_workers.vllm_backend.backend import engine_config
+    from plurai.gpu_workers.vllm_backend.backend import engine_config
 
     native = "no correct kernel for"
     expected = {
@@ -318,9 +318,9 @@ def test_the_worker_refuses_w8a8_in_fp32_on_amx_at_start(
     before vLLM's engine starts."""
     import argparse
 
-    from broker_config.settings import Settings
-    from gpu_workers.serve import add_arguments, make_backend
-    from gpu_workers.startup import Exit, StartError
+    from plurai.broker_config.settings import Settings
+    from plurai.gpu_workers.serve import add_arguments, make_backend
+    from plurai.gpu_workers.startup import Exit, StartError
 
     monkeypatch.setattr(cpu_support, "amx", lambda: True)
     _, dst = made("w8a8")

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_config import keys
-from gpu_workers.vllm_backend import reaper
-from producer.client import Client
-from results import records, wait
+from plurai.broker_config import keys
+from plurai.gpu_workers.vllm_backend import reaper
+from plurai.producer.client import Client
+from plurai.results import records, wait
 from tests.helpers import wait_gone
 from tests.integration.faults import (
     FAST,
@@ -186,7 +186,7 @@ def reference(model: Path, jobs: list[dict]) -> list[list[int]]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from gpu_workers.prompts import Prompts
+    from plurai.gpu_workers.prompts import Prompts
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = Prompts(tok, len(tok), MAX_MODEL_LEN)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gpu_workers.backend import AddRequest, RequestError
-from gpu_workers.engine.sampling_params import SamplingParams
+from plurai.gpu_workers.backend import AddRequest, RequestError
+from plurai.gpu_workers.engine.sampling_params import SamplingParams
 from tests.vllm.test_backend import run
 
 pytest.importorskip("vllm", reason="runs in vLLM's environment: make test-vllm")

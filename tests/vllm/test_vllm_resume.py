@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.backend import AddRequest, RequestError
-from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine import Engine
-from gpu_workers.engine.errors import ErrorCode
+from plurai.gpu_workers.backend import AddRequest, RequestError
+from plurai.gpu_workers.engine.config import EngineConfig
+from plurai.gpu_workers.engine.engine import Engine
+from plurai.gpu_workers.engine.errors import ErrorCode
 from tests.helpers import prompt
 from tests.vllm.conftest import MAX_MODEL_LEN
 

@@ -1,0 +1,28 @@
+"""pyproject's package list: installed, every package of the repository lives under
+`plurai.` (its folder mapped by package-dir), so a package folder left out of the list
+would be missing from every install."""
+
+from __future__ import annotations
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_package_folder_is_installed_under_plurai() -> None:
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = tool["package-dir"]
+    found = set()
+    for name, folder in tops.items():
+        assert name == f"plurai.{folder}", name
+        for init in (ROOT / folder).rglob("__init__.py"):
+            sub = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join([name, *sub]))
+    assert set(tool["packages"]) == found
+    # the card's folders with code in them, each one of the mapped packages
+    code = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"bench", "tests"}
+    assert {f"plurai.{c}" for c in code} == set(tops)
