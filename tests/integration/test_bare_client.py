@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,13 +36,23 @@ print(json.dumps({"text": r.text, "tokens": r.token_ids, "state": r.state, "load
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh venv holding `pip install <this repository>` and nothing else: its python."""
-    venv = tmp_path_factory.mktemp("bare") / "venv"
+    """A fresh venv holding `pip install <this repository>` and nothing else: its python.
+    Installed from a copy of the tracked files, as a fresh clone is: a checkout's own
+    `build/` (left by an earlier install) would otherwise go into the wheel."""
+    base = tmp_path_factory.mktemp("bare")
+    venv, source = base / "venv", base / "source"
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for name in filter(None, tracked):
+        if (ROOT / name.decode()).is_file():
+            (source / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name.decode(), source / name.decode())
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(ROOT)],
+        [str(python), "-m", "pip", "install", "--quiet", str(source)],
         env=env,
         capture_output=True,
         text=True,
