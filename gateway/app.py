@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -76,6 +76,7 @@ class Gateway:
         self.tasks: set[asyncio.Task] = set()  # cancels sent after a client left
         self.open_streams = OpenStreams(settings.gateway_max_streams_per_key)
         self.dashboard: Dashboard | None = None  # set by serve.create_app where enabled
+        self.closers: list[Callable[[], None]] = []  # run as it stops (admin.py's client)
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -94,6 +95,8 @@ class Gateway:
         finally:
             if self.dashboard is not None:
                 await self.dashboard.stop()
+            for close in self.closers:
+                close()
             await self.streams.close()
             await self.done.close()
             await self.client.aclose()

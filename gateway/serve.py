@@ -31,7 +31,7 @@ def create_app(settings: Settings, url: str) -> Starlette:
     from starlette.middleware import Middleware
     from starlette.routing import Route
 
-    from plurai.gateway import batches, errors
+    from plurai.gateway import admin, batches, errors
     from plurai.gateway.app import Gateway
     from plurai.gateway.metrics import MetricsMiddleware
 
@@ -48,6 +48,7 @@ def create_app(settings: Settings, url: str) -> Starlette:
             Route("/health", gw.health, methods=["GET"]),
             Route("/metrics", gw.metrics_page, methods=["GET"]),
             *batches.routes(gw),
+            *admin.routes(gw),
             *(gw.dashboard.routes() if gw.dashboard else []),
         ],
         middleware=[Middleware(MetricsMiddleware, metrics=gw.metrics)],
