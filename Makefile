@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 # (deploy/prometheus/alerts.yml), and node and curl (the README's first jobs). As root, `make install` installs what is missing with
 # apt-get; otherwise it stops and says how. `make install TOOLS=` leaves them out (their
 # tests then skip, and fail under CI=true: tests/conftest.py).
-TOOLS ?= c++:g++ chromium:chromium promtool:prometheus node:nodejs curl:curl
+TOOLS ?= c++:g++ chromium:chromium promtool:prometheus node:nodejs curl:curl docker-compose:docker-compose
 
 tools:
 	@missing=; cmds=; for t in $(TOOLS); do \

@@ -8,11 +8,13 @@ from __future__ import annotations
 import importlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
 import yaml
 
 from plurai.broker_config.settings import BulkSettings, Settings
@@ -87,8 +89,12 @@ def test_prometheus_scrapes_every_worker_on_its_metrics_port():
     port = int(worker["environment"]["PLURAI_METRICS_PORT"])
     assert str(port) in worker["expose"]
     prom = services()["prometheus"]
-    (cfg,) = prom["configs"]
-    scrape = yaml.safe_load(compose()["configs"][cfg["source"]]["content"])
+    (mount,) = prom["volumes"]
+    folder, inside = mount.removesuffix(":ro").split(":")
+    (flag,) = [a for a in prom["command"] if a.startswith("--config.file=")]
+    config = ROOT / folder / Path(flag.split("=", 1)[1]).relative_to(inside)
+    scrape = yaml.safe_load(config.read_text())
+    assert scrape["rule_files"] == ["alerts.yml"] and (config.parent / "alerts.yml").is_file()
     (job,) = scrape["scrape_configs"]
     (sd,) = job["dns_sd_configs"]
     assert sd["names"] == list(WORKERS) and sd["port"] == port
@@ -128,3 +134,34 @@ def test_the_bulk_driver_is_given_the_workers_model():
     assert model_dir == model
     mounts = {v.split(":")[1] for v in services()["celery-worker"]["volumes"]}
     assert any(model.startswith(m + "/") for m in mounts)
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
+        return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.parametrize("profile", [None, "gpu", "monitoring", "webhooks"])
+def test_docker_compose_config_passes(profile: str | None) -> None:
+    """Compose's own check of the file (its schema, interpolation, anchors) per profile."""
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no docker-compose (Debian package docker-compose: `make install`)")
+    argv = [*cli, *(["--profile", profile] if profile else []), "config", "-q"]
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool (Debian package prometheus: `make install` installs it)")
+    path = ROOT / "deploy" / "prometheus" / "compose.yml"
+    run = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
