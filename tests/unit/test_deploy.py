@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from plurai.broker_config import keys
@@ -125,3 +126,27 @@ def test_every_plurai_variable_is_a_setting_and_every_secret_is_the_one_made() -
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if ref:  # the Secret worker.yaml's header creates: keys url and password
                     assert ref["name"] == "plurai-redis" and ref["key"] in ("url", "password")
+
+
+# KEDA's kinds have no schema in Kubernetes' own; the tests above check them against the code
+KEDA = {"ScaledObject", "TriggerAuthentication"}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "latest"])
+def test_the_manifests_pass_the_kubernetes_schema(version: str) -> None:
+    """Every Kubernetes object in deploy/ against the API's schema (strict: no unknown
+    field), as kubeconform checks it, for the oldest and newest supported releases."""
+    import kubernetes_validate.utils as kv
+
+    release = kv.latest_version() if version == "latest" else version
+    checked = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None or doc["kind"] in KEDA:
+                continue
+            try:
+                kv.validate(doc, release, strict=True)
+            except kv.ValidationError as e:
+                raise AssertionError(f"{path.name} {doc['kind']}: {e.message}") from None
+            checked.append(doc["kind"])
+    assert {"Deployment", "StatefulSet", "Service"} <= set(checked), checked
