@@ -199,14 +199,28 @@ class Intake:
 
     def _dead_letter_delayed(self, shard: int, entry: bytes) -> None:
         """A delayed entry DUE could not move (no lane of this worker's, or bytes that do not
-        decode): to the dead letters, kept as it was."""
+        decode): to the dead letters, kept as it was; a job it names gets its failed result
+        (bad_field), so that no client waits on a job that will never run."""
         log.warning("a delayed entry on shard %d could not be moved to a lane", shard)
         self.metrics.dead_lettered.labels("bad_delayed_entry").inc()
-        shown = text(entry)[:65536]
-        error = "a delayed entry whose lane is not one of this worker's, or that does not decode"
-        self.writer.execute(
-            [self.writer.dead_letter("", "", error, worker=self.id, fields=shown, delayed=entry)]
-        )
+        decoded = _delayed_entry(entry)
+        if decoded is None:
+            error = (
+                "a delayed entry that does not decode (msgpack: its lane, then field/value pairs)"
+            )
+            dead = self.writer.dead_letter(
+                "", "", error, worker=self.id, fields=text(entry)[:65536], delayed=entry
+            )
+            self.writer.execute([dead])
+            return
+        lane, fields = decoded
+        error = f"a delayed entry of lane {lane[:64]!r}, not one of this worker's {self.lanes}"
+        self.writer.execute([self._dead_letter_command(lane, "", fields, error)])
+        try:
+            job_id = protocol.job_id_of(fields)
+        except protocol.NoJobId:
+            return
+        self.writer.store([self.writer.failed(job_id, "", None, Code.BAD_FIELD, error)])
 
     def _arrived(self) -> bool:
         return self.arrivals is not None and self.arrivals.take()
@@ -642,3 +656,17 @@ class Intake:
         for command in jobs.ack(entry.stream, entry.entry_id):
             pipe.execute_command(*command)
         pipe.execute()
+
+
+def _delayed_entry(entry: bytes) -> tuple[str, dict[bytes, bytes]] | None:
+    """A delayed set's member as DEFER wrote it (msgpack of its lane, then the entry's
+    field/value pairs, every one a string), or None."""
+    try:
+        items = msgpack.unpackb(entry, raw=True)
+    except ValueError:  # msgpack's errors: not msgpack, extra bytes, nested too deep
+        return None
+    if not isinstance(items, list) or len(items) % 2 != 1:
+        return None
+    if not all(isinstance(x, bytes) for x in items):
+        return None
+    return text(items[0]), dict(zip(items[1::2], items[2::2], strict=True))

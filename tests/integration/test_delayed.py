@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
 
 from plurai.broker_config import keys, stats
@@ -15,6 +16,7 @@ from plurai.broker_config.connection import connect
 from plurai.broker_config.settings import Settings
 from plurai.producer import dead_letters as dead
 from plurai.producer.client import Client
+from plurai.producer.errors import JobFailed
 from plurai.results import records
 from tests.helpers import driven_worker, turn_until
 
@@ -76,10 +78,25 @@ def test_hostile_times_and_entries(redis_url) -> None:
     engine = Recorder()
     w = driven_worker(redis_url, engine)
     with Client(redis_url) as client:
+        # a real job whose entry names a lane this deployment does not have: it fails, with
+        # what to fix, rather than reading "queued" until its record expires
+        lost = client.submit("lost", not_before=time.time() + 60)
+        (member,) = r.zrange(keys.delayed(), 0, -1, withscores=False)[-1:]
+        items = msgpack.unpackb(member, raw=True)
+        r.zrem(keys.delayed(), member)
+        r.zadd(keys.delayed(), {msgpack.packb([b"nowhere", *items[1:]]): 3})
         good = client.submit("good", not_before=time.time() + 0.2)
         turn_until(w, lambda: good.id in [j for j, _ in engine.added], timeout=10)
+        turn_until(w, lambda: lost.record().final)
+        with pytest.raises(JobFailed) as failed:
+            lost.result(timeout=5)
+        assert failed.value.record.error_code == "bad_field"
+        assert "'nowhere'" in failed.value.record.error_message
     assert r.zcard(keys.delayed()) == 0
     letters = dead.list_dead(r)
-    assert len(letters) == 2 and all(not d.requeueable for d in letters)
-    assert all("delayed entry" in d.error for d in letters)
+    assert len(letters) == 3 and all("delayed entry" in d.error for d in letters)
+    assert {d.job_id for d in letters} == {None, "job-cccc", lost.id}
+    assert records.get(r, "job-cccc").error_code == "bad_field"
+    with pytest.raises(dead.DeadLetterError, match="lane 'nowhere'"):  # not as it is
+        dead.requeue(r, next(d.id for d in letters if d.job_id == lost.id))
     w.cancels.close()
