@@ -95,6 +95,8 @@ class Plan(Generic[J]):
         """The commands that watch the webhooks of the jobs that have one (after their
         submits: a refused job's watch is dropped by `plurai webhooks`, finding no record)."""
         hooked = [sub for sub in self.subs if sub.webhook]
+        if not hooked:  # most submits: nothing to compute
+            return []
         return webhooks.watch(
             [sub.job_id for sub in hooked],
             [sub.webhook for sub in hooked],

@@ -69,7 +69,7 @@ def watch(job_ids: list[str], urls: list[str], now_ms: int, poll_s: float) -> li
     if not job_ids:
         return []
     look = now_ms + int(poll_s * 1000)
-    values = [json.dumps({"url": u, "since_ms": now_ms, "attempts": 0}) for u in urls]
+    values = [Watch(u, now_ms, 0).value() for u in urls]
     return [
         ["HSET", keys.WEBHOOKS, *[x for pair in zip(job_ids, values, strict=True) for x in pair]],
         ["ZADD", keys.WEBHOOKS_DUE, *[x for j in job_ids for x in (look, j)]],
@@ -81,6 +81,10 @@ class Watch:
     url: str
     since_ms: int
     attempts: int
+
+    def value(self) -> str:
+        """Its value in keys.WEBHOOKS."""
+        return json.dumps({"url": self.url, "since_ms": self.since_ms, "attempts": self.attempts})
 
     @classmethod
     def parse(cls, raw: Any) -> Watch | None:
@@ -217,8 +221,7 @@ class Notifier:
             self._end(job_id, "delivered", tries, answer)
         elif answer.retry and tries < self.s.webhook_attempts:
             wait_s = min(self.s.webhook_retry_s * 4 ** (tries - 1), MAX_RETRY_S)
-            value = json.dumps({"url": w.url, "since_ms": w.since_ms, "attempts": tries})
-            self.r.hset(keys.WEBHOOKS, job_id, value)
+            self.r.hset(keys.WEBHOOKS, job_id, Watch(w.url, w.since_ms, tries).value())
             self._later(job_id, now + int(wait_s * 1000))
             log.info(
                 "webhook of job %s: %s; try %d in %.0f s", job_id, answer.error, tries + 1, wait_s

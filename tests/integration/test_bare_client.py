@@ -67,15 +67,20 @@ def bare_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
-def test_the_bare_client_has_no_engine_dependencies(bare: Path) -> None:
-    check = "import importlib.util as u, sys; print([m for m in sys.argv[1:] if u.find_spec(m)])"
-    out = subprocess.run(
-        [str(bare), "-c", check, *EXTRAS],
+def run_bare(bare: Path, code: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code argv...` in the bare venv, outside the repository, to its end."""
+    return subprocess.run(
+        [str(bare), "-c", code, *argv],
         cwd=bare.parent,
         env=bare_env(),
         capture_output=True,
         text=True,
     )
+
+
+def test_the_bare_client_has_no_engine_dependencies(bare: Path) -> None:
+    check = "import importlib.util as u, sys; print([m for m in sys.argv[1:] if u.find_spec(m)])"
+    out = run_bare(bare, check, *EXTRAS)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -88,13 +93,7 @@ def test_everything_installs_under_one_top_level_name(bare: Path) -> None:
         "print([m for m in sys.argv[1:] if u.find_spec(m)], plurai.producer.__file__)"
     )
     mine = ["producer", "results", "cli", "gateway", "broker_config", "gpu_workers", "kv_store"]
-    out = subprocess.run(
-        [str(bare), "-c", check, *mine],
-        cwd=bare.parent,
-        env=bare_env(),
-        capture_output=True,
-        text=True,
-    )
+    out = run_bare(bare, check, *mine)
     assert out.returncode == 0, out.stderr
     found, where = out.stdout.strip().split(" ", 1)
     assert found == "[]" and "site-packages/plurai/producer" in where, out.stdout
