@@ -8,6 +8,9 @@ file named by `PLURAI_CONFIG`, the defaults below.
 Bulk batches have their own, `BulkSettings`: environment variables `PLURAI_BATCH_*`, then
 the table `[batch]` of the same TOML file (`[batch]` `window = 512` is
 `PLURAI_BATCH_WINDOW=512`).
+
+One file, though long: every setting with its default, bounds and description, from which
+docs/settings.md is generated; one place to read what can be set.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ EXTRAS = ("torch", "transformers", "celery", "starlette", "uvicorn", "llguidance
 
 SUBMIT = """
 import json, sys
-from plurai.producer.client import Client
+from plurai import Client
 with Client(sys.argv[1]) as client:
     job = client.submit("bare client", max_tokens=6, temperature=0)
     r = job.result(timeout=120)

@@ -116,6 +116,9 @@ def test_redis_is_the_address_keda_reads_and_keeps_what_the_queue_needs() -> Non
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
 
 
+SECRETS = {("plurai-redis", "url"), ("plurai-redis", "password"), ("plurai-webhooks", "secret")}
+
+
 def test_every_plurai_variable_is_a_setting_and_every_secret_is_the_one_made() -> None:
     known = {f"PLURAI_{f.upper()}" for f in Settings.model_fields}
     for d in pods():
@@ -124,8 +127,9 @@ def test_every_plurai_variable_is_a_setting_and_every_secret_is_the_one_made() -
                 if e["name"].startswith("PLURAI_"):
                     assert e["name"] in known, e["name"]
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
-                if ref:  # the Secret worker.yaml's header creates: keys url and password
-                    assert ref["name"] == "plurai-redis" and ref["key"] in ("url", "password")
+                # the Secrets the headers create: worker.yaml's (url, password), webhooks.yaml's
+                if ref:
+                    assert (ref["name"], ref["key"]) in SECRETS, ref
 
 
 # KEDA's kinds have no schema in Kubernetes' own; the tests above check them against the code
@@ -150,3 +154,16 @@ def test_the_manifests_pass_the_kubernetes_schema(version: str) -> None:
                 raise AssertionError(f"{path.name} {doc['kind']}: {e.message}") from None
             checked.append(doc["kind"])
     assert {"Deployment", "StatefulSet", "Service"} <= set(checked), checked
+
+
+def test_the_webhook_sender_starts_only_once_told_its_hosts_and_secret() -> None:
+    """Applied with the rest of deploy/, it runs no pod until scaled up: the sender refuses to
+    start without a secret, and with no hosts allowed every webhook is refused at submit."""
+    sender = docs("webhooks.yaml")["Deployment"]
+    assert sender["spec"]["replicas"] == 0
+    (container,) = sender["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert container["args"] == ["webhooks"]
+    assert env["PLURAI_WEBHOOK_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "plurai-webhooks"
+    header = (DEPLOY / "webhooks.yaml").read_text()
+    assert "secret generic plurai-webhooks --from-literal=secret=" in header

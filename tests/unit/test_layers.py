@@ -8,8 +8,12 @@
   command, which also starts workers and gateways) on top. producer is the client SDK,
   what a client installs: it imports nothing of gpu_workers. ALLOWED spells it out: a
   package may import its own modules and those of the packages listed for it, nothing else.
+  plurai/ (the installed top-level name) holds only the client's names, from producer.
 
 A failure names each offending import as file:line.
+
+And the size of files: one over LONG lines (a test file over LONG_TEST) says in its module
+docstring why one concern needs more ("One file, though long: ..."), else it is split.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ ALLOWED: dict[str, set[str]] = {
     "producer": {"broker_config", "kv_store", "results"},  # never gpu_workers
     "gateway": {"broker_config", "results", "producer"},  # a client of the queue, as producer
     "cli": {"broker_config", "kv_store", "results", "gpu_workers", "producer", "gateway"},
+    "plurai": {"producer"},  # `from plurai import Client`
 }
+LONG, LONG_TEST = 450, 500
 
 
 def module_name(path: Path) -> str:
@@ -181,3 +187,19 @@ def test_imports_run_downward():
                     for w in where
                 ]
     assert not problems, "imports against the layering:\n" + "\n".join(sorted(problems))
+
+
+def test_a_long_file_says_why() -> None:
+    files = [p for p in MODULES.values()] + sorted((ROOT / "bench").rglob("*.py"))
+    tests = sorted((ROOT / "tests").rglob("*.py"))
+    problems = []
+    for path, limit in [(p, LONG) for p in files] + [(p, LONG_TEST) for p in tests]:
+        text = path.read_text(encoding="utf-8")
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > limit and "One file, though long:" not in doc:
+            problems.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not problems, (
+        f"files over {LONG} lines ({LONG_TEST} for tests) without a reason in their docstring"
+        ' ("One file, though long: ..."); split them by concern:\n' + "\n".join(problems)
+    )

@@ -15,8 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_package_folder_is_installed_under_plurai() -> None:
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    tops = tool["package-dir"]
-    found = set()
+    tops = dict(tool["package-dir"])
+    assert tops.pop("plurai") == "plurai"  # the client's names, `from plurai import Client`
+    assert not [
+        p for p in (ROOT / "plurai").iterdir() if p.name not in ("__init__.py", "__pycache__")
+    ]
+    found = {"plurai"}
     for name, folder in tops.items():
         assert name == f"plurai.{folder}", name
         for init in (ROOT / folder).rglob("__init__.py"):
@@ -24,5 +28,12 @@ def test_every_package_folder_is_installed_under_plurai() -> None:
             found.add(".".join([name, *sub]))
     assert set(tool["packages"]) == found
     # the card's folders with code in them, each one of the mapped packages
-    code = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"bench", "tests"}
+    code = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"bench", "tests", "plurai"}
     assert {f"plurai.{c}" for c in code} == set(tops)
+
+
+def test_the_client_imports_from_the_top() -> None:
+    import plurai
+    from plurai.producer import Client, __all__
+
+    assert plurai.Client is Client and sorted(plurai.__all__) == sorted(__all__)
