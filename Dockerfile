@@ -17,5 +17,6 @@ COPY gateway gateway
 COPY gpu_workers gpu_workers
 COPY kv_store kv_store
 COPY results results
+COPY plurai plurai
 RUN pip install --no-cache-dir '.[all]' && python -m plurai.gpu_workers.kernels
 ENTRYPOINT ["plurai"]

@@ -37,3 +37,15 @@ def test_the_client_imports_from_the_top() -> None:
     from plurai.producer import Client, __all__
 
     assert plurai.Client is Client and sorted(plurai.__all__) == sorted(__all__)
+
+
+def test_the_image_copies_every_package_folder() -> None:
+    """The Dockerfile copies folders by name before `pip install .`: one left out is missing
+    from the image, and the install fails (setuptools finds no such package directory)."""
+    tops = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    copied = {
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and len(line.split()) == 3
+    }
+    assert set(tops.values()) <= copied, set(tops.values()) - copied
