@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from bench.workload import (  # noqa: E402
     add_smoke_arg,
     bench_model,
     cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -195,9 +195,7 @@ def main() -> None:
             res["offline_native"]["tokens_per_s"] / res["offline_vllm"]["tokens_per_s"], 3
         ),
     }
-    if a.smoke:
-        out["smoke"] = True
-    print(json.dumps(out))
+    json_line(out, a.smoke)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, json_line, smoke_model  # noqa: E402
 from plurai.broker_config.celery_app import app, configure  # noqa: E402
 from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
 from plurai.broker_config.settings import BulkSettings  # noqa: E402
@@ -193,25 +193,22 @@ def main() -> None:
         )
     ratio = (pipe["tokens"] / pipe["seconds"]) / (off["tokens"] / off["seconds"])
     print(f"pipeline / offline tokens/s: {ratio:.2f}x (target >= 0.9); {same}/{n} outputs equal")
-    print(
-        json.dumps(
-            {
-                "docs": n,
-                "isa": cpu_isa(),
-                "max_tokens": a.max_tokens,
-                "context": a.context,
-                "offline_docs_per_s": round(n / off["seconds"], 2),
-                "offline_tokens_per_s": round(off["tokens"] / off["seconds"], 1),
-                "pipeline_docs_per_s": round(n / pipe["seconds"], 2),
-                "pipeline_tokens_per_s": round(pipe["tokens"] / pipe["seconds"], 1),
-                "ratio_tokens_per_s": round(ratio, 3),
-                "outputs_equal": same,
-                "pipeline_status": pipe["status"],
-                "pipeline_errors": pipe["errors"],
-                "pipeline_cpu_s": pipe["cpu_s"],
-                **({"smoke": True} if a.smoke else {}),
-            }
-        )
+    json_line(
+        {
+            "docs": n,
+            "max_tokens": a.max_tokens,
+            "context": a.context,
+            "offline_docs_per_s": round(n / off["seconds"], 2),
+            "offline_tokens_per_s": round(off["tokens"] / off["seconds"], 1),
+            "pipeline_docs_per_s": round(n / pipe["seconds"], 2),
+            "pipeline_tokens_per_s": round(pipe["tokens"] / pipe["seconds"], 1),
+            "ratio_tokens_per_s": round(ratio, 3),
+            "outputs_equal": same,
+            "pipeline_status": pipe["status"],
+            "pipeline_errors": pipe["errors"],
+            "pipeline_cpu_s": pipe["cpu_s"],
+        },
+        a.smoke,
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import sys
@@ -41,6 +40,7 @@ from bench.workload import (  # noqa: E402
     add_workload_args,
     bench_model,
     cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -241,9 +241,7 @@ def main() -> None:
         name: round(tok_s["all_kernels"] / tok_s[f"without_{name}"], 3) for name in KERNELS
     }
     result["all_over_torch"] = round(tok_s["all_kernels"] / tok_s["torch_path"], 3)
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, args.smoke)
 
 
 if __name__ == "__main__":

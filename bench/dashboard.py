@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from bench.workload import add_smoke_arg, cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, json_line  # noqa: E402
 from plurai.broker_config import keys  # noqa: E402
 from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
 from plurai.broker_config.settings import Settings  # noqa: E402
@@ -105,22 +105,19 @@ def main() -> int:
         finally:
             server.stop()
     low, high = costs[str(backlogs[0])], costs[str(backlogs[-1])]
-    print(
-        json.dumps(
-            {
-                "bench": "dashboard",
-                "isa": cpu_isa(),
-                "page": weight,
-                "per_reading": costs,
-                "commands_ratio_largest_to_smallest_backlog": round(
-                    high["commands"] / low["commands"], 3
-                ),
-                "reading_time_ratio_largest_to_smallest_backlog": round(
-                    high["reading_ms"] / low["reading_ms"], 2
-                ),
-                **({"smoke": True} if args.smoke else {}),
-            }
-        )
+    json_line(
+        {
+            "bench": "dashboard",
+            "page": weight,
+            "per_reading": costs,
+            "commands_ratio_largest_to_smallest_backlog": round(
+                high["commands"] / low["commands"], 3
+            ),
+            "reading_time_ratio_largest_to_smallest_backlog": round(
+                high["reading_ms"] / low["reading_ms"], 2
+            ),
+        },
+        args.smoke,
     )
     return 0
 

@@ -51,7 +51,7 @@ import redis  # noqa: E402
 
 from bench.fleet_procs import LANES, producer_proc, worker_proc  # noqa: E402
 from bench.sim_backend import STEP_BASE_MS, STEP_PER_SEQ_MS, STEP_SOURCE  # noqa: E402
-from bench.workload import add_smoke_arg, cpu_isa  # noqa: E402
+from bench.workload import add_smoke_arg, json_line  # noqa: E402
 from plurai.broker_config import keys  # noqa: E402
 from plurai.broker_config.connection import connect, is_cluster  # noqa: E402
 from plurai.broker_config.settings import Settings  # noqa: E402
@@ -425,35 +425,32 @@ def main() -> None:
         print("scaling efficiency vs " + str(base) + " workers: " + json.dumps(eff))
     for n in notes:
         print("note: " + n)
-    print(
-        json.dumps(
-            {
-                "bench": "fleet_sim",
-                "isa": cpu_isa(),
-                "machine": f"{platform.machine()} {cores} cpus",
-                "redis": what,
-                "models": a.models,
-                "step_model": {
-                    "base_ms": a.step_base_ms,
-                    "per_seq_ms": a.step_per_seq_ms,
-                    "source": STEP_SOURCE,
-                },
-                "max_num_seqs": a.max_num_seqs,
-                "kv_tokens": a.kv_tokens,
-                "max_tokens": a.max_tokens,
-                "seconds": a.seconds,
-                "warmup_s": a.warmup,
-                "jobs_per_s": {w: results[w]["jobs_per_s"] for w in results},
-                "efficiency_vs_smallest": eff,
-                "efficiency_8_to_64": eff.get("64") if base == 8 else None,
-                "target_efficiency": 0.8,
-                "on_paper": paper,
-                "all_one_final_result": all(x["one_final_result_each"] for x in results.values()),
-                "notes": notes,
-                "sizes": results,
-                **({"smoke": True} if a.smoke else {}),
-            }
-        )
+    json_line(
+        {
+            "bench": "fleet_sim",
+            "machine": f"{platform.machine()} {cores} cpus",
+            "redis": what,
+            "models": a.models,
+            "step_model": {
+                "base_ms": a.step_base_ms,
+                "per_seq_ms": a.step_per_seq_ms,
+                "source": STEP_SOURCE,
+            },
+            "max_num_seqs": a.max_num_seqs,
+            "kv_tokens": a.kv_tokens,
+            "max_tokens": a.max_tokens,
+            "seconds": a.seconds,
+            "warmup_s": a.warmup,
+            "jobs_per_s": {w: results[w]["jobs_per_s"] for w in results},
+            "efficiency_vs_smallest": eff,
+            "efficiency_8_to_64": eff.get("64") if base == 8 else None,
+            "target_efficiency": 0.8,
+            "on_paper": paper,
+            "all_one_final_result": all(x["one_final_result_each"] for x in results.values()),
+            "notes": notes,
+            "sizes": results,
+        },
+        a.smoke,
     )
 
 

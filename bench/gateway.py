@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, json_line, smoke_model  # noqa: E402
 from plurai.broker_config.embedded import EmbeddedRedis, free_port  # noqa: E402
 from plurai.broker_config.stats import serving_workers  # noqa: E402
 from plurai.producer.aio import AsyncClient  # noqa: E402
@@ -341,9 +341,7 @@ def main() -> None:
         "openai_client_cpu_ms_per_job": round(client_ms["gateway"], 3),
         "sdk_client_cpu_ms_per_job": round(client_ms["direct"], 3),
     }
-    if a.smoke:
-        out["smoke"] = True
-    print(json.dumps(out))
+    json_line(out, a.smoke)
 
 
 if __name__ == "__main__":

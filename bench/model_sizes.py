@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.throughput import ROOT, peer, vllm_env, vllm_python  # noqa: E402
-from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, cpu_isa, json_line, smoke_model  # noqa: E402
 
 KV_GIB = 1
 MAX_MODEL_LEN = 4096
@@ -188,9 +188,7 @@ def main() -> None:
         per["plurai_kernels"] = runs["plurai"][0]["kernels"]
         per["weight_bytes_per_step"] = weight_bytes(model, dtype)
         result["dtypes"][dtype] = per
-    if a.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, a.smoke)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.workload import add_smoke_arg, bench_model, cpu_isa, mixed, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, json_line, mixed, smoke_model  # noqa: E402
 
 
 def main() -> None:
@@ -130,10 +129,7 @@ def main() -> None:
         f"step {step_ms:.1f} ms, forward {fwd_ms:.1f} ms, everything else "
         f"{result['overhead_ms_median']:.2f} ms ({100 * result['overhead_share_median']:.1f}% of the step)"
     )
-    result["isa"] = cpu_isa()
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, args.smoke)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ requests, two steps: a check that the bench runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,7 +31,7 @@ from bench.workload import (  # noqa: E402
     SMOKE_KV_BYTES,
     add_smoke_arg,
     bench_model,
-    cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -103,18 +102,15 @@ def main() -> None:
             flush=True,
         )
     base = runs[0]["decode_step_ms"]
-    print(
-        json.dumps(
-            {
-                "bench": "parallel",
-                "isa": cpu_isa(),
-                "batch": args.batch,
-                "runs": runs,
-                "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],
-                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                **({"smoke": True} if args.smoke else {}),
-            }
-        )
+    json_line(
+        {
+            "bench": "parallel",
+            "batch": args.batch,
+            "runs": runs,
+            "step_ratio_vs_first": [round(r["decode_step_ms"] / base, 2) for r in runs],
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        },
+        args.smoke,
     )
 
 

@@ -19,7 +19,6 @@ bench runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -35,7 +34,7 @@ from plurai.gpu_workers.backend import AddRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, json_line, smoke_model  # noqa: E402
 from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
 from plurai.gpu_workers.engine.engine import Engine, EngineConfig  # noqa: E402
 from plurai.gpu_workers.engine.sampling_params import SamplingParams  # noqa: E402
@@ -180,10 +179,7 @@ def main() -> None:
         f"multi-turn ({args.chats} chats x {args.turns} turns, {args.device_blocks} device blocks): "
         f"tiers off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x)"
     )
-    result["isa"] = cpu_isa()
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, args.smoke)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ runs' tiny model: a check that the bench runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, cpu_isa, json_line, smoke_model  # noqa: E402
 from plurai.broker_config import keys  # noqa: E402
 from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
 from plurai.broker_config.stats import serving_workers, workers  # noqa: E402
@@ -139,9 +138,7 @@ def main() -> None:
         p99_ratio_without_preemption=off["p99_ratio"],
         isa=cpu_isa(),
     )
-    if a.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, a.smoke)
 
 
 def run(a: argparse.Namespace, model: str, url: str, preempt: bool) -> dict:

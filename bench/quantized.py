@@ -49,6 +49,7 @@ from bench.workload import (  # noqa: E402
     add_workload_args,
     bench_model,
     cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -303,9 +304,7 @@ def run(a: argparse.Namespace, into: Path | None) -> None:
             ppl[s] = perplexity(checkpoint(book, s, min(a.group_size, 128), into), ids, 256)
         out["book_model"] = book.name
         out["perplexity"] = {n: round(v, 3) for n, v in ppl.items()}
-    if a.smoke:
-        out["smoke"] = True
-    print(json.dumps(out), flush=True)
+    json_line(out, a.smoke)
 
 
 if __name__ == "__main__":

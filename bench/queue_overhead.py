@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import re
@@ -40,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, json_line, smoke_model  # noqa: E402
 from plurai.broker_config import (  # noqa: E402
     fastpipe,  # noqa: E402
     keys,
@@ -478,10 +477,7 @@ def main() -> None:
         )
     if "cost" in parts:
         result.update(cost_part(a))
-    result["isa"] = cpu_isa()
-    if a.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, a.smoke)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.serving.figures import percentile  # noqa: E402
 from bench.serving.stacks import VLLM_PY, EngineSpec, PluraiStack, Stack, make_stack  # noqa: E402
-from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, bench_model, cpu_isa, json_line, smoke_model  # noqa: E402
 from plurai.broker_config import keys  # noqa: E402
 from plurai.results.records import HOPS  # noqa: E402
 
@@ -204,7 +204,6 @@ def main() -> None:
     warm = 0 if a.smoke else 20 * a.k
     # stack -> dataset -> load -> one dict of figures per round
     got: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
-    started = time.monotonic()
     for rnd in range(a.repeats):
         for name in stacks:
             stack = make_stack(name, spec, a.k, work / f"{name}-{rnd}")
@@ -264,10 +263,8 @@ def main() -> None:
         "capacity_req_s": {d: round(c, 3) for d, c in capacity.items()},
         "figures": figures,
         "ratios": {d: {ld: ratios(f) for ld, f in by.items()} for d, by in figures.items()},
-        "seconds": round(time.monotonic() - started),
-        "smoke": a.smoke,
     }
-    print(json.dumps(out))
+    json_line(out, a.smoke)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -62,6 +61,7 @@ from bench.workload import (  # noqa: E402
     add_smoke_arg,
     bench_model,
     cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -227,7 +227,6 @@ def main() -> None:
     a = ap.parse_args()
     if a.smoke:
         a.train_steps, a.requests, a.single, a.runs, a.max_tokens = 4, 2, 1, 1, 8
-    started = time.monotonic()
     sizes, steps, shares = (a.doc_size, a.draft_size), (a.train_steps,) * 2, (a.copy_share,) * 2
     if a.smoke:  # a few steps: here, at once
         book, draft = map(doc_model, sizes, steps, shares)
@@ -298,10 +297,7 @@ def main() -> None:
             if "tok_s" in v_off and "tok_s" in v_on:
                 fig["vllm_batch"]["speedup"] = round(v_on["tok_s"] / v_off["tok_s"], 3)
         out[name] = fig
-    out["wall_s"] = round(time.monotonic() - started, 1)
-    if a.smoke:
-        out["smoke"] = True
-    print(json.dumps(out))
+    json_line(out, a.smoke)
 
 
 if __name__ == "__main__":

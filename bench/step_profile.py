@@ -14,7 +14,6 @@ check that the bench runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -34,7 +33,7 @@ from bench.workload import (  # noqa: E402
     add_smoke_arg,
     add_workload_args,
     bench_model,
-    cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -157,33 +156,30 @@ def main() -> None:
         f"{gemm_total:.2f} s; everything else {total - gemm_total:.2f} s; "
         f"run / matmul-only = {total / gemm_total:.2f}"
     )
-    print(
-        json.dumps(
-            {
-                "bench": "step_profile",
-                "isa": cpu_isa(),
-                "dtype": args.dtype,
-                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                "steps": len(steps),
-                "seconds": round(total, 3),
-                "useful_tok_s": round(useful / total, 1),
-                "forward_s": round(forward_total, 3),
-                "gemm_only_s": round(gemm_total, 3),
-                "non_gemm_s": round(total - gemm_total, 3),
-                # the run over its matmul-only time: 1.0 would be all GEMM
-                "run_over_gemm": round(total / gemm_total, 3),
-                "groups": {
-                    names[k]: {
-                        "steps": n,
-                        "forward_s": round(f, 3),
-                        "step_s": round(st, 3),
-                        "gemm_only_s": round(mm, 3),
-                    }
-                    for k, (n, f, st, mm) in sorted(groups.items())
-                },
-                **({"smoke": True} if args.smoke else {}),
-            }
-        )
+    json_line(
+        {
+            "bench": "step_profile",
+            "dtype": args.dtype,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "steps": len(steps),
+            "seconds": round(total, 3),
+            "useful_tok_s": round(useful / total, 1),
+            "forward_s": round(forward_total, 3),
+            "gemm_only_s": round(gemm_total, 3),
+            "non_gemm_s": round(total - gemm_total, 3),
+            # the run over its matmul-only time: 1.0 would be all GEMM
+            "run_over_gemm": round(total / gemm_total, 3),
+            "groups": {
+                names[k]: {
+                    "steps": n,
+                    "forward_s": round(f, 3),
+                    "step_s": round(st, 3),
+                    "gemm_only_s": round(mm, 3),
+                }
+                for k, (n, f, st, mm) in sorted(groups.items())
+            },
+        },
+        args.smoke,
     )
 
 

@@ -41,6 +41,7 @@ from bench.workload import (  # noqa: E402
     add_smoke_arg,
     bench_model,
     cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -362,9 +363,7 @@ def main() -> None:
     from plurai.gpu_workers.kernels import build_isa
 
     result["kernels_isa"] = build_isa()
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, args.smoke)
 
 
 if __name__ == "__main__":

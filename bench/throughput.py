@@ -49,6 +49,7 @@ from bench.workload import (  # noqa: E402
     add_workload_args,
     bench_model,
     cpu_isa,
+    json_line,
     mixed,
     smoke_model,
 )
@@ -314,9 +315,7 @@ def main() -> None:
 
     result["kernels_isa"] = build_isa()
     result["peers"] = [name for name, ts in times.items() if ts]  # those that ran
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result))
+    json_line(result, args.smoke)
 
 
 if __name__ == "__main__":

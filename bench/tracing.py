@@ -15,7 +15,6 @@ check that the bench runs, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.queue_overhead import WORDS, start_worker  # noqa: E402
-from bench.workload import add_smoke_arg, cpu_isa, smoke_model  # noqa: E402
+from bench.workload import add_smoke_arg, json_line, smoke_model  # noqa: E402
 from plurai.broker_config import tracing  # noqa: E402
 from plurai.broker_config.embedded import EmbeddedRedis  # noqa: E402
 from plurai.producer.client import Client  # noqa: E402
@@ -140,26 +139,21 @@ def main() -> int:
         for name, runs in figures.items()
     }
     tracing.shutdown()
-    print(
-        json.dumps(
-            {
-                "bench": "tracing",
-                "isa": cpu_isa(),
-                "model": Path(a.model).name,
-                "jobs": a.jobs,
-                "max_tokens": a.max_tokens,
-                "runs": a.runs,
-                "off": med["off"],
-                "on": med["on"],
-                "jobs_per_s_on_vs_off": round(
-                    med["on"]["jobs_per_s"] / med["off"]["jobs_per_s"], 3
-                ),
-                "spans_per_job": round(spans_on / (a.runs * a.jobs), 2),  # submit's too
-                "otlp_bytes_per_span": round(collector.bytes / max(1, collector.spans), 1),
-                "cpus": os.cpu_count(),
-                **({"smoke": True} if a.smoke else {}),
-            }
-        )
+    json_line(
+        {
+            "bench": "tracing",
+            "model": Path(a.model).name,
+            "jobs": a.jobs,
+            "max_tokens": a.max_tokens,
+            "runs": a.runs,
+            "off": med["off"],
+            "on": med["on"],
+            "jobs_per_s_on_vs_off": round(med["on"]["jobs_per_s"] / med["off"]["jobs_per_s"], 3),
+            "spans_per_job": round(spans_on / (a.runs * a.jobs), 2),  # submit's too
+            "otlp_bytes_per_span": round(collector.bytes / max(1, collector.spans), 1),
+            "cpus": os.cpu_count(),
+        },
+        a.smoke,
     )
     return 0
 

@@ -4,18 +4,22 @@ lengths, as token ids, so every peer sees exactly the same requests."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # the widest vector ISA of this CPU, for every bench's JSON: speed-ups must hold on AVX2-only
 # machines as well as on AVX-512 (with or without native bf16)
 from plurai.gpu_workers.kernels import cpu_isa  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
+STARTED = time.monotonic()  # about when the bench started: each imports this module first
 
 
 @dataclass
@@ -88,6 +92,16 @@ def add_smoke_arg(ap: argparse.ArgumentParser) -> None:
         help="the smallest run through every step of the bench (the tiny test model, a few "
         "requests, short runs): a check that it runs to its end, not a measurement",
     )
+
+
+def json_line(figures: dict[str, Any], smoke: bool = False) -> None:
+    """A bench's last line, one JSON object: its figures, the CPU's ISA, the run's seconds
+    and, after a --smoke run, `"smoke": true` (a check that it runs, not a measurement)."""
+    figures.setdefault("isa", cpu_isa())
+    figures.setdefault("wall_s", round(time.monotonic() - STARTED, 1))
+    if smoke:
+        figures["smoke"] = True
+    print(json.dumps(figures), flush=True)
 
 
 def smoke_model(size: str = "tiny") -> Path:

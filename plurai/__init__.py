@@ -6,29 +6,8 @@
 
 Installed, the repository's packages live under this one name (plurai.producer, the client
 SDK; plurai.gpu_workers, the workers; ...): pyproject's package-dir maps each to its folder
-at the repository's top level, and this folder holds only the names below.
+at the repository's top level, and this folder holds only the client's names, producer's.
 """
 
-from plurai.producer import (
-    AsyncClient,
-    AsyncJob,
-    Client,
-    Job,
-    JobCancelled,
-    JobFailed,
-    JobRestarted,
-    QueueFull,
-    RedisFull,
-)
-
-__all__ = [
-    "AsyncClient",
-    "AsyncJob",
-    "Client",
-    "Job",
-    "JobCancelled",
-    "JobFailed",
-    "JobRestarted",
-    "QueueFull",
-    "RedisFull",
-]
+from plurai.producer import *  # noqa: F403
+from plurai.producer import __all__  # noqa: F401

@@ -30,7 +30,7 @@ from bench.serving.workload import (
     BATCH,
     INTERACTIVE,
 )
-from bench.workload import add_smoke_arg, bench_model, cpu_isa, smoke_model
+from bench.workload import add_smoke_arg, bench_model, cpu_isa, json_line, smoke_model
 from plurai.broker_config.settings import Settings
 
 
@@ -266,7 +266,7 @@ def main() -> None:
         "wall_s": round(time.monotonic() - started, 1),
     }
     (work / "out.json").write_text(json.dumps(out) + "\n")  # beside the runs it sums up
-    print(json.dumps(out))
+    json_line(out)  # smoke, where it was one, is in out already
 
 
 if __name__ == "__main__":

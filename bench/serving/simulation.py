@@ -1264,7 +1264,7 @@ def main() -> None:
     )
     p.add_argument("--pool-blocks", type=int, default=1 << 20, help="the shared pool's LRU size")
     p.add_argument("--seed", type=int, default=0)
-    from bench.workload import add_smoke_arg, cpu_isa
+    from bench.workload import add_smoke_arg, cpu_isa, json_line
 
     add_smoke_arg(p)
     a = p.parse_args()
@@ -1272,7 +1272,6 @@ def main() -> None:
         a.sizes, a.scales, a.duration = "4", "0.6,1.2", 5.0
     sizes = [int(x) for x in a.sizes.split(",") if x]
     scales = [float(x) for x in a.scales.split(",") if x]
-    started = time.monotonic()
     k, slos, measured = DEFAULTS, DEFAULT_SLOS, DEFAULT_CAPACITY_PER_ENGINE
     out: dict[str, Any] = {"bench": "simulation"}
     out["isa"] = cpu_isa()
@@ -1323,10 +1322,7 @@ def main() -> None:
     out["machine_engines"] = a.machine_engines
     out["top_lane_tpot_target_s"], out["top_lane_wait_s"] = round(target, 4), round(wait, 4)
     out["sizes"] = {str(n): fleet(n, scales, k, slos, a.duration, a.seed, **kw) for n in sizes}
-    out["wall_s"] = round(time.monotonic() - started, 1)
-    if a.smoke:
-        out["smoke"] = True
-    print(json.dumps(out))
+    json_line(out, a.smoke)
 
 
 if __name__ == "__main__":

@@ -461,7 +461,7 @@ def main() -> None:
     p.add_argument("--flood-at", type=float, default=None, help="seconds; default a third in")
     p.add_argument("--vllm-custom", help="also write vLLM's custom dataset here")
     p.add_argument("--vllm-trace", help="also write vLLM's timed_trace dataset here")
-    from bench.workload import add_smoke_arg, cpu_isa, smoke_model
+    from bench.workload import add_smoke_arg, cpu_isa, json_line, smoke_model
 
     add_smoke_arg(p)
     a = p.parse_args()
@@ -512,9 +512,7 @@ def main() -> None:
         summary["vllm_custom_args"] = write_vllm_custom(a.vllm_custom, reqs) + vllm_rate_args(cfg)
     if a.vllm_trace:
         summary["vllm_trace_args"] = write_vllm_trace(a.vllm_trace, reqs, tokens)
-    if a.smoke:
-        summary["smoke"] = True
-    print(json.dumps(summary))
+    json_line(summary, a.smoke)
 
 
 if __name__ == "__main__":

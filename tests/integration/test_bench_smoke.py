@@ -115,6 +115,7 @@ def check(bench: Bench, figures: dict[str, Any]) -> None:
     """The ISA of this machine, the smoke mark, and the figure the bench always reports."""
     assert isinstance(figures.get("isa"), str) and figures["isa"], figures.get("isa")
     assert figures.get("smoke") is True
+    assert isinstance(figures.get("wall_s"), float | int) and figures["wall_s"] >= 0
     at: Any = figures
     for key in bench.expect:
         assert isinstance(at, dict) and key in at, f"no {'.'.join(bench.expect)} in {figures}"
