@@ -49,7 +49,7 @@ INDEX = [
     Bench("priority", "Interactive TTFT while the batch lane saturates the workers",
           "the same requests on idle workers", "docs/benchmarks.md"),
     Bench("simulation", "Routers against pulling at 64-1,000 engines (a simulation)",
-          "simulated routers", "docs/architecture.md", module="bench.serving.simulation"),
+          "simulated routers", "docs/benchmarks.md", module="bench.serving.simulation"),
     Bench("fleet_sim", "The real queue layer at fleet scale, engines simulated",
           "the smallest fleet (scaling to 256 workers)", "docs/benchmarks.md"),
     # the queue's own costs
@@ -58,9 +58,9 @@ INDEX = [
     Bench("gateway", "The HTTP gateway against the SDK straight to Redis",
           "producer.aio's AsyncClient", "docs/benchmarks.md"),
     Bench("tracing", "What tracing every job costs", "the same jobs, tracing off",
-          "docs/operations.md"),
+          "docs/benchmarks.md"),
     Bench("dashboard", "The dashboard's weight and its Redis cost as the backlog grows",
-          "(none)", "docs/operations.md"),
+          "(none)", "docs/benchmarks.md"),
     Bench("bulk", "Documents/s of the batch pipeline (Celery) against offline",
           "the same map-reduce plan offline", "docs/benchmarks.md"),
     Bench("backends", "The native and vLLM backends on the same queue work",
@@ -73,7 +73,7 @@ INDEX = [
     Bench("quantized", "int8/int4 weights against bf16, speed and perplexity",
           "vLLM's CPU build on the same checkpoints", "docs/benchmarks.md"),
     Bench("speculative", "Prompt-lookup and draft-model speculation, with and without",
-          "vLLM's CPU build with n-gram speculation", "docs/architecture.md"),
+          "vLLM's CPU build with n-gram speculation", "docs/benchmarks.md"),
     Bench("structured", "JSON-schema constrained decoding against unconstrained",
           "the same batch unconstrained", "docs/benchmarks.md"),
     Bench("prefix_reuse", "TTFT and throughput with prefixes on the device, host and Redis",
@@ -83,9 +83,9 @@ INDEX = [
     Bench("step_profile", "Where a step's time goes, and the matmul-only floor",
           "the model's linear layers alone", "docs/benchmarks.md"),
     Bench("cpu_kernels", "What each fused CPU kernel gains, alone and in place",
-          "the torch ops it replaces", "docs/architecture.md"),
+          "the torch ops it replaces", "docs/benchmarks.md"),
     Bench("parallel", "Tensor- and pipeline-parallel groups against one rank",
-          "one rank", "docs/architecture.md"),
+          "one rank", "docs/benchmarks.md"),
 ]  # fmt: skip
 
 # Parts of the benches above, not benches (files under bench/, without .py): the serving
