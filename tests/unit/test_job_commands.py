@@ -1,5 +1,6 @@
 """results/jobs.py without Redis: the commands it builds and the script names it knows.
-tests/integration/test_jobs.py runs every call against a real redis-server."""
+tests/integration/test_jobs.py and test_jobs_control.py run every call against a real
+redis-server."""
 
 from __future__ import annotations
 
