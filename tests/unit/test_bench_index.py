@@ -50,4 +50,5 @@ def test_the_index_prints_every_bench() -> None:
     ).stdout
     for b in INDEX:
         assert b.command in out
+        assert f"default run: {b.runtime}" in out and b.runtime[0] in "~0123456789", b.name
     assert ".venv-vllm/bin/python bench/router_latency.py" in out
