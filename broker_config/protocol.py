@@ -61,6 +61,11 @@ BODY_FIELDS = frozenset(
 )
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+# a tenant's name: no ':' (the separator of what is scoped under a tenant), nothing a key's
+# hash tag or a metric label could take for syntax
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANT_CHARS = 64
+DEFAULT_TENANT = "default"  # the tenant of a job that names none
 _MODEL = re.compile(r"[A-Za-z0-9._/-]{1,128}")  # no ':', '{', '}': a key's hash tag holds it
 _INT = re.compile(rb"-?[0-9]{1,19}")  # ASCII digits only: no '1_000', ' 5', '١٢'
 MAX_FIELDS = 32  # flat fields of one entry (v1 defines 11)
@@ -100,6 +105,16 @@ def tenant_salt(tenant: str, cache_salt: str | None) -> str:
         return scoped
     digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{tenant}:sha256:{digest}"
+
+
+def tenant_name(tenant: Any) -> str:
+    """`tenant` if it can name a tenant; else ValueError saying what is allowed."""
+    if not isinstance(tenant, str) or _TENANT.fullmatch(tenant) is None:
+        raise ValueError(
+            f"tenant name {str(tenant)[:80]!r}: 1 to {TENANT_CHARS} letters, digits, '.', "
+            "'-' or '_', starting with a letter or digit"
+        )
+    return tenant
 
 
 def new_job_id() -> str:
@@ -171,6 +186,8 @@ class Envelope:
     # the submit's trace context (W3C traceparent), read only while tracing is on; a field
     # that is not a valid one is ignored (broker_config/tracing.py)
     traceparent: str | None = None
+    # whose job it is: the gateway's API key's tenant, or a client's own
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass
@@ -321,6 +338,7 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
             "(PLURAI_MAX_BODY_BYTES)",
         )
     idem = _text(fields, "idem")
+    tenant = _tenant(fields)
     return Envelope(
         job_id=job_id,
         max_tokens=max_tokens,
@@ -335,7 +353,23 @@ def parse_envelope(fields: dict[bytes, bytes], limits: Limits) -> Envelope:
         max_deliveries=None if retries is None else retries + 1,
         retry_backoff_ms=backoff,
         traceparent=tracing.valid(fields.get(b"traceparent")) if tracing.ON else None,
+        tenant=tenant,
     )
+
+
+def _tenant(fields: dict[bytes, bytes]) -> str:
+    raw = fields.get(b"tenant")
+    if raw is None:
+        return DEFAULT_TENANT
+    if len(raw) > TENANT_CHARS:  # refused before it is decoded
+        raise WireError(
+            Code.BAD_FIELD, f"field 'tenant' has {len(raw)} bytes; a tenant name has 1 to 64"
+        )
+    name = _text(fields, "tenant")  # not UTF-8: invalid_utf8
+    try:
+        return tenant_name(name)
+    except ValueError as e:
+        raise WireError(Code.BAD_FIELD, f"field 'tenant': {e}") from None
 
 
 def _check_prompt_tokens(n: int, limits: Limits, what: str) -> None:

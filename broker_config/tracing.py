@@ -267,11 +267,18 @@ def done(
 
 
 def job_attributes(
-    job_id: str, lane: str, priority: int | None, model: str, attempts: int, worker: str
+    job_id: str,
+    lane: str,
+    priority: int | None,
+    model: str,
+    attempts: int,
+    worker: str,
+    tenant: str | None = None,
 ) -> dict[str, Any]:
     """What every worker span of a job carries (`attempts`: its failed processings before)."""
     return {
         "plurai.job_id": job_id,
+        "plurai.tenant": tenant,
         "plurai.lane": lane,
         "plurai.priority": priority,
         "plurai.model": model,

@@ -54,6 +54,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "idempotency_key": args.idempotency_key,
         "model": args.model,
         "webhook": args.webhook,
+        "tenant": args.tenant,
     }
     if args.messages:
         options["messages"] = _json("--messages", prompt)
@@ -469,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metadata", help="a JSON object stored with the job")
     s.add_argument("--idempotency-key")
     s.add_argument("--webhook", metavar="URL", help="POSTed the job, signed, once it ends")
+    s.add_argument("--tenant", help="whose job it is (default: the tenant 'default')")
     s.add_argument(
         "--param", action="append", metavar="NAME=JSON", help="any sampling field, e.g. top_k=20"
     )

@@ -28,7 +28,7 @@ import redis
 import redis.asyncio
 from redis.client import NEVER_DECODE
 
-from plurai.broker_config import keys
+from plurai.broker_config import keys, protocol
 from plurai.broker_config.settings import Settings
 
 log = logging.getLogger("plurai.gateway")
@@ -39,8 +39,7 @@ MAX_LIMIT = 10**12  # rpm, tpm and concurrent; keeps Lua's doubles exact
 _SECRET = re.compile(r"pk-[A-Za-z0-9_-]{32,128}")
 _HASH = re.compile(r"[0-9a-f]{64}")
 _KEY_ID = re.compile(r"[0-9a-f]{12}")
-TENANT_CHARS = 64
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # no ':', the scoping separator
+TENANT_CHARS = protocol.TENANT_CHARS
 _LANE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _DIGITS = re.compile(r"[0-9]{1,15}")
 MAX_LANES = 32
@@ -96,12 +95,7 @@ def bearer(authorization: str | None) -> str | None:
 
 
 def check_tenant(tenant: str) -> str:
-    if not isinstance(tenant, str) or _TENANT.fullmatch(tenant) is None:
-        raise ValueError(
-            f"tenant name: 1 to {TENANT_CHARS} letters, digits, '.', '-' or '_', starting "
-            "with a letter or digit"
-        )
-    return tenant
+    return protocol.tenant_name(tenant)
 
 
 def _check_lanes(lanes: Sequence[str]) -> tuple[str, ...]:

@@ -221,6 +221,7 @@ class Gateway:
         options["lane"] = auth.lane_for(key, options.pop("lane", None), self.settings)
         if key is not None:
             options["cache_salt"] = auth.tenant_salt(key, options.get("cache_salt"))
+            options["tenant"] = key.tenant
         idem = request.headers.get("idempotency-key")
         if idem:
             options["idempotency_key"] = auth.scoped_idempotency_key(key, idem)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 PROMPT_COST = 1.0
 OUTPUT_COST = 2.0
-DEFAULT_TENANT = "default"  # the tenant of a job that names none
 
 
 @dataclass

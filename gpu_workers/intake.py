@@ -647,6 +647,7 @@ class Intake:
             metadata_json=json.dumps(metadata) if metadata is not None else None,
             progress_head=head,
             progress_limit=progress.limit(head, env.max_tokens, asked, entry.req.n),
+            tenant=env.tenant,
         )
 
     def ack(self, entry: Entry) -> None:

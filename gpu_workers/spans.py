@@ -36,7 +36,13 @@ class Spans:
     def attributes(self, entry: Entry) -> dict[str, Any]:
         env = entry.req.envelope
         return tracing.job_attributes(
-            entry.job_id, entry.lane, env.priority, self.model, env.attempts, self.worker
+            entry.job_id,
+            entry.lane,
+            env.priority,
+            self.model,
+            env.attempts,
+            self.worker,
+            env.tenant,
         )
 
     def taken(self, entry: Entry, now: float) -> None:

@@ -33,6 +33,7 @@ SUBMIT_OPTIONS = frozenset(
         "cache_salt",
         "special_tokens",
         "webhook",
+        "tenant",
     }
 )
 _SAMPLING = frozenset(protocol.SAMPLING_FIELDS)
@@ -169,6 +170,7 @@ def check(
     cache_salt: str | None = None,
     special_tokens: bool = False,
     webhook: str | None = None,
+    tenant: str | None = None,
     **sampling: Any,
 ) -> Checked:
     """Check a request and encode its entry (see Checked); raises for what cannot be
@@ -186,6 +188,8 @@ def check(
     worker starts it before then (its record says when, `not_before_ms`); a time past
     queues it at once. `webhook` (an http(s) URL on the deployment's PLURAI_WEBHOOK_HOSTS)
     is POSTed the job, signed, once it ends (`plurai webhooks` sends it: results/webhooks.py).
+    `tenant` names whose job it is (default: the tenant `default`), on its entry and its
+    spans; through the gateway, the API key's tenant is set.
     Sampling parameters are
     checked by the worker; only their names are checked here. `response_format` may be a
     pydantic model class (its JSON schema).
@@ -245,6 +249,8 @@ def check(
         raise ValueError(f"cache_salt must be a non-empty string, got {_short(cache_salt)}")
     if webhook is not None:
         webhook_http.check_url(webhook, settings.webhook_hosts)
+    if tenant is not None:
+        protocol.tenant_name(tenant)
     if content_type not in protocol.CONTENT_TYPES:
         raise ValueError(
             f"content_type must be one of {list(protocol.CONTENT_TYPES)}, got {_short(content_type)}"
@@ -300,6 +306,8 @@ def check(
         fields += ["retry_backoff_ms", round(retry_backoff * 1000)]
     if idempotency_key is not None:
         fields += ["idem", idempotency_key]
+    if tenant is not None:
+        fields += ["tenant", tenant]
     return Checked(
         settings,
         lane,

@@ -25,7 +25,7 @@ import msgpack
 import redis
 import redis.asyncio
 
-from plurai.broker_config import fastpipe, keys
+from plurai.broker_config import fastpipe, keys, protocol
 from plurai.results import records, scripts
 
 # FINALIZE's resync: when to rewrite the token stream's text before its end entry.
@@ -344,6 +344,7 @@ def begin(
     metadata_json: str | None,
     progress_head: bytes = b"",
     progress_limit: int = 0,
+    tenant: str = protocol.DEFAULT_TENANT,
 ) -> Call:
     """Mark a job running on `worker` and start its token stream. Returns 'run' (or
     ['run', progress] where the job resumes: `progress_head` is the worker's model's,
@@ -360,6 +361,7 @@ def begin(
         metadata_json or "",
         progress_head,
         progress_limit,
+        tenant,
     ]
     k = [keys.job(job_id), keys.output(job_id), keys.progress(job_id)]
     return Call("BEGIN", k, args, job_id=job_id, lane=lane)

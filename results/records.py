@@ -127,6 +127,7 @@ class JobRecord:
     spec_accepted: int | None = None
     lane: str | None = None
     priority: int | None = None
+    tenant: str | None = None  # written when a worker starts the job
     worker: str | None = None
     created_ms: int | None = None
     started_ms: int | None = None
@@ -173,6 +174,7 @@ class JobRecord:
             spec_accepted=_int(h, "spec_accepted"),
             lane=h.get("lane"),
             priority=_int(h, "priority"),
+            tenant=h.get("tenant") or None,
             worker=h.get("worker"),
             created_ms=_int(h, "created_ms"),
             started_ms=_int(h, "started_ms"),

@@ -342,7 +342,8 @@ return out
 
 # KEYS: job record, token stream, progress
 # ARGV: worker id, now ms, ttl, deadline ms or '', lane, priority, metadata JSON or '',
-#       the progress header of the worker's model, the largest progress the job can have
+#       the progress header of the worker's model, the largest progress the job can have,
+#       the job's tenant
 # The record's `resumed_bytes` is the size of the progress this run starts from (0: from the
 # first token): a reclaim compares it with the progress then, to tell a run that advanced.
 # Returns 'run' ({'run', progress} where the job resumes from progress: results/progress.py;
@@ -358,8 +359,8 @@ BEGIN = (
     _OOM
     + """
 local record, stream, progress = KEYS[1], KEYS[2], KEYS[3]
-local worker, now_ms, ttl, deadline_ms, lane, priority, metadata, head, limit =
-  unpack(ARGV, 1, 9)
+local worker, now_ms, ttl, deadline_ms, lane, priority, metadata, head, limit, tenant =
+  unpack(ARGV, 1, 10)
 local rt = redis.call('TYPE', record).ok
 local st = redis.call('TYPE', stream).ok
 if (rt ~= 'hash' and rt ~= 'none') or (st ~= 'stream' and st ~= 'none') then
@@ -386,7 +387,8 @@ if full(added) then return redis.error_reply(OOM) end
 if type(added) == 'table' and added.err then return 'badkey' end
 redis.call('EXPIRE', stream, ttl)
 redis.call('HSET', record, 'state', 'running', 'worker', worker, 'started_ms', now_ms,
-           'lane', lane, 'priority', priority, 'resumed_bytes', saved and #saved or 0)
+           'lane', lane, 'priority', priority, 'tenant', tenant,
+           'resumed_bytes', saved and #saved or 0)
 if metadata ~= '' then redis.call('HSETNX', record, 'metadata', metadata) end
 redis.call('EXPIRE', record, ttl)
 if saved then return {'run', saved} end

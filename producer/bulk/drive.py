@@ -280,8 +280,9 @@ class Driver:
             for c, o in enumerate(opts):
                 key = keys.bulk_idempotency(self.id, self.reqs[i]["custom_id"], level, c)
                 o = {**o, "lane": LANE, "stream": False, "idempotency_key": key}
-                if self.tenant:  # the tenant's cache prefixes only, as through the gateway
+                if self.tenant:  # the tenant's job and cache prefixes, as through the gateway
                     o["cache_salt"] = protocol.tenant_salt(self.tenant, o.get("cache_salt"))
+                    o["tenant"] = self.tenant
                 order.append((i, o))
         while True:
             try:

@@ -184,6 +184,16 @@ CATALOG: list[Case] = [
     J("body missing", None, BF),
     J("lane non-UTF-8", P, UTF, lane=b"\xff\xfe"),
     J("idem of 1 MB", P, idem=b"k" * 1_000_000),
+    J("tenant non-UTF-8", P, UTF, tenant=b"\xff\xfe"),
+    J("tenant of 10 kB", P, BF, tenant=b"t" * 10_000),
+    J("tenant 'a:b'", P, BF, tenant=b"a:b"),
+    J("tenant empty", P, BF, tenant=b""),
+    Case(
+        "tenant 'acme'",
+        fields_of(js(P), tenant=b"acme"),
+        COMPLETED,
+        record_check=lambda rec: None if rec.tenant == "acme" else f"tenant {rec.tenant!r}",
+    ),
     Case("extra fields, non-UTF-8 names", {**fields_of(js(P)), b"\xff\xfe": b"x", b"": b"y"}),
     # JSON bodies
     J("body '{prompt: hello'", b"{prompt: hello", BB),

@@ -1,6 +1,7 @@
 """API keys at the gateway: two gateway processes share one key's requests/min quota (the
 11th request within the minute gets 429 from either), a revoked key gets 401 at once, a
-key's lanes hold, and a gateway without keys serves no one beyond localhost."""
+key's lanes hold, a job belongs to its key's tenant, and a gateway without keys serves no
+one beyond localhost."""
 
 from __future__ import annotations
 
@@ -68,14 +69,18 @@ def test_requests_per_minute_across_two_gateways(served) -> None:
         assert int(resp.headers["Retry-After"]) >= 1
 
 
-def test_lanes_of_a_key(served) -> None:
+def test_lanes_and_tenant_of_a_key(served) -> None:
     g, model, key = served["gateways"][1], served["model"], served["batch_only"]
     resp = ask(g, model, key)
     assert resp.status_code == 200
     job_id = resp.json()["id"].split("-", 1)[1]
-    assert records.get(served["r"], job_id).lane == "batch"
+    rec = records.get(served["r"], job_id)
+    assert rec.lane == "batch" and rec.tenant == "bulkco"  # the key's
     resp = ask(g, model, key, lane="interactive")
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "lane_not_allowed"
+    # nor can a client name another tenant: the field is not one the API takes
+    resp = ask(g, model, key, tenant="acme")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tenant"
 
 
 def test_revoked_key_gets_401_at_once(served) -> None:

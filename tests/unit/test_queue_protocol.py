@@ -14,7 +14,7 @@ from plurai.broker_config.protocol import Code, WireError
 from plurai.broker_config.settings import Settings
 from plurai.gpu_workers.engine.errors import ErrorCode
 from plurai.gpu_workers.engine.sampling_params import SamplingParams
-from plurai.producer.request import prepare
+from plurai.producer.request import check, prepare
 from plurai.results import jobs
 
 
@@ -170,3 +170,36 @@ def test_job_ids_are_unguessable() -> None:
     assert len(ids) == 1000 and all(len(i) == 22 for i in ids)
     # about 16 of 1000 would start with '-', which `plurai get ID` reads as an option
     assert not any(i.startswith("-") for i in ids)
+
+
+def test_a_job_names_its_tenant_or_belongs_to_the_default_one() -> None:
+    limits = protocol.Limits(max_tokens=100)
+    assert protocol.parse_envelope(fields(), limits).tenant == protocol.DEFAULT_TENANT
+    for name in ("acme", "a", "Team_7.eu-west", "t" * protocol.TENANT_CHARS):
+        assert protocol.parse_envelope(fields(tenant=name), limits).tenant == name
+    refused = {
+        b"": Code.BAD_FIELD,
+        b"a:b": Code.BAD_FIELD,  # ':' scopes salts and keys under a tenant
+        b"-lead": Code.BAD_FIELD,
+        b"has space": Code.BAD_FIELD,
+        b"t" * (protocol.TENANT_CHARS + 1): Code.BAD_FIELD,
+        b"x" * 10_000: Code.BAD_FIELD,
+        b"\xff\xfe": Code.INVALID_UTF8,
+        "ünï".encode(): Code.BAD_FIELD,
+    }
+    for raw, code in refused.items():
+        with pytest.raises(WireError) as e:
+            protocol.parse_envelope(fields(tenant=raw), limits)
+        assert e.value.code == code, raw[:20]
+        assert "tenant" in e.value.message
+
+
+def test_the_sdk_sends_a_tenant_and_refuses_a_bad_one() -> None:
+    settings = Settings()
+    entry = check(settings, prompt="hi", tenant="acme").fields
+    pairs = dict(zip(entry[::2], entry[1::2], strict=True))
+    assert pairs["tenant"] == "acme"
+    assert "tenant" not in check(settings, prompt="hi").fields
+    for bad in ("", "a:b", "x" * 65, 7):
+        with pytest.raises(ValueError, match="tenant name"):
+            check(settings, prompt="hi", tenant=bad)
