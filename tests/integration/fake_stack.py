@@ -107,6 +107,7 @@ class FakeWorker:
             lane="",
             priority=0,
             metadata_json=None,
+            tenant=env.tenant,
         )
         if jobs.run(r, begin) not in (b"run", "run"):
             for command in jobs.ack(stream, entry_id):

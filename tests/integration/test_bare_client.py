@@ -99,6 +99,18 @@ def test_everything_installs_under_one_top_level_name(bare: Path) -> None:
     assert found == "[]" and "site-packages/plurai/producer" in where, out.stdout
 
 
+def test_started_in_a_checkout_it_finds_the_installed_packages(bare: Path) -> None:
+    """A container's WORKDIR or a clone holds plurai/ with only its __init__.py, first on
+    sys.path: the packages are still found, installed."""
+    source = bare.parents[2] / "source"
+    assert (source / "plurai" / "__init__.py").is_file()
+    code = "import plurai, plurai.producer.client as c; print(plurai.Client is c.Client)"
+    out = subprocess.run(
+        [str(bare), "-c", code], cwd=source, env=bare_env(), capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
 def test_the_bare_client_submits_a_job_a_worker_runs(bare: Path, redis_url, tiny_model) -> None:
     engine = Engine(
         EngineConfig(model=str(tiny_model), kv_cache_bytes=8 << 20, threads=1, dtype="fp32")

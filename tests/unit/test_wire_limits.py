@@ -196,6 +196,7 @@ field_names = st.sampled_from(
     [
         "v",
         "id",
+        "tenant",
         "max_tokens",
         "prompt_tokens",
         "priority",
