@@ -108,7 +108,7 @@ INDEX = [
           "14 s"),
     Bench("step_profile", "Where a step's time goes, and the matmul-only floor",
           "the model's linear layers alone", "docs/benchmarks.md",
-          "3.7 min (bf16, which this CPU emulates)"),
+          "39 s"),
     Bench("cpu_kernels", "What each fused CPU kernel gains, alone and in place",
           "the torch ops it replaces", "docs/benchmarks.md",
           "4.4 min"),

@@ -8,7 +8,9 @@ GEMM-only time of the same steps, which no change outside the matmuls can go bel
 The last line is one JSON object. --smoke: two short requests on the tiny test model: a
 check that the bench runs, not a measurement.
 
-    python bench/step_profile.py [--requests 32] [--dtype bf16] [--smoke]
+    python bench/step_profile.py [--requests 32] [--dtype auto|bf16|fp32] [--smoke]
+
+--dtype auto (the default, as the engine's): bf16 where the CPU has it natively, else fp32.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_workload_args(ap)
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     add_smoke_arg(ap)
     args = ap.parse_args()
     if args.smoke:
@@ -139,7 +141,7 @@ def main() -> None:
     gemm_total = sum(gemm[(rows, sampling)] for rows, sampling, *_ in steps)
     for rows, sampling, decodes, *_ in steps:
         groups[group(rows, decodes)][3] += gemm[(rows, sampling)]
-    print(f"{len(steps)} steps, {total:.2f} s, {useful / total:.1f} useful tok/s ({args.dtype})")
+    print(f"{len(steps)} steps, {total:.2f} s, {useful / total:.1f} useful tok/s ({dtype})")
     print(
         f"{'steps':14} {'n':>4} {'forward s':>10} {'rest s':>7} {'ms/step':>8} "
         f"{'matmuls s':>10} {'run/matmuls':>12}"
@@ -159,7 +161,7 @@ def main() -> None:
     json_line(
         {
             "bench": "step_profile",
-            "dtype": args.dtype,
+            "dtype": str(dtype).removeprefix("torch."),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus",
             "steps": len(steps),
             "seconds": round(total, 3),
