@@ -363,7 +363,8 @@ def _tenant(fields: dict[bytes, bytes]) -> str:
         return DEFAULT_TENANT
     if len(raw) > TENANT_CHARS:  # refused before it is decoded
         raise WireError(
-            Code.BAD_FIELD, f"field 'tenant' has {len(raw)} bytes; a tenant name has 1 to 64"
+            Code.BAD_FIELD,
+            f"field 'tenant' has {len(raw)} bytes; a tenant name has 1 to {TENANT_CHARS}",
         )
     name = _text(fields, "tenant")  # not UTF-8: invalid_utf8
     try:

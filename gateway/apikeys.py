@@ -39,7 +39,6 @@ MAX_LIMIT = 10**12  # rpm, tpm and concurrent; keeps Lua's doubles exact
 _SECRET = re.compile(r"pk-[A-Za-z0-9_-]{32,128}")
 _HASH = re.compile(r"[0-9a-f]{64}")
 _KEY_ID = re.compile(r"[0-9a-f]{12}")
-TENANT_CHARS = protocol.TENANT_CHARS
 _LANE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _DIGITS = re.compile(r"[0-9]{1,15}")
 MAX_LANES = 32

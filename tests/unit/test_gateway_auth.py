@@ -11,7 +11,7 @@ import logging
 import fakeredis
 import pytest
 
-from plurai.broker_config import keys
+from plurai.broker_config import keys, protocol
 from plurai.broker_config.protocol import Limits
 from plurai.broker_config.settings import Settings
 from plurai.gateway import apikeys, auth, quota
@@ -221,7 +221,7 @@ def test_tenant_salts():
     assert auth.tenant_salt(a, "s") != auth.tenant_salt(b, "s")
     assert auth.tenant_salt(a, "globex") != auth.tenant_salt(b, None)
     assert auth.tenant_salt(None, "s") == "s" and auth.tenant_salt(None, None) is None
-    longest = make_key(tenant="t" * apikeys.TENANT_CHARS)
+    longest = make_key(tenant="t" * protocol.TENANT_CHARS)
     for salt in ("x" * Limits.cache_salt_chars, "y" * (Limits.cache_salt_chars - 10)):
         got = auth.tenant_salt(longest, salt)
         assert len(got) <= Limits.cache_salt_chars and got.startswith("t" * 64 + ":")
